@@ -152,12 +152,30 @@ def build(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """Build the mkdocs-material site in strict mode; lint the release workflow."""
+    session.install("mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "check-jsonschema>=0.29")
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(ROOT / "site"),
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )
+    workflows = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+    session.run(
+        "check-jsonschema", "--builtin-schema", "vendor.github-workflows", *map(str, workflows)
+    )
+
+
+@nox.session
 def ci(session: nox.Session) -> None:
-    """Everything CI runs, in order: lint, typecheck, each package's tests, build."""
+    """Everything CI runs, in order: lint, typecheck, each package's tests, build, docs."""
     names = ["lint", "typecheck"]
     names += [s for s, (d, *_) in PACKAGE_SESSIONS.items() if (PACKAGES / d).is_dir()]
     if (ROOT / "tests-integration").is_dir():
         names.append("integration")
-    names.append("build")
+    names += ["build", "docs"]
     for name in names:
         session.notify(name)
