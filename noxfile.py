@@ -93,6 +93,25 @@ if (ROOT / "tests-integration").is_dir():
 
 
 @nox.session
+def report(session: nox.Session) -> None:
+    """The main job: the accuracy (and, on a GPU, speed) report of every recipe.
+
+    On a CPU it runs a small default through the Triton interpreter; arguments after
+    ``--`` go to ``mla-report`` (``nox -s report -- --help``).
+    """
+    _install_base(session, triton=True)
+    session.install(
+        "-e",
+        _local("mla-formats"),
+        "-e",
+        _local("mla-reference"),
+        "-e",
+        f"{_local('mla-triton')}[report]",
+    )
+    session.run("mla-report", *(session.posargs or ["--out", str(ROOT / "report")]))
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     session.install("ruff>=0.6")
@@ -130,6 +149,8 @@ def build(session: nox.Session) -> None:
     tmp = Path(session.create_tmp())
     for wheel in sorted(dist.glob("*.whl")):
         module = wheel.name.split("-")[0]
+        if module == "mla_vllm":
+            continue  # needs vllm==0.33.0 and its CUDA torch: installed and tested by `vllm`
         venv = tmp / f"alone-{module}"
         session.run("uv", "venv", "--quiet", "--clear", str(venv), external=True)
         python = str(venv / "bin" / "python")
@@ -176,6 +197,60 @@ def ci(session: nox.Session) -> None:
     names += [s for s, (d, *_) in PACKAGE_SESSIONS.items() if (PACKAGES / d).is_dir()]
     if (ROOT / "tests-integration").is_dir():
         names.append("integration")
+    if (PACKAGES / "mla-vllm").is_dir():
+        names.append("vllm")
     names += ["build", "docs"]
     for name in names:
         session.notify(name)
+
+
+# ---------------------------------------------------------------------------------------
+# mla-vllm: vLLM 0.33.0 integration (sessions `vllm` and `vllm_e2e`). Kept separate from
+# the sessions above: vLLM pins its own torch (2.14.0, CUDA build), so these sessions
+# install it from the index rather than the CPU wheel.
+
+VLLM_SPEC = os.environ.get("MLA_VLLM_SPEC", "vllm==0.33.0")
+VLLM_PACKAGES = ("mla-formats", "mla-reference", "mla-triton", "mla-vllm")
+
+
+def _install_vllm(session: nox.Session) -> None:
+    """vLLM (and its torch and triton), then the workspace packages without deps."""
+    session.install(VLLM_SPEC, *TEST_TOOLS, "mypy>=1.11")
+    # cuda-python 12.6 (a flashinfer dependency) and cuda-bindings 13 both write
+    # cuda/bindings/; whichever lands last wins. vLLM's CUTLASS DSL import needs the
+    # 13.x files, so reinstall cuda-bindings alone to make its files win.
+    version = session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m; print(m.version('cuda-bindings'))",
+        silent=True,
+    )
+    if isinstance(version, str) and version.strip():
+        session.install("--reinstall", "--no-deps", f"cuda-bindings=={version.strip()}")
+    args: list[str] = ["--no-deps"]
+    for package in VLLM_PACKAGES:
+        args += ["-e", _local(package)]
+    session.install(*args)
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """mla-vllm on CPU with the real vLLM 0.33.0: mypy --strict, then its tests.
+
+    vLLM's CPU platform (VLLM_TARGET_DEVICE=cpu), no visible GPU, Triton's interpreter.
+    """
+    _install_vllm(session)
+    session.run("mypy", str(PACKAGES / "mla-vllm" / "src"))
+    env = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    session.run("pytest", _local("mla-vllm") + "/tests", *session.posargs, env=env)
+
+
+@nox.session
+def vllm_e2e(session: nox.Session) -> None:
+    """A tiny DeepSeek-V2-style model in a real vLLM engine on a CUDA GPU (not in CI).
+
+    Fails with exit code 2 and a message when there is no GPU or no vLLM 0.33.0.
+    Arguments after ``--`` go to tests-vllm-e2e/run_e2e.py (``--out``, ``--tol``).
+    """
+    _install_vllm(session)
+    session.run("python", str(ROOT / "tests-vllm-e2e" / "run_e2e.py"), *session.posargs)

@@ -28,10 +28,17 @@ def main(path: str) -> None:
     top.set_xlim(-0.2, 6.4)
     positive = e4m3[e4m3 > 0]
     subnormal = positive < 2.0**-6
-    bottom.vlines(positive[~subnormal].tolist(), 0, 1, color="tab:orange", linewidth=0.7,
-                  label="normal")
-    bottom.vlines(positive[subnormal].tolist(), 0, 1, color="tab:red", linewidth=0.7,
-                  label="subnormal (step 2^-9)")
+    bottom.vlines(
+        positive[~subnormal].tolist(), 0, 1, color="tab:orange", linewidth=0.7, label="normal"
+    )
+    bottom.vlines(
+        positive[subnormal].tolist(),
+        0,
+        1,
+        color="tab:red",
+        linewidth=0.7,
+        label="subnormal (step 2^-9)",
+    )
     bottom.set_xscale("log", base=2)
     bottom.set_title("E4M3FN (FP8 values, NVFP4 block scales): 126 positive values, 2^-9 to 448")
     bottom.set_yticks([])

@@ -116,7 +116,8 @@ def qdq_factored(
     amax_t = resolve_amax(x, fmt, amax, axis)
     # An all-zero row under a dynamic amax has amax 0: any scale gives zeros.
     amax_t = torch.where(amax_t == 0, torch.full_like(amax_t, fmt.unit_amax), amax_t)
-    gscale = amax_t / fmt.unit_amax
+    # Divide by a tensor: CUDA turns division by a Python scalar into a reciprocal multiply.
+    gscale = amax_t / torch.full_like(amax_t, fmt.unit_amax)
 
     if fmt.block_size is None:  # fp8: one scale per row or tensor
         values = e4m3_round(torch.clamp(xf / gscale, -E4M3_MAX, E4M3_MAX))

@@ -1,0 +1,245 @@
+"""Benchmark of ``mla_triton.prefill`` (varlen causal MLA prefill, 192/128, bf16).
+
+Run on a CUDA GPU from the repository root::
+
+    PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
+        python packages/mla-triton/benchmarks/prefill.py --out OUTDIR
+
+Shapes (causal, queries = keys): b=4 h=128 L=4096; b=1 h=16 L=16384; a varlen
+batch of mixed lengths totalling 16384 tokens at h=128. Recipes: quant none, fp8
+on all four operands, nvfp4 on all four, nvfp4 + 2:4 sparsity, and two
+ablations (nvfp4 on P alone; nvfp4 on Q, K, V with P unquantized). The baseline
+is ``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash
+backend, V zero-padded to 192 (flash needs equal head dims), one call per
+sequence for the varlen batch. TFLOP/s count ``2 Lq Lk (192 + 128)`` per head,
+halved for causal, for every row (the baseline's padding is not credited).
+
+Also measured: where K/V QDQ runs (the separate pass vs fused into the attention
+kernel, and the pass alone), and a few tile configurations. Every time is the
+median of ``triton.testing.do_bench`` (rep 200 ms) on random inputs; the main
+table is measured twice (``ms`` and ``ms_2``) to show the run-to-run spread.
+Kernels are compiled first in parallel worker processes (Triton's cache is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mla_formats import AttentionQuant, NMSparsity
+
+DQK, DV = 192, 128
+VARLEN = [8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
+SHAPES: dict[str, tuple[list[int], int]] = {
+    "b4-h128-L4096": ([4096] * 4, 128),
+    "b1-h16-L16384": ([16384], 16),
+    "varlen16k-h128": (VARLEN, 128),
+}
+RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
+    "none": (None, None),
+    "fp8": (AttentionQuant.uniform("fp8"), None),
+    "nvfp4": (AttentionQuant.uniform("nvfp4"), None),
+    "nvfp4+2:4": (AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4)),
+    "nvfp4-p-only": (AttentionQuant(p="nvfp4"), None),
+    "nvfp4-qkv-only": (AttentionQuant(q="nvfp4", k="nvfp4", v="nvfp4"), None),
+}
+# (block_m, block_n, num_warps, num_stages, pipeline). default_config takes the first,
+# or the third when P is nvfp4 (chosen from this sweep; the main table of the recorded
+# run used the first for every recipe, see docs/benchmarks-prefill.md). The 64-row
+# tiles with 4 warps and 2 stages fit two programs per SM (106 KB of shared memory,
+# <= 255 registers), so one program's softmax can overlap the other's MMAs;
+# ``pipeline`` issues the next tile's Q K^T before the current softmax.
+CONFIGS = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
+SWEPT = ("none", "fp8", "nvfp4", "nvfp4+2:4")
+
+
+@dataclass(frozen=True)
+class Job:
+    recipe: str
+    kv_qdq: str = "auto"
+    config: tuple[int, int, int, int, bool] | None = None
+
+
+def _inputs(lens: list[int], heads: int, seed: int = 0) -> dict[str, Any]:
+    total = sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(total, heads, DQK, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(total, heads, DQK, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(total, heads, DV, device="cuda", generator=g, dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return {"q": q, "k": k, "v": v, "cu": cu.cuda(), "lens": lens, "max": max(lens)}
+
+
+def _call(x: dict[str, Any], job: Job) -> Any:
+    from mla_triton.prefill import PrefillConfig, prefill
+
+    quant, sparsity = RECIPES[job.recipe]
+    config = PrefillConfig(*job.config) if job.config else None
+    return lambda: prefill(
+        x["q"], x["k"], x["v"], x["cu"], x["cu"], softmax_scale=DQK**-0.5, causal=True,
+        quant=quant, sparsity=sparsity, max_seqlen_q=x["max"], max_seqlen_k=x["max"],
+        kv_qdq=job.kv_qdq, config=config,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _warm(job: Job) -> str:
+    """Compile one job's kernels in a worker (same specializations as the real run)."""
+    t0 = time.time()
+    # 256 tokens (the real shapes' divisibility by 16), longest > BLOCK_M (K/V prepass)
+    x = _inputs([200, 56], 16)
+    _call(x, job)()
+    torch.cuda.synchronize()
+    return f"{job} compiled in {time.time() - t0:.1f}s"
+
+
+def _bench(fn: Any) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _tflops(lens: list[int], heads: int, ms: float) -> float:
+    flop = sum(2.0 * n * n * (DQK + DV) / 2 for n in lens) * heads
+    return flop / (ms * 1e-3) / 1e12
+
+
+def _sdpa(x: dict[str, Any], heads: int) -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    views = []
+    for b, n in enumerate(x["lens"]):
+        s = int(x["cu"][b])
+        q = x["q"][s : s + n].transpose(0, 1)[None]
+        k = x["k"][s : s + n].transpose(0, 1)[None]
+        v = F.pad(x["v"][s : s + n], (0, DQK - DV)).transpose(0, 1)[None]
+        views.append((q, k, v))
+
+    def run() -> None:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for q, k, v in views:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=DQK**-0.5)
+
+    return run
+
+
+def _kv_pass(x: dict[str, Any], quant: AttentionQuant) -> Any:
+    """The K/V QDQ pass alone, as ``prefill`` launches it (fp16 factored outputs)."""
+    from mla_triton.prefill import quantize_kv
+
+    return lambda: quantize_kv(
+        x["k"], x["v"], x["cu"], quant, max_seqlen_k=x["max"],
+        k_dtype=torch.float16, v_dtype=torch.float16,
+    )  # fmt: skip
+
+
+def _ceilings() -> dict[str, float]:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms_mm = _bench(lambda: a @ a)
+    buf = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+    ms_cp = _bench(lambda: dst.copy_(buf))
+    return {
+        "bf16_matmul_tflops": 2 * 8192**3 / (ms_mm * 1e-3) / 1e12,
+        "copy_tb_per_s": 2 * buf.numel() / (ms_cp * 1e-3) / 1e12,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".", help="folder for prefill-h200.json / .txt")
+    parser.add_argument("--workers", type=int, default=8, help="parallel compile workers")
+    parser.add_argument("--quick", action="store_true", help="main table only")
+    args = parser.parse_args()
+
+    jobs = [Job(r) for r in RECIPES]
+    extra = [Job("nvfp4", kv_qdq="fused")]
+    if not args.quick:
+        extra += [Job(r, config=c) for r in SWEPT for c in CONFIGS[1:]]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        for line in pool.imap_unordered(_warm, jobs + extra):
+            print(line, flush=True)
+    print(f"compiled {len(jobs + extra)} jobs in {time.time() - t0:.0f}s", flush=True)
+
+    gpu = torch.cuda.get_device_name()
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu",
+         "--format=csv,noheader"], capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    result: dict[str, Any] = {
+        "device": gpu, "nvidia_smi": smi, "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "python": platform.python_version(),
+        "ceilings": _ceilings(), "rows": [], "placement": [], "configs": [],
+    }  # fmt: skip
+    lines = [f"{gpu}  torch {torch.__version__}  triton {result['triton']}  ({smi})"]
+    lines.append(f"ceilings: {result['ceilings']}")
+    lines.append(
+        f"{'shape':16s} {'recipe':15s} {'ms':>8s} {'ms_2':>8s} {'TFLOP/s':>8s} {'vs none':>8s}"
+    )
+    for shape, (lens, heads) in SHAPES.items():
+        x = _inputs(lens, heads)
+        fns = {r: _call(x, Job(r)) for r in RECIPES} | {"sdpa-flash": _sdpa(x, heads)}
+        times = {r: _bench(fn) for r, fn in fns.items()}
+        times_2 = {r: _bench(fn) for r, fn in fns.items()}
+        for r in fns:
+            ms = min(times[r], times_2[r])
+            row = {
+                "shape": shape, "recipe": r, "ms": times[r], "ms_2": times_2[r],
+                "tflops": _tflops(lens, heads, ms),
+                "slowdown_vs_none": ms / min(times["none"], times_2["none"]),
+            }  # fmt: skip
+            result["rows"].append(row)
+            lines.append(
+                f"{shape:16s} {r:15s} {times[r]:8.3f} {times_2[r]:8.3f} "
+                f"{row['tflops']:8.1f} {row['slowdown_vs_none']:8.3f}"
+            )
+        # K/V QDQ placement: the separate pass vs fused into the attention loop
+        for recipe in ("nvfp4",):
+            quant = RECIPES[recipe][0]
+            assert quant is not None
+            prepass_ms = min(times[recipe], times_2[recipe])
+            fused_ms = _bench(_call(x, Job(recipe, kv_qdq="fused")))
+            pass_ms = _bench(_kv_pass(x, quant))
+            entry = {"shape": shape, "recipe": recipe, "prepass_total_ms": prepass_ms,
+                     "kv_pass_ms": pass_ms, "fused_ms": fused_ms}  # fmt: skip
+            result["placement"].append(entry)
+            lines.append(
+                f"  placement {recipe}: prepass total {prepass_ms:.3f} ms (of which the K/V "
+                f"pass {pass_ms:.3f}), fused {fused_ms:.3f} ms"
+            )
+        if not args.quick:
+            for recipe in SWEPT:
+                for c in CONFIGS:
+                    fn = _call(x, Job(recipe, config=c))
+                    ms = min(_bench(fn), _bench(fn))
+                    result["configs"].append({"shape": shape, "recipe": recipe,
+                                              "config": c, "ms": ms,
+                                              "tflops": _tflops(lens, heads, ms)})  # fmt: skip
+                    lines.append(f"  config {recipe} {c}: {ms:.3f} ms "
+                                 f"{_tflops(lens, heads, ms):.1f} TFLOP/s")  # fmt: skip
+        x, fns = {}, {}
+        torch.cuda.empty_cache()
+        _write(args.out, result, lines)  # after every shape: a cut-off run keeps its rows
+    print("\n".join(lines))
+
+
+def _write(out: str, result: dict[str, Any], lines: list[str]) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "prefill-h200.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out, "prefill-h200.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,712 @@
+"""Quantized absorbed-MLA decode over a paged latent cache: the launch wrapper (SPEC 3 to 6).
+
+``decode`` checks its inputs (SPEC 5), picks a split count and a tile
+configuration from the shapes alone, and launches the split kernel and, with
+several splits, the merge kernel of ``mla_triton.kernels.decode_kernel``. It
+never synchronizes with the device and allocates nothing whose size depends on
+data, so it can be captured in a CUDA graph (pass ``max_seq_len`` and, if you
+like, ``workspace``, ``out`` and ``lse``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mla_formats import AttentionQuant, OperandQuant
+from mla_triton.kernels.decode_kernel import (
+    SPLIT_ALIGN,
+    decode_merge_kernel,
+    decode_q_kernel,
+    decode_split_kernel,
+)
+from mla_triton.qdq_device import FORMAT_CODES
+
+__all__ = [
+    "DecodeConfig",
+    "decode",
+    "decode_config",
+    "decode_num_splits",
+    "decode_workspace_size",
+]
+
+LOG2E = math.log2(math.e)
+_DTYPES = (torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merge traffic than it gains
+_CPU_SMS = 132  # SM count the split policy assumes off-GPU (the interpreter), for determinism
+_MERGE_BLOCK_H = 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile configuration of the split kernel.
+
+    Attributes:
+        block_h: query heads per program (16, 32 or 64).
+        block_n: tokens per tile (16, 32 or 64; divides ``SPLIT_ALIGN``).
+        num_warps: warps per program.
+        num_stages: software-pipeline depth of the tile loads (the page lookup takes
+            one stage). Seen on an H200 with Triton 3.6: 5 stages with K quantized
+            from registers and V read raw gave wrong outputs; defaults use 2 or 3.
+        fast_qdq: on-read nvfp4 rounding by multiply and magic-number addition
+            (``qdq_device.*_fast``, bit-exact for the default power-of-two global
+            scales) instead of seven compares per element.
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    fast_qdq: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_h not in (16, 32, 64):
+            raise ValueError(f"config.block_h: expected 16, 32 or 64, got {self.block_h}")
+        if self.block_n not in (16, 32, 64):
+            raise ValueError(f"config.block_n: expected 16, 32 or 64, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"config.num_warps: expected a power of two <= 16, got {self.num_warps}"
+            )
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"config.num_stages: expected 1 to 8, got {self.num_stages}")
+
+
+def _block_h(num_heads: int) -> int:
+    """Heads per program: all of them up to 64 (at least 16, the smallest dot)."""
+    if num_heads > 32:
+        return 64
+    return 32 if num_heads > 16 else 16
+
+
+def decode_config(num_heads: int, quant: AttentionQuant | None = None) -> DecodeConfig:
+    """The default tile configuration for ``num_heads`` query heads and a recipe.
+
+    Chosen from H200 measurements (docs/benchmarks-decode.md): 64 heads per
+    program over 8 warps when there are that many heads; on-read K/V QDQ holds a
+    float32 copy of the tile in registers, so quantized recipes take smaller tiles.
+    """
+    block_h = _block_h(num_heads)
+    ops = () if quant is None else (quant.k, quant.v)
+    nvfp4_kv = any(op.format.name == "nvfp4" for op in ops)
+    quantized_kv = any(not op.is_identity for op in ops)
+    if block_h == 64:
+        if nvfp4_kv:
+            return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    if quantized_kv:
+        return DecodeConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=3)
+
+
+def _sm_count(device: torch.device | None) -> int:
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _CPU_SMS
+
+
+def decode_num_splits(
+    batch: int,
+    num_heads: int,
+    max_seq_len: int,
+    *,
+    device: torch.device | None = None,
+    block_h: int | None = None,
+) -> int:
+    """The split count the default policy uses: a function of the shapes only.
+
+    Programs without splits number ``batch * ceil(num_heads / block_h)``. The
+    policy takes the fewest splits (1 to 64) whose programs fill the GPU's SMs
+    (``device``'s count; 132 off-GPU) to at least 90% of whole waves, with every
+    split at least 256 tokens of ``max_seq_len`` long. No data is read: CUDA
+    graphs captured for a batch size and ``max_seq_len`` replay the same split.
+    """
+    if batch <= 0 or max_seq_len <= 0:
+        return 1
+    bh = block_h if block_h is not None else _block_h(num_heads)
+    programs = batch * -(-num_heads // bh)
+    sms = _sm_count(device)
+    cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
+    for splits in range(1, cap + 1):
+        total = programs * splits
+        waves = -(-total // sms)
+        if total >= sms and total >= 0.9 * waves * sms:
+            return splits
+    return cap
+
+
+_ALIGN = 256  # bytes: every workspace section starts 256-byte aligned
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte offsets of the workspace sections (see ``decode_workspace_size``)."""
+
+    acc: int  # float32 [B, splits, H, kv_lora_rank]
+    ml: int  # float32 [B, splits, H, 2]: base-2 maximum and denominator
+    q_scale: int  # float32 [B, H]: q's global scales
+    q_hat: int  # 16-bit [B, H, kv_lora_rank + rope]: factored q̂
+    total: int
+
+
+def _layout(
+    batch: int, heads: int, splits: int, kv_lora_rank: int, rope: int, with_q: bool
+) -> _Layout:
+    acc = ml = 0 if splits <= 1 else batch * splits * heads
+    acc_b, ml_b = _aligned(acc * kv_lora_rank * 4), _aligned(ml * 2 * 4)
+    qs_b = _aligned(batch * heads * 4) if with_q else 0
+    qh_b = _aligned(batch * heads * (kv_lora_rank + rope) * 2) if with_q else 0
+    return _Layout(0, acc_b, acc_b + ml_b, acc_b + ml_b + qs_b, acc_b + ml_b + qs_b + qh_b)
+
+
+def decode_workspace_size(
+    max_batch: int,
+    num_heads: int,
+    max_seq_len: int,
+    *,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    num_splits: int | None = None,
+    device: torch.device | None = None,
+) -> int:
+    """Bytes of workspace ``decode`` needs for any batch up to ``max_batch``.
+
+    Sections (each 256-byte aligned): with several splits, the float32 unnormalized
+    accumulators ``[B, splits, H, kv_lora_rank]`` and each split's base-2 maximum
+    and denominator ``[B, splits, H, 2]``; when q is quantized, its global scales
+    ``[B, H]`` float32 and the factored q̂ ``[B, H, kv_lora_rank + rope_dim]`` in 16
+    bits (the size always counts these). With ``num_splits=None`` (the default
+    policy) the size is the maximum over batch sizes 1 to ``max_batch`` for
+    ``device``'s SM count.
+    """
+    for name, value in (
+        ("max_batch", max_batch),
+        ("num_heads", num_heads),
+        ("max_seq_len", max_seq_len),
+        ("kv_lora_rank", kv_lora_rank),
+        ("rope_dim", rope_dim),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    if num_splits is not None:
+        _check_num_splits(num_splits)
+        return _layout(max_batch, num_heads, num_splits, kv_lora_rank, rope_dim, True).total
+    return max(
+        (
+            _layout(
+                b,
+                num_heads,
+                decode_num_splits(b, num_heads, max_seq_len, device=device),
+                kv_lora_rank,
+                rope_dim,
+                True,
+            ).total
+            for b in range(1, max_batch + 1)
+        ),
+        default=0,
+    )
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_num_splits(num_splits: object) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise ValueError(f"num_splits: expected None or an int, got {num_splits!r}")
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits: expected 1 to 1024, got {num_splits}")
+    return num_splits
+
+
+def _tensor(x: object, name: str, rank: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name}: expected a {rank}-d tensor, got shape {tuple(x.shape)}")
+    return x
+
+
+def _unit_last_stride(x: torch.Tensor, name: str) -> None:
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}"
+        )
+
+
+def _power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _split_query(
+    q: torch.Tensor | Sequence[torch.Tensor], kv_lora_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(q, torch.Tensor):
+        qt = _tensor(q, "q", 3)
+        if qt.shape[2] <= kv_lora_rank:
+            raise ValueError(
+                f"q: last dim {qt.shape[2]} must be kv_lora_rank ({kv_lora_rank}) plus a "
+                "positive rope width (576 = 512 + 64 for DeepSeek)"
+            )
+        return qt[..., :kv_lora_rank], qt[..., kv_lora_rank:]
+    if not isinstance(q, Sequence) or len(q) != 2:
+        raise ValueError(
+            "q: expected a [B, H, D] tensor or the pair (q_nope [B, H, kv_lora_rank], "
+            f"q_pe [B, H, rope]), got {type(q).__name__}"
+        )
+    q_nope = _tensor(q[0], "q[0] (q_nope)", 3)
+    q_pe = _tensor(q[1], "q[1] (q_pe)", 3)
+    if q_nope.shape[2] != kv_lora_rank:
+        raise ValueError(
+            f"q[0] (q_nope): expected last dim kv_lora_rank = {kv_lora_rank}, got {q_nope.shape[2]}"
+        )
+    if tuple(q_pe.shape[:2]) != tuple(q_nope.shape[:2]):
+        raise ValueError(
+            f"q[1] (q_pe): expected batch and heads {tuple(q_nope.shape[:2])} (those of "
+            f"q_nope), got {tuple(q_pe.shape[:2])}"
+        )
+    if q_pe.dtype != q_nope.dtype or q_pe.device != q_nope.device:
+        raise ValueError(
+            f"q[1] (q_pe): expected dtype {q_nope.dtype} on {q_nope.device} (those of "
+            f"q_nope), got {q_pe.dtype} on {q_pe.device}"
+        )
+    return q_nope, q_pe
+
+
+@dataclass(frozen=True)
+class _Checked:
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    batch: int
+    heads: int
+    rope: int
+    page_size: int
+    capacity: int
+    scale: float
+
+
+def _check(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    kv_cache: object,
+    block_table: object,
+    seq_lens: object,
+    softmax_scale: object,
+    kv_lora_rank: object,
+    quant: object,
+    max_seq_len: object,
+) -> _Checked:
+    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
+        raise ValueError(f"kv_lora_rank: expected an int, got {kv_lora_rank!r}")
+    if kv_lora_rank < 16 or not _power_of_two(kv_lora_rank):
+        raise ValueError(
+            f"kv_lora_rank: expected a power of two >= 16 (512 for DeepSeek), got {kv_lora_rank}"
+        )
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale: expected a float, got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"softmax_scale: expected a positive finite float, got {softmax_scale!r}")
+    if quant is not None and not isinstance(quant, AttentionQuant):
+        raise ValueError(
+            f"quant: expected None or mla_formats.AttentionQuant, got {type(quant).__name__}"
+        )
+
+    q_nope, q_pe = _split_query(q, kv_lora_rank)
+    if q_nope.dtype not in _DTYPES:
+        raise ValueError(f"q: expected dtype float16 or bfloat16, got {q_nope.dtype}")
+    _unit_last_stride(q_nope, "q")
+    _unit_last_stride(q_pe, "q")
+    batch, heads = q_nope.shape[0], q_nope.shape[1]
+    if heads == 0:
+        raise ValueError("q: expected at least one head")
+    rope = q_pe.shape[2]
+    if rope < 16 or not _power_of_two(rope):
+        raise ValueError(
+            f"q: the rope width (last dim minus kv_lora_rank) must be a power of two >= 16 "
+            f"(64 for DeepSeek), got {rope}"
+        )
+
+    cache = _tensor(kv_cache, "kv_cache", 3)
+    if cache.dtype != q_nope.dtype:
+        raise ValueError(f"kv_cache: expected dtype {q_nope.dtype} (that of q), got {cache.dtype}")
+    if cache.device != q_nope.device:
+        raise ValueError(
+            f"kv_cache: expected device {q_nope.device} (that of q), got {cache.device}"
+        )
+    if cache.shape[2] != kv_lora_rank + rope:
+        raise ValueError(
+            f"kv_cache: expected last dim {kv_lora_rank + rope} (kv_lora_rank + rope, as q), "
+            f"got {cache.shape[2]}"
+        )
+    _unit_last_stride(cache, "kv_cache")
+    page_size = cache.shape[1]
+    if page_size <= 0:
+        raise ValueError(f"kv_cache: page size (dim 1) must be positive, got {page_size}")
+
+    table = _tensor(block_table, "block_table", 2)
+    if table.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"block_table: expected int32 or int64, got {table.dtype}")
+    if table.device != q_nope.device:
+        raise ValueError(f"block_table: expected device {q_nope.device}, got {table.device}")
+    if table.shape[0] != batch:
+        raise ValueError(
+            f"block_table: expected {batch} rows (the batch of q), got {table.shape[0]}"
+        )
+    lens = _tensor(seq_lens, "seq_lens", 1)
+    if lens.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"seq_lens: expected int32 or int64, got {lens.dtype}")
+    if lens.device != q_nope.device:
+        raise ValueError(f"seq_lens: expected device {q_nope.device}, got {lens.device}")
+    if lens.shape[0] != batch:
+        raise ValueError(
+            f"seq_lens: expected {batch} entries (the batch of q), got {lens.shape[0]}"
+        )
+    capacity = table.shape[1] * page_size
+    if max_seq_len is not None:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
+            raise ValueError(
+                f"max_seq_len: expected None or a non-negative int, got {max_seq_len!r}"
+            )
+        if max_seq_len > capacity:
+            raise ValueError(
+                f"max_seq_len: {max_seq_len} is beyond the block table's capacity "
+                f"{table.shape[1]} pages x {page_size} = {capacity}"
+            )
+    return _Checked(q_nope, q_pe, batch, heads, rope, page_size, capacity, scale)
+
+
+def _check_values(
+    c: _Checked, kv_cache: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
+    """Data checks (a host sync on GPU): seq_lens within capacity, used pages in range."""
+    lens = seq_lens.to("cpu", torch.int64)
+    if c.batch == 0:
+        return
+    if bool((lens < 0).any()) or bool((lens > c.capacity).any()):
+        bad = int(((lens < 0) | (lens > c.capacity)).nonzero()[0, 0])
+        raise ValueError(
+            f"seq_lens: entry {bad} is {int(lens[bad])}, outside [0, {c.capacity}] (the block "
+            f"table's capacity {table.shape[1]} pages x {c.page_size})"
+        )
+    pages = table.to("cpu", torch.int64)
+    used = (
+        torch.arange(table.shape[1])[None, :] < ((lens + c.page_size - 1) // c.page_size)[:, None]
+    )
+    bad_mask = used & ((pages < 0) | (pages >= kv_cache.shape[0]))
+    if bool(bad_mask.any()):
+        b, j = (int(x) for x in bad_mask.nonzero()[0])
+        raise ValueError(
+            f"block_table: row {b} uses page {int(pages[b, j])}, outside the cache's "
+            f"{kv_cache.shape[0]} blocks"
+        )
+
+
+def _check_out(
+    out: object, batch: int, heads: int, width: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    t = _tensor(out, "out", 3)
+    if tuple(t.shape) != (batch, heads, width) or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"out: expected {(batch, heads, width)} {dtype} on {device}, got "
+            f"{tuple(t.shape)} {t.dtype} on {t.device}"
+        )
+    _unit_last_stride(t, "out")
+    return t
+
+
+def _check_lse(lse: object, batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    t = _tensor(lse, "lse", 2)
+    if tuple(t.shape) != (batch, heads) or t.dtype != torch.float32 or t.device != device:
+        raise ValueError(
+            f"lse: expected {(batch, heads)} torch.float32 on {device}, got "
+            f"{tuple(t.shape)} {t.dtype} on {t.device}"
+        )
+    return t
+
+
+def _workspace_view(workspace: object, nbytes: int, device: torch.device) -> torch.Tensor:
+    """The first ``nbytes`` of ``workspace`` as uint8 (any contiguous tensor)."""
+    if not isinstance(workspace, torch.Tensor):
+        raise ValueError(
+            f"workspace: expected None or a torch.Tensor, got {type(workspace).__name__}"
+        )
+    if workspace.device != device:
+        raise ValueError(f"workspace: expected device {device}, got {workspace.device}")
+    if not workspace.is_contiguous():
+        raise ValueError("workspace: expected a contiguous tensor")
+    have = workspace.numel() * workspace.element_size()
+    if have < nbytes:
+        raise ValueError(f"workspace: needs {nbytes} bytes (decode_workspace_size), got {have}")
+    if workspace.data_ptr() % 16:
+        raise ValueError("workspace: expected a 16-byte aligned data pointer")
+    return workspace.reshape(-1).view(torch.uint8)[:nbytes]
+
+
+# ---------------------------------------------------------------------------- recipe
+
+
+@dataclass(frozen=True)
+class _Operand:
+    code: int  # qdq_device.FORMAT_CODES
+    dynamic: bool
+    gs: float  # static global scale (1.0 when dynamic or none)
+    pow2: bool  # a static global scale that is a power of two: reciprocals are exact
+
+
+def _operand(op: OperandQuant) -> _Operand:
+    if op.is_identity:
+        return _Operand(0, False, 1.0, True)
+    if op.is_dynamic:
+        return _Operand(FORMAT_CODES[op.format.name], True, 1.0, False)
+    # float32 division, as mla_formats computes the global scale
+    gs = float(
+        torch.tensor(op.static_amax(), dtype=torch.float32)
+        / torch.tensor(op.format.unit_amax, dtype=torch.float32)
+    )
+    return _Operand(FORMAT_CODES[op.format.name], False, gs, math.frexp(gs)[0] == 0.5)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _hw_fp8(device: torch.device) -> bool:
+    if _interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def decode(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int = 512,
+    quant: AttentionQuant | None = None,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    check_values: bool | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantized absorbed-MLA decode: split-K over a paged latent cache (SPEC 3 to 6).
+
+    Args:
+        q: ``[B, H, D]`` with ``D = kv_lora_rank + rope`` (576 = 512 + 64), or the pair
+            ``(q_nope [B, H, kv_lora_rank], q_pe [B, H, rope])``; float16 or bfloat16,
+            last dim contiguous, any other strides; any ``H >= 1``.
+        kv_cache: ``[num_blocks, page_size, D]`` latent cache (kv_c then k_pe), q's
+            dtype and device, last dim contiguous; page and row strides are read from
+            the tensor (a strided view of a larger cache works); offsets are 64-bit.
+        block_table: int32/int64 ``[B, max_blocks]``; token ``t`` of request ``b`` is
+            ``kv_cache[block_table[b, t // page_size], t % page_size]``.
+        seq_lens: int32/int64 ``[B]``; request ``b`` attends to its first
+            ``seq_lens[b]`` tokens (0: out 0, lse -inf). Lengths beyond the block
+            table's capacity are clamped to it on the device.
+        softmax_scale: scores are ``(q̂ · k̂) * softmax_scale``.
+        kv_lora_rank: the latent width (V and output width), a power of two.
+        quant: ``mla_formats.AttentionQuant`` or None. q̂ and K̂ are QDQ'd along the D
+            features (q: static or dynamic per request and head; K: static or dynamic
+            per token), V̂ (the first kv_lora_rank features) and P̂ along the tokens
+            at absolute positions (static). K and V are quantized on read from the
+            raw cache, independently.
+        num_splits: split count of the sequence axis; None: ``decode_num_splits``.
+        workspace: preallocated workspace (any contiguous tensor on the device) of
+            at least ``decode_workspace_size(...)`` bytes; None allocates one when
+            more than one split runs.
+        out, lse: preallocated outputs (``[B, H, kv_lora_rank]`` in q's dtype, last
+            dim contiguous; ``[B, H]`` float32); every element is written.
+        max_seq_len: an upper bound of ``seq_lens`` (no larger than the block table's
+            capacity, the default); only the split policy reads it.
+        check_values: check seq_lens and the used block-table entries on the host
+            (a device sync). None: only when they are CPU tensors.
+        config: tile configuration override (benchmarks); None: ``decode_config``.
+
+    Returns:
+        ``(out [B, H, kv_lora_rank] in q's dtype, lse [B, H] float32)``, the LSE in
+        natural log: ``out = P̂ V̂ / l``, ``lse = ln(l) + m ln 2`` with ``m`` the ceil'd
+        base-2 maximum score and ``l`` the sum of the unquantized ``P = 2^(t - m)``.
+
+    Numerics: the result does not depend on the split count or on the other
+    requests in the batch beyond float32 summation order and the SPEC 4 exception
+    (E4M3 subnormal block scales of P); with ``num_splits`` fixed, a request's
+    result is bit-identical whatever the rest of the batch.
+
+    Non-finite input: no check is made (it would cost a pass over the cache). A
+    NaN in q̂ poisons its head's row; a NaN in a latent row makes that token's
+    score NaN for every head, and the rows' running maxima, sums and outputs turn
+    NaN (the max reductions skip NaN, the sums do not), also in the LSE; a NaN in
+    a V element reaches the outputs through the ``P̂ V̂`` dot. Infinite inputs turn
+    into NaN or saturate at the format's largest value, depending on where the
+    rounding sees them. Memory the block table does not reference (other pages,
+    slots past a sequence's end) is never read.
+    """
+    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
+    device = c.q_nope.device
+    dtype = c.q_nope.dtype
+    if num_splits is not None:
+        _check_num_splits(num_splits)
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise ValueError(f"config: expected None or DecodeConfig, got {type(config).__name__}")
+    out_t = (
+        torch.empty(c.batch, c.heads, kv_lora_rank, dtype=dtype, device=device)
+        if out is None
+        else _check_out(out, c.batch, c.heads, kv_lora_rank, dtype, device)
+    )
+    lse_t = (
+        torch.empty(c.batch, c.heads, dtype=torch.float32, device=device)
+        if lse is None
+        else _check_lse(lse, c.batch, c.heads, device)
+    )
+    if check_values or (check_values is None and seq_lens.device.type == "cpu"):
+        _check_values(c, kv_cache, block_table, seq_lens)
+    if c.batch == 0:
+        return out_t, lse_t
+
+    recipe = quant if quant is not None else AttentionQuant()
+    cfg = config if config is not None else decode_config(c.heads, recipe)
+    head_groups = -(-c.heads // cfg.block_h)
+    bound = c.capacity if max_seq_len is None else max_seq_len
+    splits = (
+        num_splits
+        if num_splits is not None
+        else decode_num_splits(c.batch, c.heads, bound, device=device, block_h=cfg.block_h)
+    )
+
+    qo, ko, vo, po = (_operand(op) for op in (recipe.q, recipe.k, recipe.v, recipe.p))
+    kv_shared = ko.code == 1 and vo.code == 1 and ko.pow2 and ko.gs == vo.gs
+    qk_f16 = qo.code != 0 and ko.code != 0
+    pv_f16 = qk_f16 if kv_shared else vo.code != 0
+    lay = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0)
+    if lay.total == 0:
+        ws = torch.empty(0, dtype=torch.uint8, device=device)
+    elif workspace is None:
+        ws = torch.empty(lay.total, dtype=torch.uint8, device=device)
+    else:
+        ws = _workspace_view(workspace, lay.total, device)
+    wacc = ws[lay.acc : lay.ml].view(torch.float32) if splits > 1 else lse_t
+    wml = ws[lay.ml : lay.q_scale].view(torch.float32) if splits > 1 else lse_t
+    q_nope, q_pe, q_scale = c.q_nope, c.q_pe, lse_t
+    if qo.code != 0:
+        width = kv_lora_rank + c.rope
+        q_scale = ws[lay.q_scale : lay.q_hat].view(torch.float32)
+        q_hat = ws[lay.q_hat : lay.total].view(torch.float16 if qk_f16 else dtype)
+        q_hat = q_hat[: c.batch * c.heads * width].view(c.batch, c.heads, width)
+        decode_q_kernel[(c.heads, c.batch)](
+            c.q_nope,
+            c.q_pe,
+            q_hat,
+            q_scale,
+            c.q_nope.stride(0),
+            c.q_nope.stride(1),
+            c.q_pe.stride(0),
+            c.q_pe.stride(1),
+            c.heads,
+            qo.gs,
+            D1=kv_lora_rank,
+            D2=c.rope,
+            Q_FMT=qo.code,
+            Q_DYN=qo.dynamic,
+            num_warps=4,
+        )
+        q_nope, q_pe = q_hat[..., :kv_lora_rank], q_hat[..., kv_lora_rank:]
+
+    grid = (head_groups * splits * c.batch,)
+    decode_split_kernel[grid](
+        q_nope,
+        q_pe,
+        q_scale,
+        kv_cache,
+        block_table,
+        seq_lens,
+        out_t,
+        lse_t,
+        wacc,
+        wml,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        block_table.stride(1),
+        seq_lens.stride(0),
+        out_t.stride(0),
+        out_t.stride(1),
+        lse_t.stride(0),
+        lse_t.stride(1),
+        c.heads,
+        c.capacity,
+        c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
+        ko.gs,
+        1.0 / ko.gs,
+        1.0 / (6.0 * ko.gs),
+        vo.gs,
+        1.0 / vo.gs,
+        1.0 / (6.0 * vo.gs),
+        po.gs,
+        1.0 / po.gs,
+        1.0 / (6.0 * po.gs),
+        po.gs * vo.gs,
+        D1=kv_lora_rank,
+        D2=c.rope,
+        PAGE=c.page_size,
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        NUM_SPLITS=splits,
+        HEAD_GROUPS=head_groups,
+        SPLIT_ALIGN_=SPLIT_ALIGN,
+        Q_SCALED=qo.code != 0,
+        K_FMT=ko.code,
+        K_DYN=ko.dynamic,
+        K_EXACT=not ko.pow2,
+        V_FMT=vo.code,
+        V_EXACT=not vo.pow2,
+        P_FMT=po.code,
+        KV_SHARED=kv_shared,
+        PV_F16=pv_f16,
+        FAST=cfg.fast_qdq,
+        HW_FP8=_hw_fp8(device),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        merge_grid = (-(-c.heads // _MERGE_BLOCK_H), c.batch)
+        decode_merge_kernel[merge_grid](
+            wacc,
+            wml,
+            seq_lens,
+            out_t,
+            lse_t,
+            seq_lens.stride(0),
+            out_t.stride(0),
+            out_t.stride(1),
+            lse_t.stride(0),
+            lse_t.stride(1),
+            c.heads,
+            c.capacity,
+            po.gs * vo.gs,
+            D1=kv_lora_rank,
+            BLOCK_H=_MERGE_BLOCK_H,
+            NUM_SPLITS=splits,
+            SPLIT_ALIGN_=SPLIT_ALIGN,
+            num_warps=4,
+        )
+    return out_t, lse_t

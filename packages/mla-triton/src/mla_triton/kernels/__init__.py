@@ -1,0 +1,1 @@
+"""Triton kernels (``@triton.jit``) behind mla_triton's launch wrappers."""

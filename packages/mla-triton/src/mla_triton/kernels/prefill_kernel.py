@@ -1,0 +1,699 @@
+"""Varlen quantized MLA prefill: the Triton kernels (SPEC 3 to 5, docs/numerics.md).
+
+Algorithm and tiling
+--------------------
+``prefill_fwd_kernel`` is flash attention with an online softmax over packed
+varlen sequences. One program owns one tile of ``BLOCK_M`` queries of one query
+head of one sequence (grid: query tiles x heads x sequences; causal launches walk
+the query tiles from the last, longest one down, so heavy programs start first).
+
+1. Prologue: load the query tile once, QDQ it along the head dim (dynamic amax:
+   per row over the whole head dim) into its *factored* value (the QDQ'd value
+   divided by its global scale; exact in fp16 and bf16), and fold its global
+   scale, the softmax scale and log2(e) into one per-row factor ``row_scale``.
+2. Walk the key tiles of ``BLOCK_N`` keys from key position 0. The tiles wholly
+   visible to every row of the query tile run first without any mask; the tiles
+   on the causal diagonal (and the partial tile at the end of the keys) run
+   second with the position checks. Per key tile:
+   - ``S = Q̂ K̂ᵀ`` on 16-bit tensor cores (exact products, fp32 accumulate), the
+     global scales applied to the fp32 scores;
+   - N:M sparsity: within each group of ``NM_M`` keys at absolute positions, the
+     ``NM_N`` best visible scores (ties to the lower index) survive, plus the
+     dense sink and recent keys;
+   - the running maximum ``m`` of the base-2 scores is kept at ``ceil`` (an
+     integer), so every rescale ``2^(m_old - m_new)`` is exact;
+     ``P = 2^(t - m)``; ``l`` is summed from the unquantized P;
+   - P is QDQ'd along the key axis: its nvfp4 blocks of 16 keys start at key
+     positions that are multiples of 16 from the sequence start, because every
+     tile starts at a multiple of ``BLOCK_N``; P's global scale stays out of the
+     accumulator;
+   - ``acc += P̂ V̂`` on 16-bit tensor cores.
+3. Epilogue: ``out = acc * (gs_p * gs_v) / l`` and ``lse = ln(l) + m ln 2``; a row
+   with no visible key writes 0 and -inf.
+
+Head dims that are not powers of two are split into a power-of-two part ``D1``
+and a remainder ``D2`` (192 = 128 + 64, 576 = 512 + 64): two dots, no tensor-core
+work on padding. A remainder that is not a power of two is padded with zeros.
+
+K and V are quantized once, not once per tile pair: ``kv_qdq_kernel`` writes
+factored copies of the fresh K and V (and K's per-token global scales when K's
+amax is dynamic) in one pass before the attention kernel. With ``KV_FUSED`` the
+attention kernel quantizes each K and V tile itself instead; the wrapper picks
+that only when every K/V tile is read by a single program (one query tile per
+sequence and no GQA sharing), where it is the same single QDQ without the extra
+pass over memory. QDQ is deterministic, so both give the same numbers (on an
+H200 the pass is 8x faster than per-tile QDQ for long sequences:
+docs/benchmarks-prefill.md).
+
+Cost on Hopper: the loop is a FlashAttention-2 schedule (no warp specialization in
+Triton 3.6 for sm_90), so P's QDQ and N:M ranking run on the CUDA cores between
+the tensor-core dots rather than beside them. ``PIPELINE`` issues the next tile's
+``Q K^T`` before the current softmax (measured slower; kept as an option).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mla_triton import qdq_device as dev
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _to_dot(x, DOT: tl.constexpr):
+    """Cast a dot operand to the dot type code ``DOT``: fp16 (1), bf16 (2), or leave
+    it (0: float32 operands, IEEE dots). The wrapper picks the codes."""
+    if DOT == 1:
+        x = x.to(tl.float16)
+    elif DOT == 2:
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
+def _load_tile(
+    ptr, rows, cols, stride_row, n_rows, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr
+):
+    """``ptr[rows, cols]`` (row stride ``stride_row``, unit column stride), 0 outside."""
+    ptrs = ptr + rows[:, None] * stride_row + cols[None, :]
+    if MASK_ROWS and MASK_COLS:
+        x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    elif MASK_ROWS:
+        x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    elif MASK_COLS:
+        x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _keep_non_finite(y, x):
+    """NaN where ``x`` is NaN or ±inf (``mla_formats`` turns ±inf into NaN)."""
+    return tl.where((x != x) | (tl.abs(x) == float("inf")), float("nan"), y)
+
+
+@triton.jit
+def _row_global_scale(
+    x1,
+    x2,
+    gs_static,
+    FMT: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    ROWS: tl.constexpr,
+    D2: tl.constexpr,
+):
+    """Global scale ``[ROWS]`` of rows split over ``x1`` and ``x2`` (feature axis).
+
+    Dynamic: ``amax / unit_amax`` over the whole row (``div_rn``, as the reference
+    divides), an all-zero row taking the unit amax. Static: ``gs_static``.
+    """
+    if DYNAMIC:
+        amax = tl.max(tl.abs(x1), axis=1)
+        if D2 > 0:
+            amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
+        unit = 448.0 if FMT == 1 else 2688.0
+        gs = tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit)
+    else:
+        gs = tl.zeros([ROWS], tl.float32) + gs_static
+    return gs
+
+
+@triton.jit
+def _qdq_features(
+    x, gs, FMT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr
+):
+    """Factored QDQ of float32 ``[ROWS, COLS]`` along the feature axis; ``gs`` ``[ROWS]``.
+
+    Bit-exact for any global scale: the reference's rounded divisions (``HW``: a
+    compiled sm89+ kernel, with fused FMAs and the fp8 conversion instruction).
+    """
+    if FMT == 1:
+        inv = tl.math.div_rn(1.0, gs)[:, None]
+        y = dev.e4m3_round_hw(dev.div_rn_fma(x, gs[:, None], inv, HW), HW)
+    elif FMT == 2:
+        y = dev.nvfp4_qdq_rows(x, gs[:, None], ROWS, COLS, True, HW)
+    else:
+        y = x
+    return _keep_non_finite(y, x)
+
+
+@triton.jit
+def _qdq_features_fast(
+    x, gs, inv, FMT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr
+):
+    """``_qdq_features`` for 16-bit inputs and a static power-of-two ``gs`` (a scalar).
+
+    Multiplications by reciprocals (``inv``: ``1 / gs`` for fp8, ``1 / (6 gs)`` for
+    nvfp4) with ``snap_ties``, bit-exact under those conditions (qdq_device).
+    """
+    if FMT == 1:
+        y = dev.e4m3_round_hw(x * inv, HW)
+    else:
+        y = dev.nvfp4_qdq_rows_fast(x, gs, inv, ROWS, COLS, HW, True)
+    return _keep_non_finite(y, x)
+
+
+@triton.jit
+def _qdq_tokens(
+    x, gs, inv, FMT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, FAST: tl.constexpr,
+    HW: tl.constexpr,
+):  # fmt: skip
+    """Factored QDQ of float32 ``[ROWS, COLS]`` along the token axis; ``gs`` a scalar.
+
+    Rows are tokens; the tile starts at a multiple of 16 from the sequence start
+    and rows past the sequence's end hold zeros (the open tail block's padding).
+    ``FAST``: the reciprocal path of ``_qdq_features_fast`` (same conditions).
+    """
+    if FAST:
+        if FMT == 1:
+            y = dev.e4m3_round_hw(x * inv, HW)
+        else:
+            y = dev.nvfp4_qdq_cols_fast(x, gs, inv, ROWS, COLS, HW, True)
+    elif FMT == 1:
+        y = dev.e4m3_round_hw(dev.div_rn_fma(x, gs, tl.math.div_rn(1.0, gs), HW), HW)
+    elif FMT == 2:
+        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS, True, HW)
+    else:
+        y = x
+    return _keep_non_finite(y, x)
+
+
+@triton.jit
+def _qdq_p(
+    p,
+    p_gs,
+    p_inv_gs,
+    FMT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """Factored QDQ of P ``[BLOCK_M, BLOCK_N]`` (values in [0, 1]) along the key axis.
+
+    ``p_inv_gs`` is ``1 / gs`` for fp8 and ``1 / (6 gs)`` for nvfp4.
+    """
+    if FMT == 1:
+        p = dev.fp8_qdq_p(p, p_inv_gs, HW_FP8)
+    elif FMT == 2:
+        p = dev.nvfp4_qdq_p(p, p_gs, p_inv_gs, BLOCK_M, BLOCK_N, HW_FP8)
+    return p
+
+
+@triton.jit
+def _nm_keep(
+    s,
+    key_pos,
+    q_pos,
+    n_sink,
+    n_recent,
+    dense_all,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NM_N: tl.constexpr,
+    NM_M: tl.constexpr,
+    DENSE: tl.constexpr,
+):
+    """Boolean ``[BLOCK_M, BLOCK_N]``: the keys N:M sparsity keeps (SPEC 5).
+
+    ``s`` holds the scores with invisible keys at -inf; groups are ``NM_M``
+    consecutive keys at absolute positions (the tile starts at a multiple of
+    ``NM_M``). Each score becomes a unique int32 sort key: its float32 bits made
+    order-preserving, the lowest log2(NM_M) bits replaced by ``NM_M - 1 - member``
+    so that ties go to the lower index. The kept keys are those at or above the
+    group's ``NM_N``-th largest key, found by ``NM_N`` max-reductions over the
+    group. (Scores equal in all but those lowest bits rank as ties: a few ulps,
+    below the rounding noise of the scores themselves.) With ``DENSE``, sink keys
+    (``key_pos < n_sink``) and recent keys (``0 <= q_pos - key_pos < n_recent``)
+    are kept too; ``dense_all`` (a single-query sequence) keeps everything.
+    """
+    bits = s.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int order
+    member = tl.arange(0, BLOCK_N) % NM_M
+    key = (key & -NM_M) | (NM_M - 1 - member)[None, :]
+    key3 = tl.reshape(key, (BLOCK_M, BLOCK_N // NM_M, NM_M))
+    nth = tl.max(key3, axis=2)
+    for _ in tl.static_range(NM_N - 1):
+        nth = tl.max(tl.where(key3 < nth[:, :, None], key3, -2147483648), axis=2)
+    nth = tl.where(dense_all, -2147483648, nth)  # every key is at or above that
+    keep = tl.reshape(key3 >= nth[:, :, None], (BLOCK_M, BLOCK_N))
+    if DENSE:
+        distance = q_pos[:, None] - key_pos[None, :]
+        keep = keep | (key_pos[None, :] < n_sink) | ((distance >= 0) & (distance < n_recent))
+    return keep
+
+
+@triton.jit
+def _scores(
+    q1,
+    q2,
+    k_base,
+    ks_base,
+    start_n,
+    limit,
+    k_gs,
+    stride_kt,
+    stride_kst,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D2_VALID: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_DYNAMIC: tl.constexpr,
+    KV_FUSED: tl.constexpr,
+    QK_DOT: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """``Q̂ K̂ᵀ`` ``[BLOCK_M, BLOCK_N]`` (float32) for keys ``start_n, ...``.
+
+    K's per-token global scales are applied (static ones live in ``row_scale``).
+    ``MASKED``: keys at or past ``limit`` load as zeros.
+    """
+    key_pos = start_n + tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, D1)
+    k1 = _load_tile(k_base, key_pos, offs_d1, stride_kt, limit, D1, MASKED, False)
+    if D2 > 0:
+        offs_d2 = tl.arange(0, D2)
+        k2 = _load_tile(
+            k_base + D1, key_pos, offs_d2, stride_kt, limit, D2_VALID, MASKED, D2_VALID < D2
+        )
+    if KV_FUSED and K_FMT != 0:  # K QDQ'd here, once per query tile (see module doc)
+        k1 = k1.to(tl.float32)
+        if D2 > 0:  # noqa: SIM108 (k2 exists only when D2 > 0)
+            k2 = k2.to(tl.float32)
+        else:
+            k2 = k1
+        col_gs = _row_global_scale(k1, k2, k_gs, K_FMT, K_DYNAMIC, BLOCK_N, D2)
+        k1 = _qdq_features(k1, col_gs, K_FMT, BLOCK_N, D1, HW_FP8)
+        if D2 > 0:
+            k2 = _qdq_features(k2, col_gs, K_FMT, BLOCK_N, D2, HW_FP8)
+    elif K_DYNAMIC:
+        ks_ptrs = ks_base + key_pos * stride_kst
+        if MASKED:  # noqa: SIM108
+            col_gs = tl.load(ks_ptrs, mask=key_pos < limit, other=1.0)
+        else:
+            col_gs = tl.load(ks_ptrs)
+    s = tl.dot(q1, tl.trans(_to_dot(k1, QK_DOT)), input_precision="ieee")
+    if D2 > 0:
+        s = tl.dot(q2, tl.trans(_to_dot(k2, QK_DOT)), s, input_precision="ieee")
+    if K_DYNAMIC:
+        s = s * col_gs[None, :]
+    return s
+
+
+@triton.jit
+def _softmax_tile(
+    s,
+    m_i,
+    l_i,
+    row_scale,
+    start_n,
+    seq_len_k,
+    q_pos,
+    p_gs,
+    p_inv_gs,
+    n_sink,
+    n_recent,
+    dense_all,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    P_FMT: tl.constexpr,
+    NM_N: tl.constexpr,
+    NM_M: tl.constexpr,
+    NM_DENSE: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """Masks, N:M, the integer running max, ``P = 2^(t - m)``, ``l``, and P's QDQ.
+
+    Returns ``(p, alpha, l, m)``: P's factored values, the exact power-of-two
+    rescale ``2^(m_old - m_new)`` of the accumulator, and the updated row state.
+    """
+    key_pos = start_n + tl.arange(0, BLOCK_N)  # absolute key positions in the sequence
+    if MASKED:
+        visible = key_pos[None, :] < seq_len_k
+        if CAUSAL:
+            visible = visible & (key_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    if NM_N > 0:
+        keep = _nm_keep(
+            s, key_pos, q_pos, n_sink, n_recent, dense_all, BLOCK_M, BLOCK_N, NM_N, NM_M,
+            NM_DENSE,
+        )  # fmt: skip
+        s = tl.where(keep, s, float("-inf"))
+    # base-2 scores t = s * row_scale; the running max stays an integer
+    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, axis=1) * row_scale))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)  # exact power of two (0 on the first tile)
+    p = tl.math.exp2(tl.fma(s, row_scale[:, None], -m_use[:, None]))
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = _qdq_p(p, p_gs, p_inv_gs, P_FMT, BLOCK_M, BLOCK_N, HW_FP8)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q1,
+    q2,
+    row_scale,
+    k_base,
+    v_base,
+    ks_base,
+    lo,
+    hi,
+    seq_len_k,
+    q_pos,
+    k_gs,
+    v_gs,
+    p_gs,
+    p_inv_gs,
+    n_sink,
+    n_recent,
+    dense_all,
+    stride_kt,
+    stride_vt,
+    stride_kst,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D2_VALID: tl.constexpr,
+    DV: tl.constexpr,
+    DVP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_DYNAMIC: tl.constexpr,
+    V_FMT: tl.constexpr,
+    KV_FUSED: tl.constexpr,
+    P_FMT: tl.constexpr,
+    NM_N: tl.constexpr,
+    NM_M: tl.constexpr,
+    NM_DENSE: tl.constexpr,
+    QK_DOT: tl.constexpr,
+    PV_DOT: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    PIPELINE: tl.constexpr,
+):
+    """Online softmax over the key tiles starting at ``lo, lo + BLOCK_N, ... < hi``.
+
+    ``MASKED`` tiles check key positions against the sequence end and, when
+    ``CAUSAL``, against each row's query position ``q_pos``. ``PIPELINE`` issues
+    the next tile's ``Q K^T`` before this tile's softmax, so that the CUDA-core
+    work (softmax, N:M, P's QDQ) can overlap the tensor cores (one extra,
+    zero-masked ``Q K^T`` at the end of the loop).
+    """
+    offs_dv = tl.arange(0, DVP)
+    if PIPELINE:
+        s = _scores(
+            q1, q2, k_base, ks_base, lo, hi, k_gs, stride_kt, stride_kst, D1, D2, D2_VALID,
+            BLOCK_N, True, K_FMT, K_DYNAMIC, KV_FUSED, QK_DOT, HW_FP8,
+        )  # fmt: skip
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if PIPELINE:
+            s_next = _scores(
+                q1, q2, k_base, ks_base, start_n + BLOCK_N, hi, k_gs, stride_kt, stride_kst,
+                D1, D2, D2_VALID, BLOCK_N, True, K_FMT, K_DYNAMIC, KV_FUSED, QK_DOT, HW_FP8,
+            )  # fmt: skip
+        else:
+            s = _scores(
+                q1, q2, k_base, ks_base, start_n, seq_len_k, k_gs, stride_kt, stride_kst, D1,
+                D2, D2_VALID, BLOCK_N, MASKED, K_FMT, K_DYNAMIC, KV_FUSED, QK_DOT, HW_FP8,
+            )  # fmt: skip
+        p, alpha, l_i, m_i = _softmax_tile(
+            s, m_i, l_i, row_scale, start_n, seq_len_k, q_pos, p_gs, p_inv_gs, n_sink,
+            n_recent, dense_all, BLOCK_M, BLOCK_N, MASKED, CAUSAL, P_FMT, NM_N, NM_M,
+            NM_DENSE, HW_FP8,
+        )  # fmt: skip
+        key_pos = start_n + tl.arange(0, BLOCK_N)
+        v = _load_tile(v_base, key_pos, offs_dv, stride_vt, seq_len_k, DV, MASKED, DVP != DV)
+        if KV_FUSED and V_FMT != 0:
+            v = _qdq_tokens(v.to(tl.float32), v_gs, 1.0, V_FMT, BLOCK_N, DVP, False, HW_FP8)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(_to_dot(p, PV_DOT), _to_dot(v, PV_DOT), acc, input_precision="ieee")
+        if PIPELINE:
+            s = s_next
+    return acc, l_i, m_i
+
+
+@triton.jit
+def prefill_fwd_kernel(
+    Q,
+    K,
+    V,
+    KS,
+    Out,
+    Lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    qk_scale,
+    q_gs,
+    k_gs,
+    v_gs,
+    p_gs,
+    p_inv_gs,
+    out_scale,
+    n_sink,
+    n_recent,
+    group,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kst,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D2_VALID: tl.constexpr,
+    DV: tl.constexpr,
+    DVP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    Q_FMT: tl.constexpr,
+    Q_DYNAMIC: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_DYNAMIC: tl.constexpr,
+    V_FMT: tl.constexpr,
+    KV_FUSED: tl.constexpr,
+    P_FMT: tl.constexpr,
+    NM_N: tl.constexpr,
+    NM_M: tl.constexpr,
+    NM_DENSE: tl.constexpr,
+    QK_DOT: tl.constexpr,
+    PV_DOT: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    PIPELINE: tl.constexpr,
+):
+    """Attention of one query tile (``BLOCK_M`` rows) of one head of one sequence.
+
+    Q ``[T, H, D1 + D2_VALID]``, K ``[Tk, Hkv, D1 + D2_VALID]`` and V ``[Tk, Hkv, DV]``
+    (raw, or the factored values from ``kv_qdq_kernel``); KS ``[Tk, Hkv]`` K's
+    per-token global scales (``K_DYNAMIC``, not fused); Out ``[T, H, DV]``; Lse
+    ``[H, T]`` float32. Scalars: ``qk_scale`` = softmax_scale * log2(e) times the
+    static Q and K global scales; ``q_gs``, ``k_gs``, ``v_gs``, ``p_gs`` static
+    global scales (``p_inv_gs = 1 / p_gs``); ``out_scale`` = P's times V's global scale.
+    Format codes: 0 none, 1 fp8, 2 nvfp4.
+    """
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if CAUSAL:  # noqa: SIM108
+        start_m = tl.num_programs(0) - 1 - pid_m  # longest query tiles first
+    else:
+        start_m = pid_m
+    q_start = tl.load(cu_seqlens_q + seq)
+    seq_len_q = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if start_m * BLOCK_M >= seq_len_q:
+        return
+    k_start = tl.load(cu_seqlens_k + seq)
+    seq_len_k = tl.load(cu_seqlens_k + seq + 1) - k_start
+    kv_head = head // group
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows in the sequence
+    q_pos = seq_len_k - seq_len_q + offs_m  # their key positions (suffix alignment)
+    offs_d1 = tl.arange(0, D1)
+    offs_dv = tl.arange(0, DVP)
+
+    # -- prologue: the query tile, QDQ'd once ---------------------------------
+    q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
+    q1 = _load_tile(q_base, offs_m, offs_d1, stride_qt, seq_len_q, D1, True, False)
+    q1 = q1.to(tl.float32)
+    if D2 > 0:
+        offs_d2 = tl.arange(0, D2)
+        q2 = _load_tile(
+            q_base + D1, offs_m, offs_d2, stride_qt, seq_len_q, D2_VALID, True, D2_VALID < D2
+        )
+        q2 = q2.to(tl.float32)
+    else:
+        q2 = q1
+    row_scale = tl.zeros([BLOCK_M], tl.float32) + qk_scale
+    if Q_FMT != 0:
+        gs_q = _row_global_scale(q1, q2, q_gs, Q_FMT, Q_DYNAMIC, BLOCK_M, D2)
+        q1 = _qdq_features(q1, gs_q, Q_FMT, BLOCK_M, D1, HW_FP8)
+        if D2 > 0:
+            q2 = _qdq_features(q2, gs_q, Q_FMT, BLOCK_M, D2, HW_FP8)
+        if Q_DYNAMIC:
+            row_scale = row_scale * gs_q
+    q1 = _to_dot(q1, QK_DOT)
+    q2 = _to_dot(q2, QK_DOT)
+
+    # -- key tiles: unmasked ones first, then the causal diagonal / the tail ---
+    if CAUSAL:
+        first_pos = seq_len_k - seq_len_q + start_m * BLOCK_M
+        last_pos = seq_len_k - seq_len_q + tl.minimum(start_m * BLOCK_M + BLOCK_M, seq_len_q) - 1
+        hi = tl.maximum(tl.minimum(seq_len_k, last_pos + 1), 0)
+        mid = tl.maximum(tl.minimum(first_pos + 1, seq_len_k), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = seq_len_k
+        mid = seq_len_k // BLOCK_N * BLOCK_N
+    dense_all = seq_len_q == 1  # a single query is never sparsified
+
+    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    ks_base = KS + k_start.to(tl.int64) * stride_kst + kv_head
+    acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q1, q2, row_scale, k_base, v_base, ks_base, 0, mid, seq_len_k, q_pos,
+        k_gs, v_gs, p_gs, p_inv_gs, n_sink, n_recent, dense_all, stride_kt, stride_vt,
+        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, False, CAUSAL, K_FMT,
+        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8, PIPELINE,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q1, q2, row_scale, k_base, v_base, ks_base, mid, hi, seq_len_k, q_pos,
+        k_gs, v_gs, p_gs, p_inv_gs, n_sink, n_recent, dense_all, stride_kt, stride_vt,
+        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, True, CAUSAL, K_FMT,
+        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8, PIPELINE,
+    )  # fmt: skip
+
+    # -- epilogue --------------------------------------------------------------
+    empty = l_i == 0.0
+    inv_l = out_scale / tl.where(empty, 1.0, l_i)
+    out = acc * inv_l[:, None]  # acc is 0 on empty rows
+    row_ok = offs_m < seq_len_q
+    o_ptrs = (
+        Out
+        + (q_start.to(tl.int64) + offs_m[:, None]) * stride_ot
+        + head * stride_oh
+        + offs_dv[None, :]
+    )
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if RETURN_LSE:
+        lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2
+        lse = tl.where(empty, float("-inf"), lse)
+        tl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def kv_qdq_kernel(
+    K,
+    V,
+    KQ,
+    VQ,
+    KS,
+    cu_seqlens_k,
+    k_gs,
+    v_gs,
+    k_inv,
+    v_inv,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kqt,
+    stride_kqh,
+    stride_vqt,
+    stride_vqh,
+    stride_kst,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    D2_VALID: tl.constexpr,
+    DV: tl.constexpr,
+    DVP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_DYNAMIC: tl.constexpr,
+    V_FMT: tl.constexpr,
+    K_FAST: tl.constexpr,
+    V_FAST: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """QDQ ``BLOCK_T`` fresh keys and values of one KV head of one sequence, once.
+
+    Writes the factored K (along the head dim) to KQ, its per-token global scales
+    to KS ``[Tk, Hkv]`` when dynamic, and the factored V (along the tokens, blocks
+    from the sequence start) to VQ. Grid: token tiles x KV heads x sequences.
+    ``K_FAST`` / ``V_FAST``: 16-bit input and a static power-of-two global scale,
+    where the reciprocal path (``k_inv``, ``v_inv``) is bit-exact and cheaper.
+    """
+    pid_t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    k_start = tl.load(cu_seqlens_k + seq)
+    seq_len = tl.load(cu_seqlens_k + seq + 1) - k_start
+    if pid_t * BLOCK_T >= seq_len:
+        return
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # token positions in the sequence
+    row_ok = rows < seq_len
+    if K_FMT != 0:
+        offs_d1 = tl.arange(0, D1)
+        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        kq_base = KQ + k_start.to(tl.int64) * stride_kqt + kv_head * stride_kqh
+        k1 = _load_tile(k_base, rows, offs_d1, stride_kt, seq_len, D1, True, False)
+        k1 = k1.to(tl.float32)
+        if D2 > 0:
+            offs_d2 = tl.arange(0, D2)
+            k2 = _load_tile(
+                k_base + D1, rows, offs_d2, stride_kt, seq_len, D2_VALID, True, D2_VALID < D2
+            )
+            k2 = k2.to(tl.float32)
+        else:
+            k2 = k1
+        if K_FAST:
+            k1 = _qdq_features_fast(k1, k_gs, k_inv, K_FMT, BLOCK_T, D1, HW_FP8)
+        else:
+            gs = _row_global_scale(k1, k2, k_gs, K_FMT, K_DYNAMIC, BLOCK_T, D2)
+            k1 = _qdq_features(k1, gs, K_FMT, BLOCK_T, D1, HW_FP8)
+        tl.store(
+            kq_base + rows[:, None] * stride_kqt + offs_d1[None, :],
+            k1.to(KQ.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+        if D2 > 0:
+            if K_FAST:
+                k2 = _qdq_features_fast(k2, k_gs, k_inv, K_FMT, BLOCK_T, D2, HW_FP8)
+            else:
+                k2 = _qdq_features(k2, gs, K_FMT, BLOCK_T, D2, HW_FP8)
+            tl.store(
+                kq_base + D1 + rows[:, None] * stride_kqt + offs_d2[None, :],
+                k2.to(KQ.dtype.element_ty),
+                mask=row_ok[:, None] & (offs_d2[None, :] < D2_VALID),
+            )
+        if K_DYNAMIC:
+            tl.store(KS + (k_start + rows) * stride_kst + kv_head, gs, mask=row_ok)
+    if V_FMT != 0:
+        offs_dv = tl.arange(0, DVP)
+        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        vq_base = VQ + k_start.to(tl.int64) * stride_vqt + kv_head * stride_vqh
+        v = _load_tile(v_base, rows, offs_dv, stride_vt, seq_len, DV, True, DVP != DV)
+        v = _qdq_tokens(v.to(tl.float32), v_gs, v_inv, V_FMT, BLOCK_T, DVP, V_FAST, HW_FP8)
+        tl.store(
+            vq_base + rows[:, None] * stride_vqt + offs_dv[None, :],
+            v.to(VQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        )

@@ -1,0 +1,495 @@
+"""``prefill``: varlen quantized MLA prefill attention (SPEC 3 to 6), launch wrapper.
+
+Checks its inputs (SPEC 5), resolves the quantization recipe into kernel
+constants, quantizes fresh K and V once (``kv_qdq_kernel``) where the attention
+kernel would otherwise repeat that per query tile, and launches
+``prefill_fwd_kernel``. The numbers it computes are those of docs/numerics.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import torch
+import triton
+
+from mla_formats import AttentionQuant, NMSparsity, OperandQuant
+from mla_triton.kernels.prefill_kernel import kv_qdq_kernel, prefill_fwd_kernel
+from mla_triton.qdq_device import FORMAT_CODES
+
+__all__ = ["PrefillConfig", "default_config", "prefill", "quantize_kv"]
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM_QK = 576
+MAX_HEAD_DIM_V = 512
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DOT_F32, _DOT_F16, _DOT_BF16 = 0, 1, 2
+KvQdq = Literal["auto", "prepass", "fused"]
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tiling of ``prefill_fwd_kernel``.
+
+    ``block_m`` queries and ``block_n`` keys per tile (powers of two, at least 16;
+    ``block_n`` a multiple of the N:M group), ``num_warps`` and ``num_stages`` as
+    Triton takes them (ignored by the interpreter). ``pipeline`` issues the next
+    key tile's ``Q K^T`` before the current tile's softmax (same numbers).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    pipeline: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"config.{name}: expected a power of two >= 16, got {value!r}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_config(
+    head_dim_qk: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: AttentionQuant | None = None,
+) -> PrefillConfig:
+    """The tiling ``prefill`` uses unless given one (measured on an H200, bf16 192/128).
+
+    192/128: 128 x 64 tiles over 8 warps, 3 stages; with NVFP4 P, 64 x 64 tiles
+    over 4 warps and 2 stages instead, which fit two programs per SM, so that one
+    program's softmax and P QDQ overlap the other's tensor-core work (3-5% faster
+    there, 15% slower without P QDQ: docs/benchmarks-prefill.md). Large head dims
+    (up to 576/512) and float32 inputs (IEEE dots on CUDA cores) take small query
+    tiles so that the accumulators fit in registers.
+    """
+    if device.type != "cuda":  # the interpreter: fewer, larger tiles run faster
+        return PrefillConfig(block_m=32, block_n=32)
+    if dtype == torch.float32:
+        return PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    if head_dim_qk <= 256 and head_dim_v <= 128:
+        if quant is not None and quant.p.format.name == "nvfp4":
+            return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    if head_dim_qk <= 256 and head_dim_v <= 256:
+        return PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    return PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+
+
+def _split_head_dim(dim: int) -> tuple[int, int]:
+    """``(D1, D2)``: the largest power of two <= dim, and the rest padded to a power of two."""
+    d1 = 1 << (dim.bit_length() - 1)
+    rest = dim - d1
+    return d1, (triton.next_power_of_2(rest) if rest else 0)
+
+
+def _global_scale(op: OperandQuant) -> float:
+    """A static operand's global scale, rounded to float32 as ``mla_formats`` computes it."""
+    if op.is_identity or op.is_dynamic:
+        return 1.0
+    amax = torch.tensor(op.static_amax(), dtype=torch.float32)
+    return float(amax / op.format.unit_amax)
+
+
+def _hw_fp8(device: torch.device) -> bool:
+    """Whether kernels may use the fp8 conversion instruction (sm89+, not the interpreter)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _fast_qdq_exact(x: torch.Tensor, gs: float) -> bool:
+    """The reciprocal QDQ path is bit-exact for 16-bit inputs and a power-of-two scale."""
+    return x.dtype in (torch.float16, torch.bfloat16) and math.frexp(gs)[0] == 0.5
+
+
+def _check_tensor(x: object, name: str, device: torch.device | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"{name}: expected a 3-d [tokens, heads, head_dim] tensor, got shape "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+    if device is None:
+        if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpreting()):
+            raise ValueError(
+                f"{name}: expected a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), "
+                f"got device {x.device}"
+            )
+    elif x.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of q), got {x.device}")
+    if x.numel() and x.stride(2) != 1:
+        raise ValueError(f"{name}: expected a unit stride on the head dim, got strides "
+                         f"{tuple(x.stride())}")  # fmt: skip
+    return x
+
+
+def _check_cu(x: object, name: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 1 or x.numel() < 2:
+        raise ValueError(f"{name}: expected a 1-d [batch + 1] tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected an int32 or int64 tensor, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of q), got {x.device}")
+    return x.to(torch.int32).contiguous()
+
+
+def _check_offsets(cu: torch.Tensor, name: str, tokens: int, tokens_name: str) -> int:
+    """Check the offsets' values on the host; return the longest sequence."""
+    values: list[int] = [int(x) for x in cu.tolist()]
+    if values[0] != 0:
+        raise ValueError(f"{name}: expected to start at 0, got {values[0]}")
+    lengths = [b - a for a, b in itertools.pairwise(values)]
+    if min(lengths) < 0:
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {values}")
+    if values[-1] != tokens:
+        raise ValueError(f"{name}: last entry {values[-1]} must equal the number of tokens "
+                         f"{tokens} (dim 0 of {tokens_name})")  # fmt: skip
+    return max(lengths)
+
+
+def _check_max_seqlen(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected None or a non-negative int, got {value!r}")
+    return value
+
+
+def quantize_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    quant: AttentionQuant,
+    *,
+    max_seqlen_k: int,
+    k_dtype: torch.dtype | None = None,
+    v_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prefill``'s K/V pass: QDQ fresh K and V once, before attention (no checks).
+
+    ``k [Tk, Hkv, Dqk]`` and ``v [Tk, Hkv, Dv]`` as ``prefill`` takes them, int32
+    offsets on their device. Returns ``(k_hat, v_hat, k_scales)``: the factored
+    values of the quantized operands (the inputs themselves where ``quant`` leaves
+    one unquantized) in ``k_dtype`` / ``v_dtype`` (exact in fp16, bf16 and fp32;
+    the inputs' dtypes by default), and K's per-token global scales ``[Tk, Hkv]``
+    float32 when K's amax is dynamic (else a 1-element placeholder). Exposed for
+    benchmarks and engines that want the pass on its own.
+    """
+    tokens_k, kv_heads, dim = k.shape
+    dim_v = v.shape[2]
+    device = k.device
+    k_fmt, v_fmt = FORMAT_CODES[quant.k.format.name], FORMAT_CODES[quant.v.format.name]
+    k_dynamic = k_fmt != 0 and quant.k.is_dynamic
+    k_hat, v_hat = k, v
+    k_scales = torch.ones(1, dtype=torch.float32, device=device)
+    if k_fmt:
+        k_hat = torch.empty(tokens_k, kv_heads, dim, dtype=k_dtype or k.dtype, device=device)
+        if k_dynamic:
+            k_scales = torch.empty(tokens_k, kv_heads, dtype=torch.float32, device=device)
+    if v_fmt:
+        v_hat = torch.empty(tokens_k, kv_heads, dim_v, dtype=v_dtype or v.dtype, device=device)
+    if not (k_fmt or v_fmt) or tokens_k == 0 or max_seqlen_k == 0:
+        return k_hat, v_hat, k_scales
+    d1, d2 = _split_head_dim(dim)
+    block_t = 32 if max(dim, dim_v) <= 256 else 16
+    batch = cu_seqlens_k.numel() - 1
+    k_gs, v_gs = _global_scale(quant.k), _global_scale(quant.v)
+    k_fast = k_fmt != 0 and not k_dynamic and _fast_qdq_exact(k, k_gs)
+    v_fast = v_fmt != 0 and _fast_qdq_exact(v, v_gs)
+    kv_qdq_kernel[(triton.cdiv(max_seqlen_k, block_t), kv_heads, batch)](
+        k, v, k_hat, v_hat, k_scales, cu_seqlens_k, k_gs, v_gs,
+        1.0 / (6.0 * k_gs) if k_fmt == 2 else 1.0 / k_gs,
+        1.0 / (6.0 * v_gs) if v_fmt == 2 else 1.0 / v_gs,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_hat.stride(0), k_hat.stride(1), v_hat.stride(0), v_hat.stride(1),
+        k_scales.stride(0) if k_dynamic else 0,
+        D1=d1, D2=d2, D2_VALID=dim - d1, DV=dim_v, DVP=triton.next_power_of_2(dim_v),
+        BLOCK_T=block_t, K_FMT=k_fmt, K_DYNAMIC=k_dynamic, V_FMT=v_fmt,
+        K_FAST=k_fast, V_FAST=v_fast, HW_FP8=_hw_fp8(device),
+        num_warps=4 if max(dim, dim_v) <= 256 else 8,
+    )  # fmt: skip
+    return k_hat, v_hat, k_scales
+
+
+@overload
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = ...,
+    quant: AttentionQuant | None = ...,
+    sparsity: NMSparsity | None = ...,
+    return_lse: Literal[False] = ...,
+    out: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
+    kv_qdq: KvQdq = ...,
+    config: PrefillConfig | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = ...,
+    quant: AttentionQuant | None = ...,
+    sparsity: NMSparsity | None = ...,
+    return_lse: Literal[True],
+    out: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
+    kv_qdq: KvQdq = ...,
+    config: PrefillConfig | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = ...,
+    quant: AttentionQuant | None = ...,
+    sparsity: NMSparsity | None = ...,
+    return_lse: bool,
+    out: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
+    kv_qdq: KvQdq = ...,
+    config: PrefillConfig | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = True,
+    quant: AttentionQuant | None = None,
+    sparsity: NMSparsity | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    kv_qdq: KvQdq = "auto",
+    config: PrefillConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Varlen flash attention with NVFP4/FP8 QDQ of Q, K, P and V (SPEC 3 to 6).
+
+    Args:
+        q: ``[T, H, Dqk]`` queries of all sequences, packed (DeepSeek: Dqk = 192).
+        k: ``[Tk, Hkv, Dqk]`` keys, packed; ``Hkv`` divides ``H``, query head ``h``
+            reads KV head ``h // (H // Hkv)``.
+        v: ``[Tk, Hkv, Dv]`` values (DeepSeek: Dv = 128). Head dims are multiples of
+            16, Dqk <= 576 and Dv <= 512. q, k, v share dtype (float16, bfloat16 or
+            float32) and device; any strides with a unit stride on the head dim.
+        cu_seqlens_q: int32 (or int64) ``[B + 1]`` offsets of each sequence in q.
+        cu_seqlens_k: int32 (or int64) ``[B + 1]`` offsets of each sequence in k and v.
+        softmax_scale: positive factor of the dot products, ``s = (q̂ · k̂) * scale``.
+        causal: query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sits at
+            key position ``Lk - Lq + i`` (suffix alignment) and sees keys up to it;
+            otherwise every query sees all ``Lk`` keys (vLLM's context chunks).
+        quant: ``mla_formats.AttentionQuant`` or None (no quantization). Q and K are
+            QDQ'd along the head dim (amax dynamic per token and head, or static); P
+            and V along the key axis, blocks at key positions 0, 16, ... of each
+            sequence, with static amax. P's amax must be at least 1: below that P's
+            saturation would depend on the online softmax's running maximum.
+        sparsity: ``mla_formats.NMSparsity`` or None: N:M score sparsity over groups
+            of M keys at absolute key positions, with dense sink and recent windows;
+            a sequence with a single query is not sparsified.
+        return_lse: also return the natural-log LSE ``[H, T]`` (float32).
+        out: optional ``[T, H, Dv]`` buffer of q's dtype to write into (any strides
+            with a unit stride on the head dim, e.g. a slice of a larger tensor).
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (as flash-attn's
+            varlen API takes them). Given both, no host sync happens and the offsets'
+            values are not checked: the caller vouches for them (an understated
+            ``max_seqlen_q`` leaves rows unwritten). Otherwise the offsets are read
+            back and checked (start at 0, non-decreasing, end at the token count).
+        kv_qdq: where K and V are quantized: ``"prepass"`` (one pass writing factored
+            copies before attention), ``"fused"`` (inside the attention kernel, once
+            per query tile that reads them), or ``"auto"``: fused only when each K/V
+            tile is read by a single query tile, else the prepass. Same numbers.
+        config: tiling override; ``default_config`` otherwise.
+
+    Returns:
+        ``out [T, H, Dv]`` in q's dtype, or ``(out, lse)`` with ``lse [H, T]`` float32.
+        A row without a visible key gets ``out = 0`` and ``lse = -inf``.
+
+    Non-finite input is not checked (that would cost a pass over the inputs). What
+    happens: with quantization, QDQ of Q, K and V turns NaN and ±inf into NaN (as
+    ``mla_formats`` does) element by element; the block neighbours of such an
+    element are not poisoned, unlike the reference. A NaN score or value then makes
+    the denominator or the accumulator NaN, so every output row that sees a NaN
+    query, key or value is NaN (its LSE too, for NaN scores). Without quantization,
+    ±inf inputs follow IEEE arithmetic (usually NaN rows). N:M ranking of NaN
+    scores is unspecified.
+    """
+    q = _check_tensor(q, "q")
+    device = q.device
+    k = _check_tensor(k, "k", device)
+    v = _check_tensor(v, "v", device)
+    for t, name in ((k, "k"), (v, "v")):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (that of q), got {t.dtype}")
+    tokens, heads, dim = q.shape
+    tokens_k, kv_heads, dim_v = v.shape
+    if dim % 16 or not 16 <= dim <= MAX_HEAD_DIM_QK:
+        raise ValueError(f"q: head dim {dim} must be a multiple of 16 in [16, {MAX_HEAD_DIM_QK}]")
+    if tuple(k.shape) != (tokens_k, kv_heads, dim):
+        raise ValueError(f"k: expected shape {(tokens_k, kv_heads, dim)} (tokens and heads of v, "
+                         f"head dim of q), got {tuple(k.shape)}")  # fmt: skip
+    if dim_v % 16 or not 16 <= dim_v <= MAX_HEAD_DIM_V:
+        raise ValueError(f"v: head dim {dim_v} must be a multiple of 16 in [16, {MAX_HEAD_DIM_V}]")
+    if heads == 0 or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"k: the number of KV heads ({kv_heads}) must divide the number of "
+                         f"query heads ({heads}), both positive")  # fmt: skip
+    cu_q = _check_cu(cu_seqlens_q, "cu_seqlens_q", device)
+    cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} entries (those of "
+                         f"cu_seqlens_q), got {cu_k.numel()}")  # fmt: skip
+    batch = cu_q.numel() - 1
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"softmax_scale: expected a float, got {softmax_scale!r}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale: expected a positive finite float, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {causal!r}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse: expected a bool, got {return_lse!r}")
+    if quant is None:
+        quant = AttentionQuant()
+    elif not isinstance(quant, AttentionQuant):
+        raise ValueError(
+            f"quant: expected None or mla_formats.AttentionQuant, got {type(quant).__name__}"
+        )
+    if not quant.p.is_identity and quant.p.static_amax() < 1.0:
+        raise ValueError(
+            f"quant: P's static amax must be at least 1, got {quant.p.static_amax()}; P lies "
+            "in (0, 1] after the power-of-two reference point, and a smaller amax would "
+            "saturate P relative to the kernel's running maximum, which is tile-dependent "
+            "(SPEC 4)"
+        )
+    if sparsity is not None and not isinstance(sparsity, NMSparsity):
+        raise ValueError(
+            f"sparsity: expected None or mla_formats.NMSparsity, got {type(sparsity).__name__}"
+        )
+    if kv_qdq not in ("auto", "prepass", "fused"):
+        raise ValueError(f"kv_qdq: expected 'auto', 'prepass' or 'fused', got {kv_qdq!r}")
+    if config is None:
+        config = default_config(dim, dim_v, q.dtype, device, quant)
+    elif not isinstance(config, PrefillConfig):
+        raise ValueError(f"config: expected None or a PrefillConfig, got {type(config).__name__}")
+    if sparsity is not None and config.block_n % sparsity.m:
+        raise ValueError(f"sparsity: m = {sparsity.m} must divide the key tile "
+                         f"config.block_n = {config.block_n}")  # fmt: skip
+    if out is None:
+        out = torch.empty(tokens, heads, dim_v, dtype=q.dtype, device=device)
+    else:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"out: expected None or a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != (tokens, heads, dim_v) or out.dtype != q.dtype:
+            raise ValueError(f"out: expected shape {(tokens, heads, dim_v)} and dtype {q.dtype}, "
+                             f"got {tuple(out.shape)} {out.dtype}")  # fmt: skip
+        if out.device != device:
+            raise ValueError(f"out: expected device {device} (that of q), got {out.device}")
+        if out.numel() and out.stride(2) != 1:
+            raise ValueError(f"out: expected a unit stride on the head dim, got strides "
+                             f"{tuple(out.stride())}")  # fmt: skip
+    if max_seqlen_q is None or max_seqlen_k is None:
+        longest_q = _check_offsets(cu_q, "cu_seqlens_q", tokens, "q")
+        longest_k = _check_offsets(cu_k, "cu_seqlens_k", tokens_k, "k")
+        if max_seqlen_q is None:
+            max_seqlen_q = longest_q
+        if max_seqlen_k is None:
+            max_seqlen_k = longest_k
+    max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+
+    lse = torch.empty(heads, tokens, dtype=torch.float32, device=device)
+    if tokens == 0 or max_seqlen_q == 0:
+        return (out, lse) if return_lse else out
+
+    qq, kq, pq, vq = quant.q, quant.k, quant.p, quant.v
+    q_fmt, k_fmt = FORMAT_CODES[qq.format.name], FORMAT_CODES[kq.format.name]
+    p_fmt, v_fmt = FORMAT_CODES[pq.format.name], FORMAT_CODES[vq.format.name]
+    q_dynamic = q_fmt != 0 and qq.is_dynamic
+    k_dynamic = k_fmt != 0 and kq.is_dynamic
+    q_gs, k_gs = _global_scale(qq), _global_scale(kq)
+    p_gs, v_gs = _global_scale(pq), _global_scale(vq)
+
+    # Dot operand types: fp16 when both operands are quantized (their factored
+    # values are exact in fp16; P's fp8 codes convert to fp16 in one step), else
+    # the inputs' 16-bit type, or float32 IEEE dots for float32 inputs.
+    plain = {torch.float16: _DOT_F16, torch.bfloat16: _DOT_BF16}.get(q.dtype, _DOT_F32)
+    qk_dot = _DOT_F16 if q_fmt and k_fmt else plain
+    pv_dot = _DOT_F16 if p_fmt and v_fmt else plain
+    k_dtype = torch.float16 if q_fmt and k_fmt else k.dtype
+    v_dtype = torch.float16 if p_fmt and v_fmt else v.dtype
+    d1, d2 = _split_head_dim(dim)
+    dvp = triton.next_power_of_2(dim_v)
+    group = heads // kv_heads
+    m_tiles = triton.cdiv(max_seqlen_q, config.block_m)
+
+    # K and V: quantized once (see the kernel module's docstring)
+    kv_quant = k_fmt != 0 or v_fmt != 0
+    fused = kv_quant and (kv_qdq == "fused" or (kv_qdq == "auto" and m_tiles == 1 and group == 1))
+    k_in, v_in, k_scales = k, v, torch.ones(1, dtype=torch.float32, device=device)
+    if kv_quant and not fused and tokens_k and max_seqlen_k:
+        k_in, v_in, k_scales = quantize_kv(
+            k, v, cu_k, quant, max_seqlen_k=max_seqlen_k, k_dtype=k_dtype, v_dtype=v_dtype
+        )
+
+    qk_scale = softmax_scale * LOG2E * q_gs * (1.0 if k_dynamic else k_gs)
+    p_inv_gs = 1.0 / (6.0 * p_gs) if p_fmt == 2 else 1.0 / p_gs
+    hw_fp8 = _hw_fp8(device)
+    nm_n, nm_m = (sparsity.n, sparsity.m) if sparsity is not None else (0, 1)
+    n_sink = sparsity.dense_sink_tokens if sparsity is not None else 0
+    n_recent = sparsity.dense_recent_tokens if sparsity is not None else 0
+    grid = (m_tiles, heads, batch)
+    prefill_fwd_kernel[grid](
+        q, k_in, v_in, k_scales, out, lse, cu_q, cu_k,
+        qk_scale, q_gs, k_gs, v_gs, p_gs, p_inv_gs, p_gs * v_gs,
+        n_sink, n_recent, group,
+        q.stride(0), q.stride(1), k_in.stride(0), k_in.stride(1),
+        v_in.stride(0), v_in.stride(1), k_scales.stride(0) if k_dynamic else 0,
+        out.stride(0), out.stride(1), lse.stride(0),
+        D1=d1, D2=d2, D2_VALID=dim - d1, DV=dim_v, DVP=dvp,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
+        Q_FMT=q_fmt, Q_DYNAMIC=q_dynamic, K_FMT=k_fmt, K_DYNAMIC=k_dynamic,
+        V_FMT=v_fmt, KV_FUSED=fused, P_FMT=p_fmt,
+        NM_N=nm_n, NM_M=nm_m, NM_DENSE=n_sink + n_recent > 0,
+        QK_DOT=qk_dot, PV_DOT=pv_dot, RETURN_LSE=return_lse, HW_FP8=hw_fp8,
+        PIPELINE=config.pipeline,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

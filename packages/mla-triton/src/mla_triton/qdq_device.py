@@ -1,0 +1,287 @@
+"""Triton device functions for in-kernel QDQ, in float32 arithmetic (SPEC 2, 7).
+
+No fp8 casts: the rounding is done with float32 compares, floors and exponent
+bit manipulation, so it runs on sm80 and in Triton's CPU interpreter (whose fp8
+casts round wrongly), and it matches ``mla_formats`` bit for bit.
+
+Every function returns the *factored* value (the QDQ'd value divided by its
+global scale: ``E2M1(..) * sb`` for nvfp4, ``E4M3(..)`` for fp8), exact in fp16
+and bf16; callers apply global scales to float32 accumulators.
+
+E2M1 without a division: ``E2M1(a / scale)`` only depends on which of the grid's
+midpoints ``a / scale`` passes, so ``a`` is compared with ``midpoint * scale``.
+Midpoints have two significant bits and ``scale = sb * gs`` is an E4M3 value times
+the global scale, so for ``gs`` a power of two (the defaults) these products are
+exact and the compares equal the reference's rounded division.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Format codes, passed to kernels as constexpr ints.
+FMT_NONE: tl.constexpr = tl.constexpr(0)
+FMT_FP8: tl.constexpr = tl.constexpr(1)
+FMT_NVFP4: tl.constexpr = tl.constexpr(2)
+FORMAT_CODES = {"none": 0, "fp8": 1, "nvfp4": 2}
+
+
+@triton.jit
+def e4m3_round(x):
+    """Round float32 ``x`` to E4M3FN, ties to even, saturating at ±448; NaN kept."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    binade = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormal step stays 2^-9
+    quantum = ((binade - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_quantum = ((127 - binade + 3) << 23).to(tl.float32, bitcast=True)
+    t = a * inv_quantum  # exact: power-of-two scaling, t < 16
+    whole = tl.floor(t)
+    frac = t - whole
+    odd = whole - 2.0 * tl.floor(whole * 0.5)
+    up = (frac > 0.5) | ((frac == 0.5) & (odd == 1.0))
+    r = (whole + tl.where(up, 1.0, 0.0)) * quantum
+    r = tl.where(x < 0, -r, r)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
+def e2m1_magnitude(a, scale):
+    """``E2M1(a / scale)`` for ``a >= 0`` and ``scale > 0``, ties to even, saturating at 6.
+
+    Computed from compares with the grid midpoints times ``scale`` (no division).
+    """
+    r = tl.where(a > 0.25 * scale, 0.5, 0.0)
+    r += tl.where(a >= 0.75 * scale, 0.5, 0.0)
+    r += tl.where(a > 1.25 * scale, 0.5, 0.0)
+    r += tl.where(a >= 1.75 * scale, 0.5, 0.0)
+    r += tl.where(a > 2.5 * scale, 1.0, 0.0)
+    r += tl.where(a >= 3.5 * scale, 1.0, 0.0)
+    r += tl.where(a > 5.0 * scale, 2.0, 0.0)
+    return r
+
+
+@triton.jit
+def nvfp4_block_scale(block_max, gs):
+    """E4M3 block scale ``E4M3(min(block_max / (6 gs), 448))``, with the reference's division."""
+    return e4m3_round(tl.minimum(tl.math.div_rn(block_max, gs * 6.0), 448.0))
+
+
+@triton.jit
+def div_rn_fma(a, b, inv_b, FMA: tl.constexpr):
+    """``a / b`` rounded to nearest, given ``inv_b``, the correctly rounded ``1 / b``.
+
+    With ``FMA`` (compiled code, where ``tl.fma`` is fused): ``q = a * inv_b`` is
+    within an ulp, the residual ``a - b q`` is exact in one FMA, and ``q + r inv_b``
+    rounds to the correctly rounded quotient (Markstein's correction); three
+    instructions instead of a full division. Without ``FMA`` (the interpreter
+    evaluates ``tl.fma`` unfused): ``div_rn``. Finite quotients only.
+    """
+    if FMA:
+        q = a * inv_b
+        return tl.fma(tl.fma(-q, b, a), inv_b, q)
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def e2m1_scaled(a, scale, EXACT: tl.constexpr, FMA: tl.constexpr = False):
+    """``E2M1(a / scale)`` for ``a >= 0``; ``EXACT`` divides exactly first.
+
+    The compare form (``EXACT=False``) is bit-exact when ``scale`` times the grid
+    midpoints is exact (a power-of-two global scale); ``EXACT=True`` reproduces the
+    reference's rounded division for any global scale (dynamic amax, calibrated
+    static amax) at the cost of one division per element (NaN-free input; ``FMA``:
+    see ``div_rn_fma``).
+    """
+    if EXACT:
+        # the correctly rounded quotient, then round-to-nearest-even onto E2M1 by
+        # one magic-number addition (e2m1_round_nonneg, below); a zero scale (an
+        # all-zero or all-tiny block) gives 0 once the block scale multiplies the
+        # code, whatever the code: divide by 1 instead of 0
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        return e2m1_round_nonneg(div_rn_fma(a, scale, tl.math.div_rn(1.0, scale), FMA))
+    return e2m1_magnitude(a, scale)
+
+
+@triton.jit
+def nvfp4_qdq_rows(
+    x,
+    gs,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    EXACT: tl.constexpr = False,
+    FMA: tl.constexpr = False,
+):
+    """NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 1 (blocks of 16 columns).
+
+    ``gs`` is the global scale: a scalar or ``[ROWS, 1]``. Returns the factored value.
+    ``EXACT``, ``FMA``: see ``e2m1_scaled`` (needed for bit-exactness when ``gs`` is
+    not a power of two).
+    """
+    xb = tl.reshape(x, (ROWS, COLS // 16, 16))
+    sb = nvfp4_block_scale(tl.max(tl.abs(xb), axis=2), gs)  # [ROWS, COLS // 16]
+    sb3 = tl.expand_dims(sb, 2)
+    scale3 = tl.expand_dims(sb * gs, 2)  # (gs may be [ROWS, 1]: broadcast before expanding)
+    mag = e2m1_scaled(tl.abs(xb), scale3, EXACT, FMA) * sb3
+    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))
+
+
+@triton.jit
+def nvfp4_qdq_cols(
+    x,
+    gs,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    EXACT: tl.constexpr = False,
+    FMA: tl.constexpr = False,
+):
+    """NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 0 (blocks of 16 rows).
+
+    Rows are tokens: the tile must start at an absolute token position that is a
+    multiple of 16, with zeros in rows past the end of the sequence. ``gs`` is a
+    scalar. Returns the factored value. ``EXACT``, ``FMA``: see ``e2m1_scaled``.
+    """
+    xb = tl.reshape(x, (ROWS // 16, 16, COLS))
+    sb = nvfp4_block_scale(tl.max(tl.abs(xb), axis=1), gs)  # [ROWS // 16, COLS]
+    sb3 = tl.expand_dims(sb, 1)
+    mag = e2m1_scaled(tl.abs(xb), sb3 * gs, EXACT, FMA) * sb3
+    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))
+
+
+@triton.jit
+def fp8_qdq(x, inv_scale):
+    """FP8 QDQ factored value ``E4M3(clamp(x * inv_scale, ±448))``.
+
+    ``inv_scale`` is ``1 / s`` (``448 / amax``); callers that need the reference's
+    exact division pass ``x`` already divided with ``tl.math.div_rn``.
+    """
+    return e4m3_round(x * inv_scale)
+
+
+# -- fast paths for P (nonnegative, at most 1, quantized once per tile pair) ------
+#
+# P is quantized inside the attention loop, where every instruction per element
+# counts against the tensor cores. These variants drop the sign handling, replace
+# divisions by multiplications with reciprocals, round E2M1 with one magic-number
+# addition instead of seven compares, and may use the hardware E4M3 conversion.
+# They can differ from the reference by one code where a value sits within an ulp
+# of a rounding midpoint, the same order as the exp2 rounding of P itself.
+
+
+@triton.jit
+def e4m3_round_hw(x, HW: tl.constexpr):
+    """E4M3 rounding of float32 ``x`` (NaN-free); ``HW``: the sm89+ conversion instruction.
+
+    ``HW`` is for GPUs only: the interpreter rounds fp8 casts wrongly.
+    """
+    if HW:
+        return x.to(tl.float8e4nv).to(tl.float32)  # cvt.rn.satfinite
+    return e4m3_round(x)
+
+
+@triton.jit
+def e2m1_round_nonneg(y):
+    """E2M1 round-to-nearest-even of ``y >= 0`` (NaN-free), saturating at 6.
+
+    The grid's step is half the binade of ``max(y, 1)`` (0.5 below 2, 1 below 4, 2
+    up to 6). Adding and subtracting ``1.5 * 2^23 * step`` rounds ``y`` to a
+    multiple of the step, ties to even, in one float32 rounding; even multiples
+    of the step are exactly E2M1's even codes.
+    """
+    y = tl.minimum(y, 6.0)
+    binade = (tl.maximum(y, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(
+        tl.float32, bitcast=True
+    )
+    magic = binade * 6291456.0  # 1.5 * 2^23 * (binade / 2)
+    return (y + magic) - magic
+
+
+@triton.jit
+def nvfp4_qdq_p(p, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr):
+    """Fast NVFP4 QDQ of a nonnegative float32 tile ``[ROWS, COLS]`` along axis 1.
+
+    ``gs`` the (scalar) global scale and ``inv_6gs = 1 / (6 gs)``. Returns the
+    factored value ``E2M1(p / (sb gs)) * sb``; see the section comment for how it
+    may differ from ``nvfp4_qdq_rows``.
+    """
+    xb = tl.reshape(p, (ROWS, COLS // 16, 16))
+    sb = e4m3_round_hw(tl.max(xb, axis=2) * inv_6gs, HW)  # saturates at 448
+    # a zero block scale: any finite code times 0 gives the reference's 0
+    inv = 1.0 / tl.maximum(sb * gs, 1e-30)
+    code = e2m1_round_nonneg(xb * tl.expand_dims(inv, 2))
+    return tl.reshape(code * tl.expand_dims(sb, 2), (ROWS, COLS))
+
+
+@triton.jit
+def fp8_qdq_p(p, inv_scale, HW: tl.constexpr):
+    """Fast FP8 QDQ factored value ``E4M3(min(p * inv_scale, 448))`` of ``p >= 0``."""
+    return e4m3_round_hw(p * inv_scale, HW)  # both roundings saturate at 448
+
+
+# -- fast paths for 16-bit K and V tiles, quantized on read in the decode loop ------
+#
+# The same multiply-and-magic-number rounding as above, signed, plus ``snap_ties``:
+# a product with a reciprocal lands within 2^-21 of ``a / scale``, which at an exact
+# tie (``a`` equal to a midpoint times the scale: common in 16-bit data) can fall on
+# the wrong side. For a 16-bit ``a`` and a power-of-two global scale, ``a / scale``
+# is either exactly a midpoint (at most 7 significant bits) or at least 2^-11 from
+# one (relative), so rounding the product to 13 significant bits restores exact
+# ties and moves nothing else across a midpoint: the result equals ``mla_formats``
+# bit for bit. Without ``SNAP`` (global scales that are not powers of two) it may
+# differ by one code within 2^-21 of a midpoint. NaN saturates, ±inf saturates:
+# callers document non-finite input.
+
+
+@triton.jit
+def snap_ties(y):
+    """Round float32 ``y >= 0`` to 13 significant bits (half up): exact ties come back."""
+    return ((y.to(tl.int32, bitcast=True) + 0x400) & -2048).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_fast_blocks(a, bmax, gs, inv_6gs, HW: tl.constexpr, SNAP: tl.constexpr):
+    """Codes times block scales for magnitudes ``a`` whose block maxima ``bmax`` are given."""
+    v = bmax * inv_6gs
+    if SNAP:
+        v = snap_ties(v)
+    sb = e4m3_round_hw(v, HW)  # both roundings saturate at 448
+    inv = 1.0 / tl.maximum(sb * gs, 1e-30)  # sb = 0: finite codes times 0 give 0
+    return sb, inv
+
+
+@triton.jit
+def nvfp4_qdq_rows_fast(
+    x, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr, SNAP: tl.constexpr
+):
+    """Fast NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 1 (features).
+
+    ``gs`` and ``inv_6gs = 1 / (6 gs)``: scalars or ``[ROWS, 1]``. Returns the
+    factored value; see the section comment for exactness.
+    """
+    xb = tl.reshape(x, (ROWS, COLS // 16, 16))
+    a = tl.abs(xb)
+    sb, inv = _nvfp4_fast_blocks(a, tl.max(a, axis=2), gs, inv_6gs, HW, SNAP)
+    y = a * tl.expand_dims(inv, 2)
+    if SNAP:
+        y = snap_ties(y)
+    mag = e2m1_round_nonneg(y) * tl.expand_dims(sb, 2)
+    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))
+
+
+@triton.jit
+def nvfp4_qdq_cols_fast(
+    x, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr, SNAP: tl.constexpr
+):
+    """Fast NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 0 (tokens).
+
+    The tile starts at a multiple of 16 and rows past the sequence's end are
+    zeros. ``gs``, ``inv_6gs``: scalars. Returns the factored value.
+    """
+    xb = tl.reshape(x, (ROWS // 16, 16, COLS))
+    a = tl.abs(xb)
+    sb, inv = _nvfp4_fast_blocks(a, tl.max(a, axis=1), gs, inv_6gs, HW, SNAP)
+    y = a * tl.expand_dims(inv, 1)
+    if SNAP:
+        y = snap_ties(y)
+    mag = e2m1_round_nonneg(y) * tl.expand_dims(sb, 1)
+    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))

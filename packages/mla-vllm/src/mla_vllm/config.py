@@ -1,0 +1,380 @@
+"""The ``mla_quant`` configuration: schema, validation and per-layer resolution.
+
+Pure Python (plus ``mla_formats``); no vLLM import, so it is checked before any
+engine starts. The configuration is a JSON object, given in vLLM's
+``--additional-config '{"mla_quant": {...}}'`` or as the path of a JSON file
+(``{"mla_quant": "/path/quant.json"}``)::
+
+    {
+      "recipe": "nvfp4",                      # shorthand: all four operands
+      "q": "nvfp4",                            # or {"format": "nvfp4", "amax": "dynamic"}
+      "k": {"format": "nvfp4", "amax": 12.5},  # static amax for prefill and decode
+      "v": {"format": "fp8", "amax": {"prefill": 3.0, "decode": 9.0}},
+      "p": "nvfp4",
+      "calibration": "/path/calibration.json", # static amax per layer (calibrate())
+      "sparsity": {"n": 2, "m": 4, "dense_sink_tokens": 16, "dense_recent_tokens": 64},
+      "layers": [                              # later entries win
+        {"pattern": "model.layers.0.*", "recipe": "none"},
+        {"pattern": "*.layers.1[0-9].*", "v": "fp8", "sparsity": null}
+      ],
+      "observe": {"enabled": false, "interval": 16, "max_rows": 256}
+    }
+
+Every error is a ``MLAQuantConfigError`` (a ``ValueError``) whose message starts
+with the dotted path of the bad field, e.g. ``mla_quant.layers[1].q.amax: ...``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mla_formats import FORMATS, AttentionQuant, NMSparsity, OperandQuant
+
+__all__ = [
+    "CALIBRATION_FORMAT",
+    "ROLES",
+    "LayerRecipe",
+    "MLAQuantConfig",
+    "MLAQuantConfigError",
+    "ObserveConfig",
+    "OperandSpec",
+    "load_calibration",
+    "load_config",
+]
+
+ROLES = ("q", "k", "p", "v")
+PATHS = ("prefill", "decode")
+CALIBRATION_FORMAT = "mla-quant-calibration"
+_OPERAND_KEYS = frozenset({"format", "amax"})
+_SPARSITY_KEYS = frozenset({"n", "m", "dense_sink_tokens", "dense_recent_tokens"})
+_OBSERVE_KEYS = frozenset({"enabled", "interval", "max_rows"})
+_LAYER_KEYS = frozenset({"pattern", "recipe", *ROLES, "sparsity"})
+_TOP_KEYS = frozenset({"recipe", *ROLES, "sparsity", "calibration", "layers", "observe"})
+
+
+class MLAQuantConfigError(ValueError):
+    """A bad ``mla_quant`` field; the message starts with the field's dotted path."""
+
+
+def _fail(where: str, message: str) -> MLAQuantConfigError:
+    return MLAQuantConfigError(f"{where}: {message}")
+
+
+def _check_keys(obj: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(str(k) for k in obj if k not in allowed)
+    if unknown:
+        raise _fail(where, f"unknown key(s) {unknown}; expected some of {sorted(allowed)}")
+
+
+def _mapping(obj: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise _fail(where, f"expected a JSON object, got {type(obj).__name__} {obj!r}")
+    for key in obj:
+        if not isinstance(key, str):
+            raise _fail(where, f"keys must be strings, got {key!r}")
+    return obj
+
+
+def _format_name(obj: object, where: str) -> str:
+    if not isinstance(obj, str) or obj not in FORMATS:
+        raise _fail(where, f"unknown format {obj!r}; expected one of {sorted(FORMATS)}")
+    return obj
+
+
+def _positive(obj: object, where: str) -> float:
+    if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+        raise _fail(where, f"expected a positive finite number, got {obj!r}")
+    value = float(obj)
+    if not math.isfinite(value) or value <= 0.0:
+        raise _fail(where, f"expected a positive finite number, got {obj!r}")
+    return value
+
+
+def _int(obj: object, where: str, minimum: int) -> int:
+    if isinstance(obj, bool) or not isinstance(obj, int) or obj < minimum:
+        raise _fail(where, f"expected an integer >= {minimum}, got {obj!r}")
+    return obj
+
+
+AmaxValue = float | str  # a positive float or "dynamic"
+
+
+@dataclass(frozen=True)
+class OperandSpec:
+    """One operand as configured: a format and, optionally, its amax per path.
+
+    ``amax`` maps ``"prefill"`` / ``"decode"`` to a positive float or ``"dynamic"``;
+    a path that is absent takes the calibration file's value or the role default.
+    """
+
+    format: str
+    amax: Mapping[str, AmaxValue] = field(default_factory=dict)
+
+
+def _amax(obj: object, role: str, where: str) -> AmaxValue:
+    if obj == "dynamic":
+        if role in ("p", "v"):
+            raise _fail(
+                where,
+                "a dynamic amax is only defined for q and k (blocked along the features); "
+                f"{role} takes a static amax",
+            )
+        return "dynamic"
+    return _positive(obj, where)
+
+
+def _operand(obj: object, role: str, where: str) -> OperandSpec:
+    if isinstance(obj, str):
+        return OperandSpec(_format_name(obj, where))
+    spec = _mapping(obj, where)
+    _check_keys(spec, _OPERAND_KEYS, where)
+    if "format" not in spec:
+        raise _fail(where, "missing key 'format'")
+    fmt = _format_name(spec["format"], f"{where}.format")
+    amax: dict[str, AmaxValue] = {}
+    raw = spec.get("amax")
+    if raw is None:
+        pass
+    elif isinstance(raw, Mapping):
+        amax_map = _mapping(raw, f"{where}.amax")
+        _check_keys(amax_map, frozenset(PATHS), f"{where}.amax")
+        for path, value in amax_map.items():
+            amax[path] = _amax(value, role, f"{where}.amax.{path}")
+    else:
+        value = _amax(raw, role, f"{where}.amax")
+        amax = dict.fromkeys(PATHS, value)
+    if fmt == "none" and amax:
+        raise _fail(f"{where}.amax", "format 'none' takes no amax")
+    return OperandSpec(fmt, amax)
+
+
+def _sparsity(obj: object, where: str) -> NMSparsity | None:
+    if obj is None:
+        return None
+    spec = _mapping(obj, where)
+    _check_keys(spec, _SPARSITY_KEYS, where)
+    for key in ("n", "m"):
+        if key not in spec:
+            raise _fail(where, f"missing key {key!r}")
+    values = {key: _int(spec[key], f"{where}.{key}", 0) for key in spec}
+    try:
+        return NMSparsity(**values)
+    except ValueError as exc:  # mla_formats names the field: prefix our path
+        raise _fail(where, str(exc)) from None
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    """Accuracy observation: off by default.
+
+    Attributes:
+        enabled: compare the quantized attention output with the unquantized one.
+        interval: observe every ``interval``-th call of each layer and path.
+        max_rows: at most this many query rows (tokens) are compared per call.
+    """
+
+    enabled: bool = False
+    interval: int = 16
+    max_rows: int = 256
+
+
+def _observe(obj: object, where: str) -> ObserveConfig:
+    if obj is None:
+        return ObserveConfig()
+    spec = _mapping(obj, where)
+    _check_keys(spec, _OBSERVE_KEYS, where)
+    enabled = spec.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise _fail(f"{where}.enabled", f"expected true or false, got {enabled!r}")
+    return ObserveConfig(
+        enabled=enabled,
+        interval=_int(spec.get("interval", 16), f"{where}.interval", 1),
+        max_rows=_int(spec.get("max_rows", 256), f"{where}.max_rows", 1),
+    )
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """Operand specs and sparsity as set at one level (top or a layer override)."""
+
+    operands: Mapping[str, OperandSpec]
+    sparsity: NMSparsity | None
+    has_sparsity: bool
+
+
+def _settings(spec: Mapping[str, Any], where: str) -> _Settings:
+    operands: dict[str, OperandSpec] = {}
+    if "recipe" in spec:
+        name = _format_name(spec["recipe"], f"{where}.recipe")
+        operands = {role: OperandSpec(name) for role in ROLES}
+    for role in ROLES:
+        if role in spec:
+            operands[role] = _operand(spec[role], role, f"{where}.{role}")
+    has_sparsity = "sparsity" in spec
+    sparsity = _sparsity(spec.get("sparsity"), f"{where}.sparsity")
+    return _Settings(operands, sparsity, has_sparsity)
+
+
+@dataclass(frozen=True)
+class _Override:
+    pattern: str
+    settings: _Settings
+
+
+@dataclass(frozen=True)
+class LayerRecipe:
+    """What one layer runs: the recipe of each path and the prefill sparsity.
+
+    ``prefill`` quantizes ``Q [T, H, Dqk]``, ``K [T, H, Dqk]``, ``V [T, H, Dv]``;
+    ``decode`` the absorbed ``q [B, H, 576]`` and the latent rows (K: 576
+    features, V: the first 512). Each has its own static amaxes.
+    """
+
+    prefill: AttentionQuant
+    decode: AttentionQuant
+    sparsity: NMSparsity | None
+
+    @property
+    def is_identity(self) -> bool:
+        """True when neither path quantizes and there is no sparsity."""
+        return self.prefill.is_identity and self.decode.is_identity and self.sparsity is None
+
+
+Calibration = Mapping[str, Mapping[str, Mapping[str, float]]]
+
+
+def load_calibration(obj: object, where: str = "calibration") -> Calibration:
+    """Validate a calibration document (a path or the parsed JSON object).
+
+    Returns ``{layer: {"prefill"|"decode": {"q"|"k"|"v": amax}}}``.
+    """
+    doc = _read_json(Path(obj), where) if isinstance(obj, (str, Path)) else obj
+    top = _mapping(doc, where)
+    _check_keys(top, frozenset({"format", "version", "layers", "meta"}), where)
+    if top.get("format") != CALIBRATION_FORMAT:
+        raise _fail(
+            f"{where}.format", f"expected {CALIBRATION_FORMAT!r}, got {top.get('format')!r}"
+        )
+    if top.get("version") != 1:
+        raise _fail(f"{where}.version", f"expected 1, got {top.get('version')!r}")
+    layers = _mapping(top.get("layers"), f"{where}.layers")
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    for name, entry in layers.items():
+        at = f"{where}.layers[{name!r}]"
+        paths = _mapping(entry, at)
+        _check_keys(paths, frozenset(PATHS), at)
+        result[name] = {}
+        for path, values in paths.items():
+            ops = _mapping(values, f"{at}.{path}")
+            _check_keys(ops, frozenset({"q", "k", "v"}), f"{at}.{path}")
+            result[name][path] = {
+                role: _positive(value, f"{at}.{path}.{role}") for role, value in ops.items()
+            }
+    return result
+
+
+def _read_json(path: Path, where: str) -> object:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise _fail(where, f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _fail(where, f"{str(path)!r} is not valid JSON: {exc}") from None
+
+
+@dataclass(frozen=True)
+class MLAQuantConfig:
+    """A validated ``mla_quant`` configuration; ``recipe_for(name)`` resolves a layer."""
+
+    base: _Settings
+    overrides: tuple[_Override, ...]
+    calibration: Calibration
+    observe: ObserveConfig
+    source: str = "<inline>"
+
+    @classmethod
+    def from_obj(cls, obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
+        """Validate a parsed JSON object (or a path to a JSON file) up front."""
+        source = "<inline>"
+        if isinstance(obj, (str, Path)):
+            source = str(obj)
+            obj = _read_json(Path(obj), where)
+        spec = _mapping(obj, where)
+        _check_keys(spec, _TOP_KEYS, where)
+        base = _settings(spec, where)
+        overrides: list[_Override] = []
+        raw_layers = spec.get("layers", [])
+        if not isinstance(raw_layers, list):
+            raise _fail(f"{where}.layers", f"expected a list, got {type(raw_layers).__name__}")
+        for i, entry in enumerate(raw_layers):
+            at = f"{where}.layers[{i}]"
+            item = _mapping(entry, at)
+            _check_keys(item, _LAYER_KEYS, at)
+            pattern = item.get("pattern")
+            if not isinstance(pattern, str) or not pattern:
+                raise _fail(f"{at}.pattern", f"expected a non-empty glob string, got {pattern!r}")
+            overrides.append(_Override(pattern, _settings(item, at)))
+        calibration: Calibration = {}
+        if spec.get("calibration") is not None:
+            calibration = load_calibration(spec["calibration"], f"{where}.calibration")
+        observe = _observe(spec.get("observe"), f"{where}.observe")
+        config = cls(base, tuple(overrides), calibration, observe, source)
+        config.recipe_for("")  # resolve once: format/amax combinations are checked here
+        return config
+
+    def check_patterns(self, layer_names: Iterable[str], where: str = "mla_quant") -> None:
+        """Raise when a ``layers[i].pattern`` matches none of ``layer_names``."""
+        names = list(layer_names)
+        for i, override in enumerate(self.overrides):
+            if not any(fnmatch.fnmatchcase(name, override.pattern) for name in names):
+                shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+                raise _fail(
+                    f"{where}.layers[{i}].pattern",
+                    f"{override.pattern!r} matches no MLA layer (layers: {shown})",
+                )
+
+    def recipe_for(self, layer_name: str) -> LayerRecipe:
+        """The recipe of the layer named ``layer_name`` (vLLM's layer prefix)."""
+        operands: dict[str, OperandSpec] = {role: OperandSpec("none") for role in ROLES}
+        operands.update(self.base.operands)
+        sparsity = self.base.sparsity
+        for override in self.overrides:
+            if fnmatch.fnmatchcase(layer_name, override.pattern):
+                operands.update(override.settings.operands)
+                if override.settings.has_sparsity:
+                    sparsity = override.settings.sparsity
+        calibrated = self.calibration.get(layer_name, {})
+        paths: dict[str, AttentionQuant] = {}
+        for path in PATHS:
+            resolved: dict[str, OperandQuant | str] = {}
+            for role in ROLES:
+                spec = operands[role]
+                amax = spec.amax.get(path)
+                if amax is None and role != "p":
+                    amax = calibrated.get(path, {}).get(role)
+                if spec.format == "none" or amax is None:
+                    resolved[role] = spec.format
+                else:
+                    resolved[role] = OperandQuant(spec.format, amax)  # type: ignore[arg-type]
+            paths[path] = AttentionQuant(**resolved)
+        return LayerRecipe(paths["prefill"], paths["decode"], sparsity)
+
+
+def load_config(obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
+    """``MLAQuantConfig`` from a dict, a JSON file path, an existing config or None.
+
+    None (no ``mla_quant`` key) means no quantization: every operand ``none``.
+    """
+    if isinstance(obj, MLAQuantConfig):
+        return obj
+    if obj is None:
+        return MLAQuantConfig.from_obj({}, where=where)
+    return MLAQuantConfig.from_obj(obj, where=where)

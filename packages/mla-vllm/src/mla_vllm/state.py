@@ -1,0 +1,125 @@
+"""Per-layer runtime state: the layer's recipe, accuracy statistics and calibration.
+
+Statistics and amaxes accumulate in small device tensors (no host sync on the
+hot path); ``snapshot`` and ``amax_snapshot`` read them back. Nothing is recorded
+while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mla_vllm.config import LayerRecipe, ObserveConfig
+
+__all__ = ["LayerState", "capturing", "error_stats"]
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def error_stats(quantized: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``[rel_l2, cosine, max_abs]`` (float32, on device) of two same-shape outputs."""
+    a = quantized.float().flatten()
+    b = reference.float().flatten()
+    diff = a - b
+    ref_norm = b.norm()
+    rel = diff.norm() / ref_norm.clamp_min(1e-30)
+    cos = (a @ b) / (a.norm() * ref_norm).clamp_min(1e-30)
+    max_abs = diff.abs().max() if diff.numel() else diff.new_zeros(())
+    return torch.stack([rel, cos, max_abs])
+
+
+@dataclass
+class _Running:
+    """Sums and extremes of the observed statistics of one path."""
+
+    calls: int = 0
+    total: torch.Tensor | None = None  # [3]: sum of rel_l2, cosine, max_abs
+    worst: torch.Tensor | None = None  # [3]: max rel_l2, min cosine, max max_abs
+
+    def add(self, stats: torch.Tensor) -> None:
+        self.calls += 1
+        if self.total is None or self.worst is None:
+            self.total = stats.clone()
+            self.worst = stats.clone()
+            return
+        self.total += stats
+        self.worst = torch.stack(
+            [
+                torch.maximum(self.worst[0], stats[0]),
+                torch.minimum(self.worst[1], stats[1]),
+                torch.maximum(self.worst[2], stats[2]),
+            ]
+        )
+
+
+@dataclass
+class LayerState:
+    """What a quantized layer carries: its name, recipe and observers."""
+
+    name: str
+    recipe: LayerRecipe
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    calls: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, _Running] = field(default_factory=dict)
+    calibrating: bool = False
+    amax: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+
+    def should_observe(self, path: str) -> bool:
+        """Count a call of ``path``; True when this call is sampled for statistics."""
+        if not self.observe.enabled or capturing():
+            return False
+        n = self.calls.get(path, 0)
+        self.calls[path] = n + 1
+        return n % self.observe.interval == 0
+
+    def record_stats(self, path: str, quantized: torch.Tensor, reference: torch.Tensor) -> None:
+        """Accumulate the error statistics of one observed call."""
+        self.stats.setdefault(path, _Running()).add(error_stats(quantized, reference))
+
+    def record_amax(self, path: str, role: str, x: torch.Tensor) -> None:
+        """Running max |x| of operand ``role`` on ``path`` while calibrating."""
+        if not self.calibrating or x.numel() == 0 or capturing():
+            return
+        value = x.detach().abs().amax().float()
+        key = (path, role)
+        old = self.amax.get(key)
+        self.amax[key] = value if old is None else torch.maximum(old, value)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per path: calls observed, mean and worst rel_l2 / cosine / max_abs."""
+        out: dict[str, dict[str, float]] = {}
+        for path, run in self.stats.items():
+            if run.total is None or run.worst is None or run.calls == 0:
+                continue
+            mean = (run.total / run.calls).tolist()
+            worst = run.worst.tolist()
+            out[path] = {
+                "calls": float(run.calls),
+                "rel_l2_mean": mean[0],
+                "rel_l2_max": worst[0],
+                "cosine_mean": mean[1],
+                "cosine_min": worst[1],
+                "max_abs_mean": mean[2],
+                "max_abs_max": worst[2],
+            }
+        return out
+
+    def amax_snapshot(self) -> dict[str, dict[str, float]]:
+        """``{"prefill"|"decode": {"q"|"k"|"v": amax}}`` of what was recorded (> 0)."""
+        out: dict[str, dict[str, float]] = {}
+        for (path, role), value in sorted(self.amax.items()):
+            v = float(value)
+            if v > 0.0 and v == v and v != float("inf"):
+                out.setdefault(path, {})[role] = v
+        return out
+
+    def reset(self) -> None:
+        """Forget statistics and recorded amaxes."""
+        self.calls.clear()
+        self.stats.clear()
+        self.amax.clear()
