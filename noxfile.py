@@ -26,6 +26,7 @@ TRITON_SPEC = os.environ.get("MLA_TRITON_SPEC", "triton==3.8.0")
 TORCH_SPEC = os.environ.get("MLA_TORCH_SPEC", "torch==2.13.0+cpu")
 TORCH_FIND_LINKS = os.environ.get("MLA_TORCH_FIND_LINKS", "/opt/wheels")
 TEST_TOOLS = ["pytest>=8.0", "hypothesis>=6.100", "numpy>=1.24"]
+REPORT_TOOLS = ["matplotlib>=3.7", "rich>=13"]  # mla-triton's `report` extra
 
 # short session name -> (distribution folder, needs triton, workspace packages its tests use)
 PACKAGE_SESSIONS: dict[str, tuple[str, bool, tuple[str, ...]]] = {
@@ -69,7 +70,8 @@ def _editable_args(packages: tuple[str, ...] | None = None) -> list[str]:
 def _make_test_session(short: str, dist: str, triton: bool, uses: tuple[str, ...]) -> None:
     def run_tests(session: nox.Session) -> None:
         _install_base(session, triton=triton)
-        session.install(*TEST_TOOLS, *_editable_args(uses))
+        extra = REPORT_TOOLS if dist == "mla-triton" else []
+        session.install(*TEST_TOOLS, *extra, *_editable_args(uses))
         env = {"TRITON_INTERPRET": "1"} if triton else {}
         session.run("pytest", _local(dist) + "/tests", *session.posargs, env=env)
 
@@ -123,7 +125,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src."""
     _install_base(session, triton=True)
-    session.install("mypy>=1.11", "numpy>=1.24")
+    session.install("mypy>=1.11", "numpy>=1.24", *REPORT_TOOLS)
     sources = []
     for package in _existing_packages():
         if package == "mla-vllm":

@@ -30,7 +30,15 @@ import torch
 
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 
-__all__ = ["RECIPES", "Case", "Recipe", "main", "parse_recipe", "run_report"]
+__all__ = [
+    "RECIPES",
+    "Case",
+    "Recipe",
+    "main",
+    "parse_recipe",
+    "run_report",
+    "write_outputs",
+]
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,8 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("fp8", AttentionQuant.uniform("fp8")),
     Recipe("nvfp4", AttentionQuant.uniform("nvfp4")),
     Recipe("nvfp4-kv", AttentionQuant(k="nvfp4", v="nvfp4")),
-    Recipe("nvfp4+2:4", AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4, 4, 64)),
+    # N:M applies to prefill only (SPEC 5): its decode row repeats plain nvfp4.
+    Recipe("nvfp4+2:4", AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4, 4, 16)),
 )
 
 
@@ -65,14 +74,23 @@ def parse_recipe(text: str) -> Recipe:
         role, _, spec = item.partition(":")
         if role == "nm":
             n, _, m = spec.partition(":")
+            if not (n.isdigit() and m.isdigit()):
+                raise ValueError(f"--recipe: N:M needs two integers, got {item!r}")
             sparsity = NMSparsity(int(n), int(m))
             continue
         if role not in ("q", "k", "p", "v") or not spec:
             raise ValueError(f"--recipe: bad operand {item!r} (roles q, k, p, v, nm)")
         fmt, _, amax = spec.partition("@")
         value: float | str | None = None
-        if amax:
-            value = "dynamic" if amax == "dynamic" else float(amax)
+        if amax == "dynamic":
+            value = amax
+        elif amax:
+            try:
+                value = float(amax)
+            except ValueError:
+                raise ValueError(
+                    f"--recipe: amax of {role} must be a number or 'dynamic', got {amax!r}"
+                ) from None
         operands[role] = OperandQuant(fmt, value)  # type: ignore[arg-type]
     return Recipe(name, AttentionQuant(**operands), sparsity)
 
@@ -140,15 +158,24 @@ def _time_ms(fn: Any) -> float:
 
 
 def run_report(
-    recipes: tuple[Recipe, ...], device: torch.device, *, seed: int = 0, progress: bool = True
+    recipes: tuple[Recipe, ...],
+    device: torch.device,
+    *,
+    case: Case | None = None,
+    seed: int = 0,
+    progress: bool = True,
 ) -> dict[str, Any]:
-    """Run every recipe through decode and prefill; returns the JSON-ready results."""
+    """Run every recipe through decode and prefill; returns the JSON-ready results.
+
+    ``case`` defaults to :meth:`Case.for_device`. The first recipe should be ``none``:
+    error columns are measured against it.
+    """
     from rich.progress import Progress
 
     import mla_reference
     import mla_triton
 
-    case = Case.for_device(device)
+    case = case or Case.for_device(device)
     data = _inputs(case, device, seed)
     decode_scale = 1.0 / math.sqrt(192.0)  # DeepSeek-V3 scales by the unabsorbed head dim
     prefill_scale = 1.0 / math.sqrt(192.0)
@@ -286,6 +313,14 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    """Write ``report.json`` and ``report.png`` into ``out`` and print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, out / "report.png")
+    _print_table(result)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``mla-report``."""
     parser = argparse.ArgumentParser(prog="mla-report", description=__doc__.splitlines()[0])
@@ -326,10 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     result = run_report(recipes, device, seed=args.seed, progress=not args.no_progress)
     result["seconds"] = round(time.perf_counter() - start, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(result, args.out / "report.png")
-    _print_table(result)
+    write_outputs(result, args.out)
     print(
         f"wrote {args.out / 'report.json'} and {args.out / 'report.png'} in {result['seconds']} s"
     )
