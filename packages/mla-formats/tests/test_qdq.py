@@ -220,3 +220,12 @@ def test_all_dims_and_dtypes_run() -> None:
     ):
         x = torch.randn(2, 32, dtype=dtype)
         assert qdq(x, fmt).dtype == dtype
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize(("shape", "axis"), [((0, 16), -1), ((0, 2, 32), 0), ((3, 0, 32), -1)])
+def test_empty_tensors_keep_their_shape(fmt: str, shape: tuple[int, ...], axis: int) -> None:
+    x = torch.randn(shape)
+    assert qdq(x, fmt, axis=axis).shape == x.shape
+    values, scale = qdq_factored(x, fmt, axis=axis, amax="dynamic")
+    assert values.shape == x.shape and scale.shape[axis] == 1

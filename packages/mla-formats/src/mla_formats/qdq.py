@@ -54,6 +54,8 @@ def resolve_amax(x: torch.Tensor, fmt: Format, amax: AmaxArg, axis: int) -> torc
     if isinstance(amax, str):
         if amax != "dynamic":
             raise ValueError(f"amax: expected a number, a tensor, None or 'dynamic', got {amax!r}")
+        if x.shape[axis] == 0:  # an empty row has amax 0, like an all-zero one
+            return torch.zeros(shape, dtype=torch.float32, device=x.device)
         return x.detach().float().abs().amax(dim=axis, keepdim=True)
     if isinstance(amax, torch.Tensor):
         if not amax.is_floating_point():
@@ -140,7 +142,8 @@ def _nvfp4_values(
             "blocks with zeros"
         )
     rows = F.pad(xf.movedim(axis, -1), (lead, tail))
-    blocks = rows.reshape(*rows.shape[:-1], -1, block)  # [..., n_blocks, 16]
+    # [..., n_blocks, 16]; the block count is explicit so empty tensors reshape too
+    blocks = rows.reshape(*rows.shape[:-1], rows.shape[-1] // block, block)
     gs = gscale.movedim(axis, -1).unsqueeze(-1)  # [..., 1, 1]
     block_max = blocks.abs().amax(dim=-1, keepdim=True)
     block_scale = e4m3_round(torch.clamp(block_max / (gs * 6.0), max=E4M3_MAX))

@@ -530,8 +530,9 @@ def decode(
         workspace: preallocated workspace (any contiguous tensor on the device) of
             at least ``decode_workspace_size(...)`` bytes; None allocates one when
             more than one split runs.
-        out, lse: preallocated outputs (``[B, H, kv_lora_rank]`` in q's dtype, last
-            dim contiguous; ``[B, H]`` float32); every element is written.
+        out: preallocated output ``[B, H, kv_lora_rank]`` in q's dtype, last dim
+            contiguous; every element is written.
+        lse: preallocated ``[B, H]`` float32 LSE output; every element is written.
         max_seq_len: an upper bound of ``seq_lens`` (no larger than the block table's
             capacity, the default); only the split policy reads it.
         check_values: check seq_lens and the used block-table entries on the host

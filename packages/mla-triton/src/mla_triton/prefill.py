@@ -329,11 +329,12 @@ def prefill(
         return_lse: also return the natural-log LSE ``[H, T]`` (float32).
         out: optional ``[T, H, Dv]`` buffer of q's dtype to write into (any strides
             with a unit stride on the head dim, e.g. a slice of a larger tensor).
-        max_seqlen_q, max_seqlen_k: the longest sequence lengths (as flash-attn's
-            varlen API takes them). Given both, no host sync happens and the offsets'
+        max_seqlen_q: the longest query sequence (as flash-attn's varlen API takes
+            it). Given with ``max_seqlen_k``, no host sync happens and the offsets'
             values are not checked: the caller vouches for them (an understated
             ``max_seqlen_q`` leaves rows unwritten). Otherwise the offsets are read
             back and checked (start at 0, non-decreasing, end at the token count).
+        max_seqlen_k: the longest key sequence; see ``max_seqlen_q``.
         kv_qdq: where K and V are quantized: ``"prepass"`` (one pass writing factored
             copies before attention), ``"fused"`` (inside the attention kernel, once
             per query tile that reads them), or ``"auto"``: fused only when each K/V
