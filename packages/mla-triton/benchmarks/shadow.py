@@ -1,0 +1,478 @@
+"""Benchmark of the write-once shadow cache: ``decode_shadow`` against on-read ``decode``,
+and the cost of ``update_cache``.
+
+Run on a CUDA GPU from the repository root (one command; compiles in parallel, then times)::
+
+    PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
+        python packages/mla-triton/benchmarks/shadow.py --out OUTDIR
+
+Writes ``OUTDIR/shadow.json`` and ``OUTDIR/shadow.txt``. Per shape (b128 h128 L8192
+and b128 h16 L8192, page 64, random bf16, every request at full length, block table
+a random permutation) and variant (quant none; on-read fp8 and nvfp4; shadow nvfp4
+and fp8 in both storages, default tiles and a few alternatives): the median time
+of ``triton.testing.do_bench``, TFLOP/s counted as FlashMLA does (``2 H L (576 +
+512)`` per request), GB/s of raw-latent-equivalent traffic (576 bf16 per token +
+q + out) and of the bytes actually read (shadow payload per token, + q + out).
+The shadow is filled by ``update_cache`` itself. Then ``update_cache``'s time for
+a decode step (128 new tokens at scattered slots) and a prefill (8192 consecutive
+tokens), against the raw-only write (``quant`` none), and the bytes per token.
+Every shadow variant is checked against the on-read decode on two requests.
+
+``--tiny`` runs a small version of everything on the CPU (``TRITON_INTERPRET=1``):
+a smoke test of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from mla_formats import AttentionQuant
+from mla_triton.decode import DecodeConfig, decode, decode_config, decode_num_splits
+from mla_triton.shadow import (
+    decode_shadow,
+    shadow_decode_config,
+    shadow_layout,
+    update_cache,
+)
+
+SHAPES: dict[str, tuple[int, int, int, int]] = {  # batch, heads, seq len, page size
+    "b128-h128-L8192": (128, 128, 8192, 64),
+    "b128-h16-L8192": (128, 16, 8192, 64),
+}
+TINY_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "b2-h16-L80": (2, 16, 80, 16),
+}
+NVFP4 = AttentionQuant.uniform("nvfp4")
+FP8 = AttentionQuant.uniform("fp8")
+QUANTS: dict[str, AttentionQuant | None] = {"none": None, "fp8": FP8, "nvfp4": NVFP4}
+
+
+@dataclass(frozen=True)
+class Entry:
+    shape: str
+    recipe: str  # a QUANTS key
+    path: str  # "on-read", "shadow-fp16", "shadow-packed"
+    config: DecodeConfig | None = None  # None: the path's default
+
+    @property
+    def storage(self) -> str:
+        return self.path.removeprefix("shadow-")
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:{self.recipe}"
+
+
+def _cfg(bh: int, bn: int, warps: int, stages: int) -> DecodeConfig:
+    return DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=stages)
+
+
+def plan(shapes: dict[str, tuple[int, int, int, int]], sweep: bool) -> list[Entry]:
+    entries: list[Entry] = []
+    for s in shapes:
+        entries += [Entry(s, "none", "on-read"), Entry(s, "fp8", "on-read")]
+        entries += [Entry(s, "nvfp4", "on-read")]
+        for path in ("shadow-fp16", "shadow-packed"):
+            entries += [Entry(s, "nvfp4", path), Entry(s, "fp8", path)]
+        if sweep:
+            bh = 64 if shapes[s][1] > 32 else 16
+            warps = 8 if bh == 64 else 4
+            for path in ("shadow-fp16", "shadow-packed"):
+                for bn, st in ((64, 2), (32, 3), (16, 3)):
+                    entries.append(Entry(s, "nvfp4", path, _cfg(bh, bn, warps, st)))
+            entries.append(Entry(s, "fp8", "shadow-fp16", _cfg(bh, 64, warps, 3)))
+    return entries
+
+
+def flops(batch: int, heads: int, seq: int) -> float:
+    return 2.0 * batch * heads * seq * (576 + 512)
+
+
+def raw_bytes(batch: int, heads: int, seq: int) -> float:
+    """Raw-latent-equivalent traffic: 576 bf16 per token, q read, out written."""
+    return 2.0 * (batch * seq * 576 + batch * heads * 576 + batch * heads * 512)
+
+
+def actual_bytes(entry: Entry, batch: int, heads: int, seq: int) -> float:
+    """Bytes the kernel reads per token (shadow payload, or raw rows), + q + out."""
+    quant = QUANTS[entry.recipe]
+    if entry.path == "on-read" or quant is None:
+        per = 576 * 2
+    else:
+        lay = shadow_layout(quant, storage=entry.storage)
+        per = lay.payload_bytes
+        if quant.k.is_identity:
+            per += 576 * 2
+    return batch * seq * per + 2.0 * (batch * heads * 576 + batch * heads * 512)
+
+
+class Pool:
+    """Raw cache, block table and one shadow per (recipe, storage), filled by update_cache."""
+
+    def __init__(self, shape: tuple[int, int, int, int], device: str, *, tiny: bool) -> None:
+        batch, heads, seq, page = shape
+        self.batch, self.heads, self.seq, self.page = batch, heads, seq, page
+        self.device = device
+        g = torch.Generator(device="cpu").manual_seed(0)
+        pages_per = seq // page
+        self.blocks = batch * pages_per
+        self.table = (
+            torch.randperm(self.blocks, generator=g).to(torch.int32).reshape(batch, pages_per)
+        ).to(device)
+        dtype = torch.float16 if tiny else torch.bfloat16
+        self.cache = torch.zeros(self.blocks, page, 576, device=device, dtype=dtype)
+        self.q = torch.randn(batch, heads, 576, generator=g).to(device, dtype)
+        self.lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
+        self.shadows: dict[tuple[str, str], torch.Tensor] = {}
+        self.g = g
+
+    def fill(self, recipe: str, storage: str) -> torch.Tensor:
+        """Write every token through update_cache (in position order, chunked)."""
+        key = (recipe, storage)
+        if key in self.shadows:
+            return self.shadows[key]
+        quant = QUANTS[recipe]
+        assert quant is not None
+        lay = shadow_layout(quant, storage=storage)
+        shadow = torch.zeros(
+            lay.shape(self.blocks, self.page), dtype=torch.uint8, device=self.device
+        )
+        g = torch.Generator(device=self.device).manual_seed(1)  # the same latent every time
+        chunk = 1 << 16
+        total = self.blocks * self.page
+        for lo in range(0, total, chunk):
+            n = min(chunk, total - lo)
+            x = torch.randn(n, 576, generator=g, device=self.device).to(self.cache.dtype)
+            update_cache(
+                x[:, :512],
+                x[:, 512:],
+                self.cache,
+                torch.arange(lo, lo + n, device=self.device),
+                shadow,
+                quant=quant,
+                storage=storage,
+            )
+        self.shadows[key] = shadow
+        return shadow
+
+
+def _splits(entry: Entry, shapes: dict[str, tuple[int, int, int, int]], device: str) -> int:
+    batch, heads, seq, _ = shapes[entry.shape]
+    cfg = _config(entry, heads)
+    dev = torch.device(device) if device == "cuda" else None
+    return decode_num_splits(batch, heads, seq, device=dev, block_h=cfg.block_h)
+
+
+def _config(entry: Entry, heads: int) -> DecodeConfig:
+    if entry.config is not None:
+        return entry.config
+    quant = QUANTS[entry.recipe]
+    if entry.path == "on-read":
+        return decode_config(heads, quant)
+    return shadow_decode_config(heads, quant, entry.storage)
+
+
+def _runner(
+    entry: Entry, pool: Pool, splits: int, out: torch.Tensor, lse: torch.Tensor
+) -> Callable[[], object]:
+    quant = QUANTS[entry.recipe]
+    common: dict[str, Any] = {
+        "softmax_scale": 0.1,
+        "num_splits": splits,
+        "config": entry.config,
+        "out": out,
+        "lse": lse,
+        "max_seq_len": pool.seq,
+    }
+    if entry.path == "on-read":
+        return lambda: decode(pool.q, pool.cache, pool.table, pool.lens, quant=quant, **common)
+    assert quant is not None
+    shadow = pool.fill(entry.recipe, entry.storage)
+    return lambda: decode_shadow(
+        pool.q,
+        pool.cache,
+        shadow,
+        pool.table,
+        pool.lens,
+        quant=quant,
+        storage=entry.storage,
+        **common,
+    )
+
+
+def _compile_one(entry: Entry) -> str:
+    """Compile one entry's kernels on inputs of the same table width (tiny data)."""
+    _, heads, seq, page = SHAPES[entry.shape]
+    t0 = time.time()
+    small = Pool((2, heads, seq, page), "cuda", tiny=False)
+    small.lens.fill_(64)
+    splits = _splits(entry, SHAPES, "cuda")
+    out = torch.empty(2, heads, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(2, heads, device="cuda", dtype=torch.float32)
+    _runner(entry, small, splits, out, lse)()
+    torch.cuda.synchronize()
+    return f"{entry.shape} {entry.name} {entry.config} {time.time() - t0:.1f}s"
+
+
+def precompile(entries: list[Entry], workers: int) -> None:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        for line in pool.imap_unordered(_compile_one, entries):
+            print("compiled", line, flush=True)
+
+
+def _bench(fn: Callable[[], object], tiny: bool, warmup_ms: int, rep_ms: int) -> float:
+    if tiny:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _row_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    return float(((a64 - b64).abs().amax(-1) / b64.abs().amax(-1).clamp_min(1e-3)).max())
+
+
+def time_decodes(
+    entries: list[Entry],
+    shapes: dict[str, tuple[int, int, int, int]],
+    device: str,
+    tiny: bool,
+    warmup_ms: int,
+    rep_ms: int,
+) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for shape in shapes:
+        pool = Pool(shapes[shape], device, tiny=tiny)
+        batch, heads, seq, _ = shapes[shape]
+        for entry in (e for e in entries if e.shape == shape):
+            splits = _splits(entry, shapes, device)
+            out = torch.empty(batch, heads, 512, device=device, dtype=pool.q.dtype)
+            lse = torch.empty(batch, heads, device=device, dtype=torch.float32)
+            run = _runner(entry, pool, splits, out, lse)
+            ms = _bench(run, tiny, warmup_ms, rep_ms)
+            row: dict[str, object] = {
+                "shape": shape,
+                "path": entry.path,
+                "recipe": entry.recipe,
+                "config": asdict(_config(entry, heads)),
+                "default_config": entry.config is None,
+                "num_splits": splits,
+                "ms": ms,
+                "tflops": flops(batch, heads, seq) / ms / 1e9,
+                "raw_equiv_gbps": raw_bytes(batch, heads, seq) / ms / 1e6,
+                "actual_gbps": actual_bytes(entry, batch, heads, seq) / ms / 1e6,
+                "finite": bool(torch.isfinite(out).all()),
+            }
+            quant = QUANTS[entry.recipe]
+            if entry.path != "on-read" and quant is not None:
+                # agreement with on-read on two requests (same data, same pool)
+                want = decode(
+                    pool.q[:2], pool.cache, pool.table[:2], pool.lens[:2], softmax_scale=0.1,
+                    quant=quant, num_splits=splits,
+                )  # fmt: skip
+                got = decode_shadow(
+                    pool.q[:2], pool.cache, pool.shadows[(entry.recipe, entry.storage)],
+                    pool.table[:2], pool.lens[:2], softmax_scale=0.1, quant=quant,
+                    storage=entry.storage, num_splits=splits, config=entry.config,
+                )  # fmt: skip
+                row["max_row_err_vs_on_read"] = _row_err(got[0], want[0])
+                row["max_lse_err_vs_on_read"] = float((got[1] - want[1]).abs().max())
+            rows.append(row)
+            print(
+                f"{shape:17s} {entry.name:22s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s",
+                flush=True,
+            )
+        del pool
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def time_updates(device: str, tiny: bool, warmup_ms: int, rep_ms: int) -> list[dict[str, object]]:
+    """update_cache per call: a decode step (128 scattered tokens) and an 8192-token prefill."""
+    blocks, page = (64, 16) if tiny else (128 * 8192 // 64, 64)
+    dtype = torch.float16 if tiny else torch.bfloat16
+    cache = torch.zeros(blocks, page, 576, device=device, dtype=dtype)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    cases = {
+        "decode-step-128": (8 if tiny else 128),
+        "prefill-8192": (64 if tiny else 8192),
+    }
+    rows: list[dict[str, object]] = []
+    for case, n in cases.items():
+        if case.startswith("decode"):  # one token in each of n sequences' pages
+            pages = torch.randperm(blocks, generator=g)[:n]
+            slots = pages * page + torch.randint(0, page, (n,), generator=g)
+        else:  # consecutive positions of one sequence over random pages
+            pages = torch.randperm(blocks, generator=g)[: -(-n // page)]
+            pos = torch.arange(n)
+            slots = pages[pos // page] * page + pos % page
+        slots = slots.to(device)
+        x = torch.randn(n, 576, generator=g).to(device, dtype)
+        for recipe, storage in (
+            ("none", "fp16"),
+            ("nvfp4", "fp16"),
+            ("nvfp4", "packed"),
+            ("fp8", "fp16"),
+            ("fp8", "packed"),
+        ):
+            quant = QUANTS[recipe] or AttentionQuant()
+            lay = shadow_layout(quant, storage=storage)
+            shadow = torch.zeros(lay.shape(blocks, page), dtype=torch.uint8, device=device)
+
+            def run(
+                quant: AttentionQuant = quant,
+                shadow: torch.Tensor = shadow,
+                st: str = storage,
+                x: torch.Tensor = x,
+                slots: torch.Tensor = slots,
+            ) -> None:
+                update_cache(
+                    x[:, :512],
+                    x[:, 512:],
+                    cache,
+                    slots,
+                    shadow,
+                    quant=quant,
+                    storage=st,
+                )
+
+            ms = _bench(run, tiny, warmup_ms, rep_ms)
+            rows.append(
+                {
+                    "case": case,
+                    "recipe": recipe if recipe != "none" else "raw only",
+                    "storage": storage if recipe != "none" else "-",
+                    "tokens": n,
+                    "us": ms * 1e3,
+                    "ns_per_token": ms * 1e6 / n,
+                    "shadow_bytes_per_token": lay.token_bytes,
+                    "shadow_payload_per_token": lay.payload_bytes,
+                }
+            )
+            r = rows[-1]
+            print(
+                f"update {case:16s} {r['recipe']:8s} {r['storage']:6s} {r['us']:9.1f} us",
+                flush=True,
+            )
+    return rows
+
+
+def memory_table() -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for recipe in ("nvfp4", "fp8"):
+        for storage in ("fp16", "packed"):
+            quant = QUANTS[recipe]
+            assert quant is not None
+            lay = shadow_layout(quant, storage=storage)
+            rows.append(
+                {
+                    "recipe": recipe,
+                    "storage": storage,
+                    "token_bytes": lay.token_bytes,
+                    "payload_bytes": lay.payload_bytes,
+                    "raw_bf16_bytes": 1152,
+                    "overhead_vs_raw": lay.token_bytes / 1152,
+                }
+            )
+    return rows
+
+
+def render(
+    info: dict[str, object],
+    dec: list[dict[str, object]],
+    upd: list[dict[str, object]],
+    mem: list[dict[str, object]],
+) -> str:
+    lines = [
+        f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}",
+        f"{'shape':17s} {'path':14s} {'recipe':6s} {'config (bh,bn,warps,stages)':30s} "
+        f"{'splits':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'rawGB/s':>8s} {'GB/s':>7s} {'err':>8s}",
+    ]
+    for r in dec:
+        c = r["config"]
+        assert isinstance(c, dict)
+        tag = f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']}" + (
+            " (default)" if r["default_config"] else ""
+        )
+        err = r.get("max_row_err_vs_on_read")
+        lines.append(
+            f"{r['shape']:17s} {r['path']:14s} {r['recipe']:6s} {tag:30s} {r['num_splits']:>6} "
+            f"{r['ms']:8.3f} {r['tflops']:8.1f} {r['raw_equiv_gbps']:8.0f} {r['actual_gbps']:7.0f} "
+            + (f"{err:8.1e}" if isinstance(err, float) else f"{'':8s}")
+            + ("" if r["finite"] else "  NON-FINITE")
+        )
+    lines.append("update_cache (raw write + shadow):")
+    for r in upd:
+        lines.append(
+            f"  {r['case']:16s} {r['recipe']:8s} {r['storage']:6s} {r['tokens']:>6} tokens "
+            f"{r['us']:9.1f} us {r['ns_per_token']:8.1f} ns/token"
+        )
+    lines.append("memory per token (raw bf16 latent: 1152 bytes):")
+    for r in mem:
+        lines.append(
+            f"  {r['recipe']:6s} {r['storage']:6s} {r['token_bytes']:5} bytes "
+            f"({r['payload_bytes']} payload), {r['overhead_vs_raw']:.2f}x the raw cache"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", default=None, help="folder for shadow.json/.txt")
+    parser.add_argument("--sweep", action="store_true", help="add alternative tiles")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (TRITON_INTERPRET=1)")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--warmup-ms", type=int, default=50)
+    parser.add_argument("--rep-ms", type=int, default=200)
+    args = parser.parse_args(argv)
+    tiny = bool(args.tiny)
+    if not tiny and not torch.cuda.is_available():
+        print("shadow benchmark: needs a CUDA GPU (or --tiny on the CPU)", file=sys.stderr)
+        return 2
+    device = "cpu" if tiny else "cuda"
+    shapes = TINY_SHAPES if tiny else SHAPES
+    entries = plan(shapes, args.sweep)
+    if not tiny:
+        t0 = time.time()
+        precompile(entries, args.workers)
+        print(f"precompiled {len(entries)} entries in {time.time() - t0:.0f}s", flush=True)
+    info: dict[str, object] = {
+        "device": torch.cuda.get_device_name() if not tiny else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "tiny": tiny,
+    }
+    dec = time_decodes(entries, shapes, device, tiny, args.warmup_ms, args.rep_ms)
+    upd = time_updates(device, tiny, args.warmup_ms, args.rep_ms)
+    mem = memory_table()
+    text = render(info, dec, upd, mem)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "shadow.json"), "w") as f:
+            json.dump({"info": info, "decode": dec, "update": upd, "memory": mem}, f, indent=1)
+        with open(os.path.join(args.out, "shadow.txt"), "w") as f:
+            f.write(text + "\n")
+    errs = [r.get("max_row_err_vs_on_read", 0.0) for r in dec]
+    ok = all(r["finite"] for r in dec) and all(isinstance(e, float) and e <= 1e-2 for e in errs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

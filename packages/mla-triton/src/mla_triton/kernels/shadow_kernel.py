@@ -1,0 +1,629 @@
+"""Write-once quantized K/V shadow cache: the Triton kernels (SPEC 2, 3; docs/shadow-cache.md).
+
+The shadow holds, beside the raw latent cache and addressed by the same
+``(page, slot)``, the *factored* quantized operands of every written token (the
+QDQ'd value divided by its global scale, exact in 16 bits, see SPEC 2):
+
+- K̂ ``[D1 + D2]`` along the features, static or dynamic amax (then the token's
+  float32 global scale beside it). Fixed once the token is written.
+- V̂ ``[D1]`` along the tokens, static amax. fp8 V has no blocks: fixed once the
+  token is written. nvfp4 V is blocked over 16 consecutive absolute positions,
+  which (pages holding consecutive positions, page size a multiple of 16) are 16
+  consecutive slots of one page: the block of slot ``s`` is ``s // 16``. Its
+  V̂ is written once, when the block's last slot (``s % 16 == 15``) is written,
+  from the raw cache (which then holds all 16 tokens). The open tail block of a
+  sequence (fewer than 16 tokens) has no V̂ in the shadow: decode quantizes it
+  on read from the raw cache, with zeros past the sequence's end, exactly as the
+  on-read decode does. So the shadow never depends on a sequence length.
+
+Kernels:
+
+- ``shadow_update_kernel``: one program per new token: the raw row (as
+  ``concat_and_cache_mla`` writes it), K̂ (and its scale), fp8 V̂.
+- ``shadow_v_block_kernel``: one program per new token; the token that closes a
+  16-token block re-reads the block's 16 raw rows and writes their nvfp4 V̂. A
+  second launch, so the raw rows of the same step are visible.
+- ``shadow_decode_split_kernel``: ``decode_split_kernel`` with K̂ and V̂ read from
+  the shadow instead of quantized on read; the sequence's last, partial tile
+  quantizes nvfp4 V on read (the open block). Stage 0 (q̂) and stage 2 (merge)
+  are ``decode_kernel``'s.
+
+Storage (``STORE``): 0, the 16-bit form: factored values as float16 (exact; a
+cast to bfloat16 is exact too). 1, packed: nvfp4 as E2M1 codes (two per byte,
+low nibble first) plus E4M3 block-scale bytes, fp8 as E4M3 bytes; decoded with
+integer and float32 arithmetic (no fp8 casts: the interpreter rounds them wrongly).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mla_triton import qdq_device as dev
+from mla_triton.kernels.decode_kernel import _chunk, _qdq_k, _qdq_p, _qdq_v
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+# ---------------------------------------------------------------- packed codes
+
+
+@triton.jit
+def e4m3_encode(y):
+    """The E4M3FN byte (int32 0..255) of a float32 ``y`` already on the E4M3 grid."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+    sub = (a * 512.0).to(tl.int32)  # subnormals: multiples of 2^-9 below 2^-6
+    code = tl.where(a >= 0.015625, normal, sub)
+    return tl.where(y < 0, code | 0x80, code)
+
+
+@triton.jit
+def e4m3_decode(code):
+    """float32 value of an E4M3FN byte (int32 0..255); integer and float32 arithmetic."""
+    e = (code >> 3) & 0xF
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    a = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((code & 0x80) != 0, -a, a)
+
+
+@triton.jit
+def e2m1_encode(y):
+    """The E2M1 nibble (int32 0..15, sign in bit 3) of a float32 ``y`` on the E2M1 grid."""
+    a = tl.abs(y)
+    big = 4 + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
+    code = tl.where(a >= 2.0, big, (a * 2.0).to(tl.int32))
+    return tl.where(y < 0, code | 8, code)
+
+
+@triton.jit
+def e2m1_decode(code):
+    """float32 value of an E2M1 nibble (int32 0..15)."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    normal = (((e + 126) << 23).to(tl.float32, bitcast=True)) * (1.0 + 0.5 * m)
+    a = tl.where(e == 0, 0.5 * m, normal)
+    return tl.where((code & 8) != 0, -a, a)
+
+
+@triton.jit
+def _nvfp4_rows_codes(x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
+    """NVFP4 of float32 ``[ROWS, COLS]`` along axis 1: (E2M1 values, E4M3 block scales).
+
+    The same rounding as ``qdq_device.nvfp4_qdq_rows`` (the product of the two is its
+    factored value); a zero block scale gives zero codes.
+    """
+    xb = tl.reshape(x, (ROWS, COLS // 16, 16))
+    sb = dev.nvfp4_block_scale(tl.max(tl.abs(xb), axis=2), gs)  # [ROWS, COLS // 16]
+    scale3 = tl.expand_dims(sb * gs, 2)
+    mag = dev.e2m1_scaled(tl.abs(xb), scale3, EXACT)
+    mag = tl.where(tl.expand_dims(sb, 2) == 0.0, 0.0, mag)
+    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS)), sb
+
+
+@triton.jit
+def _nvfp4_cols_codes(x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
+    """NVFP4 of float32 ``[ROWS, COLS]`` along axis 0 (blocks of 16 rows): (values, scales)."""
+    xb = tl.reshape(x, (ROWS // 16, 16, COLS))
+    sb = dev.nvfp4_block_scale(tl.max(tl.abs(xb), axis=1), gs)  # [ROWS // 16, COLS]
+    mag = dev.e2m1_scaled(tl.abs(xb), tl.expand_dims(sb, 1) * gs, EXACT)
+    mag = tl.where(tl.expand_dims(sb, 1) == 0.0, 0.0, mag)
+    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS)), sb
+
+
+@triton.jit
+def _pack_nibbles(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """E2M1 values ``[ROWS, COLS]`` to bytes ``[ROWS, COLS // 2]`` (element 2i low nibble)."""
+    lo, hi = tl.split(tl.reshape(e2m1_encode(v), (ROWS, COLS // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _unpack_nibbles(b, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Bytes ``[ROWS, COLS // 2]`` to E2M1 values ``[ROWS, COLS]`` (float32)."""
+    bi = b.to(tl.int32)
+    return tl.reshape(tl.join(e2m1_decode(bi & 0xF), e2m1_decode(bi >> 4)), (ROWS, COLS))
+
+
+# ---------------------------------------------------------------- cache update
+
+
+@triton.jit
+def _store_k(
+    kh_ptr,
+    rows,
+    x,
+    gs,
+    ok,
+    FMT: tl.constexpr,
+    EXACT: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    STORE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """K̂ of ``COLS`` features of ``ROWS`` tokens ``x [ROWS, COLS]`` into shadow ``rows``.
+
+    ``gs``: a scalar or ``[ROWS, 1]``; ``ok [ROWS]``: the tokens to write. 16-bit:
+    ``COLS`` float16 at element offset ``rows``. Packed (bytes): nvfp4 codes
+    ``COLS // 2`` bytes then ``COLS // 16`` scale bytes; fp8 ``COLS`` bytes.
+    """
+    offs = tl.arange(0, COLS)[None, :]
+    ptrs = kh_ptr + rows[:, None]
+    if STORE == 0:
+        y = _qdq_k(x, gs, 1.0 / gs, 1.0 / (6.0 * gs), FMT, EXACT, False, HW_FP8, ROWS, COLS)
+        tl.store(ptrs + offs, y.to(tl.float16), mask=ok[:, None] & (offs >= 0))
+    elif FMT == 1:
+        y = dev.e4m3_round(tl.math.div_rn(x, gs) if EXACT else x * (1.0 / gs))
+        tl.store(ptrs + offs, e4m3_encode(y).to(tl.uint8), mask=ok[:, None] & (offs >= 0))
+    else:
+        codes, sb = _nvfp4_rows_codes(x, gs, ROWS, COLS, EXACT)
+        half = tl.arange(0, COLS // 2)[None, :]
+        tl.store(ptrs + half, _pack_nibbles(codes, ROWS, COLS), mask=ok[:, None] & (half >= 0))
+        nb = tl.arange(0, COLS // 16)[None, :]
+        sbytes = e4m3_encode(sb).to(tl.uint8)
+        tl.store(ptrs + COLS // 2 + nb, sbytes, mask=ok[:, None] & (nb >= 0))
+
+
+@triton.jit
+def shadow_update_kernel(
+    kvc_ptr,
+    kpe_ptr,
+    slot_ptr,
+    kv_ptr,
+    kh_ptr,
+    ks_ptr,
+    vh_ptr,
+    num_tokens,
+    stride_kvc_t,
+    stride_kpe_t,
+    stride_slot,
+    stride_kv_page,
+    stride_kv_row,
+    stride_kh_page,
+    stride_kh_row,
+    stride_ks_page,
+    stride_ks_row,
+    stride_vh_page,
+    stride_vh_row,
+    k_gs,
+    v_gs,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_DYN: tl.constexpr,
+    K_EXACT: tl.constexpr,
+    V_TOKEN: tl.constexpr,
+    V_EXACT: tl.constexpr,
+    STORE: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """``BLOCK_T`` new tokens: raw rows, K̂ (and dynamic scales), fp8 V̂ (``V_TOKEN``).
+
+    A token with ``slot < 0`` (or past ``num_tokens``) writes nothing. The raw row
+    is ``kv_c ++ k_pe`` cast to the cache's dtype; K̂ and V̂ are computed from
+    those cast values, as the on-read decode computes them from the cache. Shadow
+    rows: K̂ at ``page * stride_kh_page + slot * stride_kh_row`` (16-bit: D1 + D2
+    float16; packed: see ``_store_k``, the rope part after the latent part), the K
+    scale float32, fp8 V̂ D1 values.
+    """
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot, mask=t < num_tokens, other=-1).to(tl.int64)
+    ok = slot >= 0
+    s = tl.where(ok, slot, 0)
+    page = s // PAGE
+    off = s % PAGE
+    offs_d1 = tl.arange(0, D1)[None, :]
+    offs_d2 = tl.arange(0, D2)[None, :]
+    m1 = ok[:, None] & (offs_d1 >= 0)
+    m2 = ok[:, None] & (offs_d2 >= 0)
+    in_dtype = kv_ptr.dtype.element_ty
+    x1 = tl.load(kvc_ptr + t[:, None] * stride_kvc_t + offs_d1, mask=m1, other=0.0)
+    x2 = tl.load(kpe_ptr + t[:, None] * stride_kpe_t + offs_d2, mask=m2, other=0.0)
+    x1 = x1.to(in_dtype)
+    x2 = x2.to(in_dtype)
+    raw = kv_ptr + (page * stride_kv_page + off * stride_kv_row)[:, None]
+    tl.store(raw + offs_d1, x1, mask=m1)
+    tl.store(raw + D1 + offs_d2, x2, mask=m2)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+
+    if K_FMT != 0:
+        if K_DYN:  # amax over each token's D1 + D2 features, divided as the reference does
+            amax = tl.maximum(tl.max(tl.abs(x1f), axis=1), tl.max(tl.abs(x2f), axis=1))
+            unit = 448.0 if K_FMT == 1 else 2688.0
+            gs_row = tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit)
+            tl.store(ks_ptr + page * stride_ks_page + off * stride_ks_row, gs_row, mask=ok)
+            gs = gs_row[:, None]
+        else:
+            gs = k_gs
+        krow = page * stride_kh_page + off * stride_kh_row
+        # the rope part follows the latent part (packed nvfp4: codes, then scales)
+        rope = D1 // 2 + D1 // 16 if STORE == 1 and K_FMT == 2 else D1
+        _store_k(kh_ptr, krow, x1f, gs, ok, K_FMT, K_EXACT, HW_FP8, STORE, BLOCK_T, D1)
+        _store_k(kh_ptr, krow + rope, x2f, gs, ok, K_FMT, K_EXACT, HW_FP8, STORE, BLOCK_T, D2)
+
+    if V_TOKEN:  # fp8 V: per element, fixed once written
+        vrow = (page * stride_vh_page + off * stride_vh_row)[:, None]
+        if STORE == 0:
+            y = _qdq_v(x1f, v_gs, 1.0 / v_gs, 1.0, 1, V_EXACT, False, HW_FP8, BLOCK_T, D1)
+            tl.store(vh_ptr + vrow + offs_d1, y.to(tl.float16), mask=m1)
+        else:
+            if V_EXACT:
+                y = dev.e4m3_round(tl.math.div_rn(x1f, v_gs))
+            else:
+                y = dev.e4m3_round(x1f * (1.0 / v_gs))
+            tl.store(vh_ptr + vrow + offs_d1, e4m3_encode(y).to(tl.uint8), mask=m1)
+
+
+@triton.jit
+def shadow_v_block_kernel(
+    slot_ptr,
+    kv_ptr,
+    vh_ptr,
+    stride_slot,
+    stride_kv_page,
+    stride_kv_row,
+    stride_vh_page,
+    stride_vh_row,
+    v_gs,
+    D1: tl.constexpr,
+    PAGE: tl.constexpr,
+    V_EXACT: tl.constexpr,
+    STORE: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """nvfp4 V̂ of the 16-token block that new token ``t`` closes (``slot % 16 == 15``).
+
+    Reads the block's 16 raw rows (slots ``slot - 15 .. slot`` of the page, written
+    by this step's ``shadow_update_kernel`` or earlier steps) and writes their V̂:
+    16-bit, ``D1`` float16 per row; packed, ``D1 // 2`` code bytes per row and the
+    block's ``D1`` scale bytes spread over its rows, ``D1 // 16`` per row (row ``r``
+    of the block holds the scales of features ``r * D1 // 16 ..``).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+    if (slot < 0) | (slot % 16 != 15):
+        return
+    closes = slot >= 0
+    s = slot
+    page = s // PAGE
+    first = s % PAGE - 15
+    r = tl.arange(0, 16).to(tl.int64)
+    offs_d1 = tl.arange(0, D1)
+    mask = closes & (r[:, None] >= 0) & (offs_d1[None, :] >= 0)
+    rows = page * stride_kv_page + (first + r) * stride_kv_row
+    x = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=mask, other=0.0).to(tl.float32)
+    vrows = page * stride_vh_page + (first + r) * stride_vh_row
+    if STORE == 0:
+        y = _qdq_v(x, v_gs, 1.0 / v_gs, 1.0 / (6.0 * v_gs), 2, V_EXACT, False, HW_FP8, 16, D1)
+        tl.store(vh_ptr + vrows[:, None] + offs_d1[None, :], y.to(tl.float16), mask=mask)
+    else:
+        codes, sb = _nvfp4_cols_codes(x, v_gs, 16, D1, V_EXACT)  # sb [1, D1]
+        half = tl.arange(0, D1 // 2)
+        hmask = closes & (r[:, None] >= 0) & (half[None, :] >= 0)
+        tl.store(vh_ptr + vrows[:, None] + half[None, :], _pack_nibbles(codes, 16, D1), mask=hmask)
+        sbytes = tl.reshape(e4m3_encode(sb), (16, D1 // 16)).to(tl.uint8)
+        nb = tl.arange(0, D1 // 16)
+        smask = closes & (r[:, None] >= 0) & (nb[None, :] >= 0)
+        tl.store(vh_ptr + vrows[:, None] + D1 // 2 + nb[None, :], sbytes, mask=smask)
+
+
+# ---------------------------------------------------------------- decode
+
+
+@triton.jit
+def _load_k_hat(
+    kh_ptr,
+    krow,
+    valid,
+    FMT: tl.constexpr,
+    STORE: tl.constexpr,
+    COLS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Factored K̂ ``[BLOCK_N, COLS]`` float32 (16-bit: float16 as stored) from shadow rows."""
+    if STORE == 0:
+        offs = tl.arange(0, COLS)
+        y = tl.load(kh_ptr + krow[:, None] + offs[None, :], mask=valid[:, None], other=0.0)
+    elif FMT == 1:
+        offs = tl.arange(0, COLS)
+        b = tl.load(kh_ptr + krow[:, None] + offs[None, :], mask=valid[:, None], other=0)
+        y = e4m3_decode(b.to(tl.int32))
+    else:
+        half = tl.arange(0, COLS // 2)
+        b = tl.load(kh_ptr + krow[:, None] + half[None, :], mask=valid[:, None], other=0)
+        nb = tl.arange(0, COLS // 16)
+        sc = tl.load(kh_ptr + krow[:, None] + COLS // 2 + nb[None, :], mask=valid[:, None], other=0)
+        sb = e4m3_decode(sc.to(tl.int32))
+        codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, COLS), (BLOCK_N, COLS // 16, 16))
+        y = tl.reshape(codes * tl.expand_dims(sb, 2), (BLOCK_N, COLS))
+    return y
+
+
+@triton.jit
+def _load_v_hat(
+    vh_ptr,
+    vrow,
+    valid,
+    FMT: tl.constexpr,
+    STORE: tl.constexpr,
+    D1: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Factored V̂ ``[BLOCK_N, D1]`` of a tile starting at a multiple of 16 (complete blocks)."""
+    if STORE == 0:
+        offs = tl.arange(0, D1)
+        y = tl.load(vh_ptr + vrow[:, None] + offs[None, :], mask=valid[:, None], other=0.0)
+    elif FMT == 1:
+        offs = tl.arange(0, D1)
+        b = tl.load(vh_ptr + vrow[:, None] + offs[None, :], mask=valid[:, None], other=0)
+        y = e4m3_decode(b.to(tl.int32))
+    else:
+        half = tl.arange(0, D1 // 2)
+        b = tl.load(vh_ptr + vrow[:, None] + half[None, :], mask=valid[:, None], other=0)
+        nb = tl.arange(0, D1 // 16)
+        sc = tl.load(vh_ptr + vrow[:, None] + D1 // 2 + nb[None, :], mask=valid[:, None], other=0)
+        sb = tl.reshape(e4m3_decode(sc.to(tl.int32)), (BLOCK_N // 16, 1, D1))
+        codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, D1), (BLOCK_N // 16, 16, D1))
+        y = tl.reshape(codes * sb, (BLOCK_N, D1))
+    return y
+
+
+@triton.jit
+def _shadow_tile(
+    q1,
+    q2,
+    row_scale,
+    m_i,
+    l_i,
+    acc,
+    kv_ptr,
+    kh_ptr,
+    ks_ptr,
+    vh_ptr,
+    bt_row,
+    start,
+    hi,
+    stride_kv_page,
+    stride_kv_row,
+    stride_kh_page,
+    stride_kh_row,
+    stride_ks_page,
+    stride_ks_row,
+    stride_vh_page,
+    stride_vh_row,
+    stride_bt_p,
+    v_gs,
+    v_inv_gs,
+    v_inv_6gs,
+    p_gs,
+    p_inv_gs,
+    p_inv_6gs,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_DYN: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_SRC: tl.constexpr,
+    V_EXACT: tl.constexpr,
+    V_ON_READ: tl.constexpr,
+    P_FMT: tl.constexpr,
+    PV_F16: tl.constexpr,
+    STORE: tl.constexpr,
+    FAST: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """One tile of ``BLOCK_N`` tokens from ``start`` (a multiple of ``BLOCK_N``).
+
+    K̂ from the shadow (raw K for ``K_FMT == 0``); V from the raw cache (``V_SRC``
+    0), the shadow's V section (1) or the first D1 features of K̂ (2: fp8 K and V
+    with one scale); ``V_ON_READ``: nvfp4 V̂ quantized from the raw rows (the
+    sequence's last tile, holding its open block). Returns ``(m_i, l_i, acc)``.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, D1)
+    offs_d2 = tl.arange(0, D2)
+    tok = start + offs_n
+    valid = tok < hi
+    if PAGE % BLOCK_N == 0:
+        page = tl.load(bt_row + (start // PAGE) * stride_bt_p).to(tl.int64)
+        slot = ((start % PAGE) + offs_n).to(tl.int64)
+    else:
+        page = tl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(tl.int64)
+        slot = (tok % PAGE).to(tl.int64)
+    rows = page * stride_kv_page + slot * stride_kv_row
+    qk_dtype = q1.dtype
+    in_dtype = kv_ptr.dtype.element_ty
+    pv_dtype = tl.float16 if PV_F16 else in_dtype
+
+    if K_FMT == 0:
+        k1 = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
+        k2 = tl.load(kv_ptr + rows[:, None] + D1 + offs_d2[None, :], mask=valid[:, None], other=0.0)
+    else:
+        krow = page * stride_kh_page + slot * stride_kh_row
+        k1 = _load_k_hat(kh_ptr, krow, valid, K_FMT, STORE, D1, BLOCK_N).to(qk_dtype)
+        if STORE == 1 and K_FMT == 2:
+            k2 = _load_k_hat(kh_ptr, krow + D1 // 2 + D1 // 16, valid, K_FMT, STORE, D2, BLOCK_N)
+        else:
+            k2 = _load_k_hat(kh_ptr, krow + D1, valid, K_FMT, STORE, D2, BLOCK_N)
+        k2 = k2.to(qk_dtype)
+
+    s = tl.dot(q1, tl.trans(k1))
+    s = tl.dot(q2, tl.trans(k2), s)
+    t = s * row_scale[:, None]
+    if K_DYN:
+        gs_tok = tl.load(
+            ks_ptr + page * stride_ks_page + slot * stride_ks_row, mask=valid, other=1.0
+        )
+        t = t * gs_tok[None, :]
+    t = tl.where(valid[None, :], t, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.ceil(tl.max(t, axis=1)))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(t - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = _qdq_p(p, p_gs, p_inv_gs, p_inv_6gs, P_FMT, FAST, HW_FP8, BLOCK_H, BLOCK_N)
+
+    if V_SRC == 2:
+        v = k1
+    elif V_SRC == 0:
+        v = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
+    elif V_ON_READ:
+        kv = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
+        v = _qdq_v(
+            kv.to(tl.float32), v_gs, v_inv_gs, v_inv_6gs, V_FMT, V_EXACT, FAST, HW_FP8, BLOCK_N, D1
+        ).to(pv_dtype)
+    else:
+        vrow = page * stride_vh_page + slot * stride_vh_row
+        v = _load_v_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N).to(pv_dtype)
+    acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def shadow_decode_split_kernel(
+    qn_ptr,
+    qp_ptr,
+    qgs_ptr,
+    kv_ptr,
+    kh_ptr,
+    ks_ptr,
+    vh_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    wacc_ptr,
+    wml_ptr,
+    stride_qn_b,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_h,
+    stride_kv_page,
+    stride_kv_row,
+    stride_kh_page,
+    stride_kh_row,
+    stride_ks_page,
+    stride_ks_row,
+    stride_vh_page,
+    stride_vh_row,
+    stride_bt_b,
+    stride_bt_p,
+    stride_sl,
+    stride_o_b,
+    stride_o_h,
+    stride_lse_b,
+    stride_lse_h,
+    num_heads,
+    capacity,
+    score_scale,  # softmax_scale * log2(e), times K's global scale when it is static
+    v_gs,
+    v_inv_gs,
+    v_inv_6gs,
+    p_gs,
+    p_inv_gs,
+    p_inv_6gs,
+    out_scale,  # gs_p * gs_v
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_GROUPS: tl.constexpr,
+    SPLIT_ALIGN_: tl.constexpr,
+    Q_SCALED: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_DYN: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_SRC: tl.constexpr,
+    V_EXACT: tl.constexpr,
+    V_TAIL: tl.constexpr,
+    P_FMT: tl.constexpr,
+    PV_F16: tl.constexpr,
+    STORE: tl.constexpr,
+    FAST: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``.
+
+    The chunk's tiles that end at or before the sequence's end read K̂ and V̂
+    from the shadow; the tile holding the end (at most one per request, since
+    split bounds are multiples of ``SPLIT_ALIGN_``, itself a multiple of
+    ``BLOCK_N``) reads K̂ from the shadow and, with ``V_TAIL`` (nvfp4 V),
+    quantizes V on read from the raw rows, zeros past the end.
+    """
+    pid = tl.program_id(0)
+    hg = pid % HEAD_GROUPS
+    split = (pid // HEAD_GROUPS) % NUM_SPLITS
+    b = (pid // HEAD_GROUPS // NUM_SPLITS).to(tl.int64)
+
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32), capacity)
+    chunk = _chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    full_hi = tl.maximum(tl.minimum(hi, (seq_len // BLOCK_N) * BLOCK_N), lo)
+
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < num_heads
+    offs_d1 = tl.arange(0, D1)
+    offs_d2 = tl.arange(0, D2)
+
+    q1 = tl.load(
+        qn_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d1[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )
+    q2 = tl.load(
+        qp_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_d2[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )
+    row_scale = tl.zeros([BLOCK_H], tl.float32) + score_scale
+    if Q_SCALED:
+        row_scale *= tl.load(qgs_ptr + b * num_heads + offs_h, mask=h_mask, other=1.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D1], tl.float32)
+    bt_row = bt_ptr + b * stride_bt_b
+
+    for start in range(lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _shadow_tile(
+            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, start, hi,
+            stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
+            stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
+            v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
+            V_FMT, V_SRC, V_EXACT, False, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+        )  # fmt: skip
+    for start in range(full_hi, hi, BLOCK_N):  # the tile holding the end: 0 or 1 of them
+        m_i, l_i, acc = _shadow_tile(
+            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, start, hi,
+            stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
+            stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
+            v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
+            V_FMT, V_SRC, V_EXACT, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+        )  # fmt: skip
+
+    if NUM_SPLITS == 1:
+        nonempty = seq_len > 0
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        inv_l = tl.where(nonempty, out_scale / l_safe, 0.0)
+        o = acc * inv_l[:, None]
+        lse = tl.where(nonempty, (tl.log2(l_safe) + m_i) * LN2, float("-inf"))
+        o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d1[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
+    else:
+        row = (b * NUM_SPLITS + split) * num_heads + offs_h
+        st_mask = h_mask & (lo < seq_len)
+        tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
+        tl.store(wml_ptr + row * 2, m_i, mask=st_mask)
+        tl.store(wml_ptr + row * 2 + 1, l_i, mask=st_mask)

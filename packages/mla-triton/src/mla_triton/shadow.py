@@ -1,0 +1,700 @@
+"""Write-once quantized K/V shadow cache beside the raw latent cache (docs/shadow-cache.md).
+
+On-read decode (``mla_triton.decode``) quantizes every latent tile as K and as V
+at every decode step, once per head group. With static K and V scales (or a
+dynamic per-token K scale) a token's K̂ never changes once it is written, and the
+V̂ of a complete 16-token block never changes once the block is full. This module
+quantizes them once, at cache-write time, into a *shadow* cache that a decode
+variant reads instead; both paths compute the same function (bitwise-equal
+quantized operands; outputs equal up to float32 summation order).
+
+Engine-agnostic API, plain tensors:
+
+- ``shadow_layout(quant, storage=...)``: what a token's shadow row holds and its
+  bytes (``ShadowLayout.token_bytes``); ``ShadowLayout.shape(num_blocks,
+  page_size)`` and ``allocate_shadow`` give the uint8 tensor ``[num_blocks,
+  page_size, token_bytes]``, addressed by the same ``(block, slot)`` as the raw
+  cache: a block id names both, so prefix caching, swapping and preemption move
+  the shadow with its raw block.
+- ``update_cache(kv_c, k_pe, kv_cache, slot_mapping, shadow, quant=...)``: the
+  inputs of vLLM's ``concat_and_cache_mla``; writes the raw rows exactly as it
+  does and the shadow beside them.
+- ``decode_shadow(q, kv_cache, shadow, block_table, seq_lens, ...)``: ``decode``
+  reading K̂ and V̂ from the shadow.
+
+Tail block: the nvfp4 V̂ of a 16-token block is written when its last slot is
+written; a sequence's open tail block (1 to 15 tokens) has none, and decode
+quantizes it on read from the raw rows, zeros past the sequence's end. The
+shadow's contents thus never depend on a sequence length; decode needs nothing
+but the raw cache, the shadow, the block table and ``seq_lens``. Requires pages
+of a multiple of 16 slots holding consecutive positions (slot ``i`` of a
+sequence's ``j``-th page is position ``j * page_size + i``), as paged engines do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from mla_formats import AttentionQuant, OperandQuant
+from mla_triton.decode import (
+    _MERGE_BLOCK_H,
+    LOG2E,
+    DecodeConfig,
+    _block_h,
+    _check,
+    _check_lse,
+    _check_num_splits,
+    _check_out,
+    _check_values,
+    _hw_fp8,
+    _layout,
+    _operand,
+    _tensor,
+    _workspace_view,
+    decode_num_splits,
+)
+from mla_triton.kernels.decode_kernel import SPLIT_ALIGN, decode_merge_kernel, decode_q_kernel
+from mla_triton.kernels.shadow_kernel import (
+    shadow_decode_split_kernel,
+    shadow_update_kernel,
+    shadow_v_block_kernel,
+)
+
+__all__ = [
+    "STORAGES",
+    "ShadowLayout",
+    "allocate_shadow",
+    "decode_shadow",
+    "shadow_decode_config",
+    "shadow_layout",
+    "update_cache",
+]
+
+STORAGES: tuple[str, ...] = ("fp16", "packed")
+_ALIGN = 16  # bytes: sections and token rows are 16-byte aligned
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = (torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_UPDATE_BLOCK_T = 16  # tokens per program of the update kernel
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _section_bytes(fmt: str, width: int, storage: str) -> int:
+    if fmt == "none":
+        return 0
+    if storage == "fp16":
+        return 2 * width
+    if fmt == "fp8":
+        return width
+    return width // 2 + width // 16  # nvfp4: E2M1 codes, two per byte, and E4M3 block scales
+
+
+@dataclass(frozen=True)
+class ShadowLayout:
+    """What one token's shadow row holds, at which byte offsets (all 16-byte aligned).
+
+    Sections (absent ones have 0 bytes):
+
+    - K̂ (``k_offset``, ``k_bytes``): the token's ``kv_lora_rank + rope_dim``
+      factored K values; ``fp16`` storage: float16, latent then rope; ``packed``:
+      nvfp4 as ``[latent codes (kv_lora_rank / 2 bytes, element 2i in the low
+      nibble), latent block scales (kv_lora_rank / 16 E4M3 bytes), rope codes, rope
+      scales]``, fp8 as E4M3 bytes.
+    - K scale (``k_scale_offset``, 4 bytes): the float32 global scale of a dynamic K.
+    - V̂ (``v_offset``, ``v_bytes``): ``kv_lora_rank`` factored V values; fp8: the
+      token's own (E4M3 bytes when packed); nvfp4: written when the token's
+      16-token block is complete (packed: the token's codes, then 1/16 of its
+      block's scales: row ``r`` of a block holds those of features
+      ``r * kv_lora_rank / 16`` onwards). Absent when V shares K̂ (``v_shared``:
+      fp8 K and V with one static scale: V̂ is K̂'s first ``kv_lora_rank`` values).
+
+    Factored values are the QDQ'd values divided by their global scale (SPEC 2),
+    exact in float16 and bfloat16; global scales stay out of the shadow.
+    """
+
+    storage: str
+    k_format: str
+    k_dynamic: bool
+    v_format: str
+    v_shared: bool
+    kv_lora_rank: int
+    rope_dim: int
+    k_offset: int
+    k_bytes: int
+    k_scale_offset: int
+    k_scale_bytes: int
+    v_offset: int
+    v_bytes: int
+    payload_bytes: int
+    """Bytes of the sections without padding."""
+    token_bytes: int
+    """Bytes per token (the shadow's last dim): the sections, each 16-byte aligned."""
+
+    def shape(self, num_blocks: int, page_size: int) -> tuple[int, int, int]:
+        """The shadow tensor's shape ``(num_blocks, page_size, token_bytes)`` (uint8)."""
+        return (num_blocks, page_size, self.token_bytes)
+
+    def nbytes(self, num_blocks: int, page_size: int) -> int:
+        """Bytes of a shadow for ``num_blocks`` pages of ``page_size`` tokens."""
+        return num_blocks * page_size * self.token_bytes
+
+    def views(
+        self, shadow: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Typed views ``(k_hat, k_scale, v_hat)`` of a shadow (None: absent section).
+
+        ``fp16``: k_hat ``[N, P, kv_lora_rank + rope_dim]`` float16, v_hat ``[N, P,
+        kv_lora_rank]`` float16; ``packed``: uint8 byte ranges; k_scale ``[N, P, 1]``
+        float32.
+        """
+        k = v = s = None
+        wide = torch.float16 if self.storage == "fp16" else torch.uint8
+        if self.k_bytes:
+            k = shadow[..., self.k_offset : self.k_offset + self.k_bytes].view(wide)
+        if self.k_scale_bytes:
+            s = shadow[..., self.k_scale_offset : self.k_scale_offset + 4].view(torch.float32)
+        if self.v_bytes:
+            v = shadow[..., self.v_offset : self.v_offset + self.v_bytes].view(wide)
+        return k, s, v
+
+
+def _check_storage(storage: object) -> str:
+    if storage not in STORAGES:
+        raise ValueError(f"storage: expected one of {STORAGES}, got {storage!r}")
+    assert isinstance(storage, str)
+    return storage
+
+
+def _check_quant(quant: object) -> AttentionQuant:
+    if not isinstance(quant, AttentionQuant):
+        raise ValueError(f"quant: expected mla_formats.AttentionQuant, got {type(quant).__name__}")
+    return quant
+
+
+def _positive_int(value: object, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _v_shared(k: OperandQuant, v: OperandQuant) -> bool:
+    return (
+        k.format.name == "fp8"
+        and v.format.name == "fp8"
+        and not k.is_dynamic
+        and k.global_scale() == v.global_scale()
+    )
+
+
+@lru_cache(maxsize=256)
+def _make_layout(
+    k: OperandQuant, v: OperandQuant, kv_lora_rank: int, rope_dim: int, storage: str
+) -> ShadowLayout:
+    shared = _v_shared(k, v)
+    k_bytes = _section_bytes(k.format.name, kv_lora_rank, storage) + _section_bytes(
+        k.format.name, rope_dim, storage
+    )
+    s_bytes = 4 if k.is_dynamic else 0
+    v_bytes = 0 if shared else _section_bytes(v.format.name, kv_lora_rank, storage)
+    k_off = 0
+    v_off = _align(k_bytes)
+    s_off = v_off + _align(v_bytes)
+    total = _align(s_off + s_bytes)
+    return ShadowLayout(
+        storage=storage,
+        k_format=k.format.name,
+        k_dynamic=k.is_dynamic,
+        v_format=v.format.name,
+        v_shared=shared,
+        kv_lora_rank=kv_lora_rank,
+        rope_dim=rope_dim,
+        k_offset=k_off,
+        k_bytes=k_bytes,
+        k_scale_offset=s_off,
+        k_scale_bytes=s_bytes,
+        v_offset=v_off,
+        v_bytes=v_bytes,
+        payload_bytes=k_bytes + s_bytes + v_bytes,
+        token_bytes=total,
+    )
+
+
+def shadow_layout(
+    quant: AttentionQuant,
+    *,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    storage: str = "fp16",
+) -> ShadowLayout:
+    """The shadow layout for a recipe's K and V (q and p do not enter the shadow).
+
+    Bytes per token (DeepSeek, 512 + 64; ``token_bytes``, 16-byte aligned):
+
+    ======================  ========  ========
+    K / V                   fp16      packed
+    ======================  ========  ========
+    nvfp4 / nvfp4           2176      624 (612 payload)
+    fp8 / fp8 (one scale)   1152      576
+    nvfp4 / fp8             2176      848
+    dynamic K               +16       +16 (4 payload)
+    ======================  ========  ========
+
+    The raw bf16 latent is 1152 bytes per token.
+    """
+    q = _check_quant(quant)
+    _positive_int(kv_lora_rank, "kv_lora_rank", 16)
+    _positive_int(rope_dim, "rope_dim", 16)
+    for name, value in (("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
+        if value & (value - 1):
+            raise ValueError(f"{name}: expected a power of two, got {value}")
+    return _make_layout(q.k, q.v, kv_lora_rank, rope_dim, _check_storage(storage))
+
+
+def allocate_shadow(
+    num_blocks: int,
+    page_size: int,
+    quant: AttentionQuant,
+    *,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    storage: str = "fp16",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """A zeroed uint8 shadow ``[num_blocks, page_size, token_bytes]`` for ``quant``.
+
+    An engine with its own allocator instead allocates ``shadow_layout(...).shape(...)``
+    bytes (or a wider per-token row holding the raw latent too: any uint8 view with
+    a contiguous last dim and 16-byte aligned strides works).
+    """
+    _positive_int(num_blocks, "num_blocks", 0)
+    _positive_int(page_size, "page_size")
+    if page_size % 16:
+        raise ValueError(f"page_size: expected a multiple of 16, got {page_size}")
+    lay = shadow_layout(quant, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, storage=storage)
+    return torch.zeros(lay.shape(num_blocks, page_size), dtype=torch.uint8, device=device)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_shadow(
+    shadow: object, kv_cache: torch.Tensor, lay: ShadowLayout
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    t = _tensor(shadow, "shadow", 3)
+    want = lay.shape(kv_cache.shape[0], kv_cache.shape[1])
+    if t.dtype != torch.uint8 or tuple(t.shape) != want:
+        raise ValueError(
+            f"shadow: expected uint8 {want} (shadow_layout(...).shape for the cache's "
+            f"blocks and page size; {lay.token_bytes} bytes per token for this recipe and "
+            f"storage {lay.storage!r}), got {t.dtype} {tuple(t.shape)}"
+        )
+    if t.device != kv_cache.device:
+        raise ValueError(f"shadow: expected device {kv_cache.device}, got {t.device}")
+    if lay.token_bytes:
+        if t.stride(2) != 1 or t.stride(0) % _ALIGN or t.stride(1) % _ALIGN:
+            raise ValueError(
+                f"shadow: expected a contiguous last dim and 16-byte aligned page and row "
+                f"strides, got strides {tuple(t.stride())}"
+            )
+        if t.data_ptr() % _ALIGN:
+            raise ValueError("shadow: expected a 16-byte aligned data pointer")
+    k, s, v = lay.views(t)
+    return t, k, s, v
+
+
+def _check_cache(kv_cache: object, width: int) -> torch.Tensor:
+    cache = _tensor(kv_cache, "kv_cache", 3)
+    if cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache: expected float16 or bfloat16, got {cache.dtype}")
+    if cache.shape[2] != width:
+        raise ValueError(
+            f"kv_cache: expected last dim {width} (kv_lora_rank + rope_dim), got {cache.shape[2]}"
+        )
+    if cache.shape[2] > 1 and cache.stride(2) != 1:
+        raise ValueError(
+            "kv_cache: the last dim must be contiguous (stride 1), got strides "
+            f"{tuple(cache.stride())}"
+        )
+    if cache.shape[1] <= 0 or cache.shape[1] % 16:
+        raise ValueError(
+            f"kv_cache: page size (dim 1) must be a positive multiple of 16 (16-token V "
+            f"blocks lie in one page), got {cache.shape[1]}"
+        )
+    return cache
+
+
+def _strides(x: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if x is None else (x.stride(0), x.stride(1))
+
+
+# ---------------------------------------------------------------------------- update
+
+
+def update_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    shadow: torch.Tensor,
+    *,
+    quant: AttentionQuant,
+    storage: str = "fp16",
+    check_values: bool | None = None,
+) -> None:
+    """Write new tokens into the raw latent cache and its quantized shadow.
+
+    Args:
+        kv_c: ``[T, kv_lora_rank]`` float16/bfloat16/float32, last dim contiguous
+            (any row stride): the compressed latent of each new token.
+        k_pe: ``[T, rope_dim]``, the same (squeeze vLLM's ``[T, 1, rope]`` first).
+        kv_cache: the raw cache ``[num_blocks, page_size, kv_lora_rank + rope_dim]``
+            float16/bfloat16, last dim contiguous, ``page_size`` a multiple of 16.
+            Row ``slot`` gets ``kv_c ++ k_pe`` cast to its dtype, exactly as vLLM's
+            ``concat_and_cache_mla`` (``kv_cache_dtype="auto"``) writes it.
+        slot_mapping: int32/int64 ``[T']`` with ``T' <= T`` (tokens past ``T'`` are
+            padding and ignored): token ``t`` goes to page ``slot // page_size``,
+            slot ``slot % page_size``; ``-1`` skips the token.
+        shadow: uint8 ``shadow_layout(quant, storage=storage).shape(num_blocks,
+            page_size)``, same device (a strided view works, see ``allocate_shadow``).
+        quant: the recipe; only ``quant.k`` and ``quant.v`` are used, and they must
+            be the ones decode passes.
+        storage: ``"fp16"`` (16-bit factored values) or ``"packed"`` (4/8-bit codes).
+        check_values: check slot_mapping against the cache's capacity on the host
+            (a device sync). None: only when it is a CPU tensor.
+
+    Writes, per token, the raw row, K̂ (and its dynamic scale) and fp8 V̂; then, in
+    a second launch, the nvfp4 V̂ of every 16-token block whose last slot
+    (``slot % 16 == 15``) this call writes, from the block's 16 raw rows. Tokens
+    must reach a page in position order (an engine's append-only pages do: a
+    block's last slot is written after, or with, its other 15). Two launches, no
+    host sync, no allocation: CUDA-graph capturable.
+
+    Non-finite input is written as is; its K̂/V̂ follow ``decode``'s note.
+    """
+    q = _check_quant(quant)
+    st = _check_storage(storage)
+    x1 = _tensor(kv_c, "kv_c", 2)
+    x2 = _tensor(k_pe, "k_pe", 2)
+    for name, x in (("kv_c", x1), ("k_pe", x2)):
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name}: expected float16, bfloat16 or float32, got {x.dtype}")
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            raise ValueError(f"{name}: the last dim must be contiguous, got strides {x.stride()}")
+    d1, d2 = x1.shape[1], x2.shape[1]
+    if d1 < 16 or d1 & (d1 - 1):
+        raise ValueError(f"kv_c: last dim (kv_lora_rank) must be a power of two >= 16, got {d1}")
+    if d2 < 16 or d2 & (d2 - 1):
+        raise ValueError(f"k_pe: last dim (rope_dim) must be a power of two >= 16, got {d2}")
+    if x2.shape[0] != x1.shape[0]:
+        raise ValueError(f"k_pe: expected {x1.shape[0]} rows (those of kv_c), got {x2.shape[0]}")
+    cache = _check_cache(kv_cache, d1 + d2)
+    for name, x in (("kv_c", x1), ("k_pe", x2)):
+        if x.device != cache.device:
+            raise ValueError(f"{name}: expected device {cache.device}, got {x.device}")
+    slots = _tensor(slot_mapping, "slot_mapping", 1)
+    if slots.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"slot_mapping: expected int32 or int64, got {slots.dtype}")
+    if slots.device != cache.device:
+        raise ValueError(f"slot_mapping: expected device {cache.device}, got {slots.device}")
+    if slots.shape[0] > x1.shape[0]:
+        raise ValueError(f"slot_mapping: {slots.shape[0]} entries for {x1.shape[0]} tokens of kv_c")
+    lay = shadow_layout(q, kv_lora_rank=d1, rope_dim=d2, storage=st)
+    _, kh, ks, vh = _check_shadow(shadow, cache, lay)
+    n = slots.shape[0]
+    page_size = cache.shape[1]
+    if check_values or (check_values is None and slots.device.type == "cpu"):
+        s = slots.to("cpu", torch.int64)
+        cap = cache.shape[0] * page_size
+        bad = (s < -1) | (s >= cap)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"slot_mapping: entry {i} is {int(s[i])}, outside [-1, {cap}) (the cache's "
+                f"{cache.shape[0]} blocks x {page_size} slots)"
+            )
+    if n == 0:
+        return
+    ko, vo = _operand(q.k), _operand(q.v)
+    hw = _hw_fp8(cache.device)
+    dummy = cache
+    v_token = vo.code == 1 and not lay.v_shared
+    shadow_update_kernel[(-(-n // _UPDATE_BLOCK_T),)](
+        x1,
+        x2,
+        slots,
+        cache,
+        dummy if kh is None else kh,
+        dummy if ks is None else ks,
+        dummy if vh is None else vh,
+        n,
+        x1.stride(0),
+        x2.stride(0),
+        slots.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        *_strides(kh),
+        *_strides(ks),
+        *_strides(vh),
+        ko.gs,
+        vo.gs,
+        D1=d1,
+        D2=d2,
+        PAGE=page_size,
+        BLOCK_T=_UPDATE_BLOCK_T,
+        K_FMT=ko.code,
+        K_DYN=ko.dynamic,
+        K_EXACT=not ko.pow2,
+        V_TOKEN=v_token,
+        V_EXACT=not vo.pow2,
+        STORE=STORAGES.index(st),
+        HW_FP8=hw,
+        num_warps=4,
+    )
+    if vo.code == 2:
+        assert vh is not None
+        shadow_v_block_kernel[(n,)](
+            slots,
+            cache,
+            vh,
+            slots.stride(0),
+            cache.stride(0),
+            cache.stride(1),
+            vh.stride(0),
+            vh.stride(1),
+            vo.gs,
+            D1=d1,
+            PAGE=page_size,
+            V_EXACT=not vo.pow2,
+            STORE=STORAGES.index(st),
+            HW_FP8=hw,
+            num_warps=4,
+        )
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def shadow_decode_config(
+    num_heads: int, quant: AttentionQuant | None = None, storage: str = "fp16"
+) -> DecodeConfig:
+    """Default tiles of ``decode_shadow``: as on-read, but full tiles hold no float32 copy.
+
+    A 16-bit shadow is read like the raw cache (64-token tiles), except with nvfp4
+    V, whose last tile quantizes the open block on read (32-token tiles), and the
+    packed storage, which decodes codes to float32 (32-token tiles).
+    """
+    block_h = _block_h(num_heads)
+    nvfp4_v = quant is not None and quant.v.format.name == "nvfp4"
+    packed = (
+        storage == "packed"
+        and quant is not None
+        and not (quant.k.is_identity and quant.v.is_identity)
+    )
+    block_n = 32 if (nvfp4_v or packed) else 64
+    if block_h == 64:
+        return DecodeConfig(block_h=64, block_n=block_n, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=block_h, block_n=block_n, num_warps=4, num_stages=2)
+
+
+def decode_shadow(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    shadow: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    quant: AttentionQuant,
+    storage: str = "fp16",
+    kv_lora_rank: int = 512,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    check_values: bool | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla_triton.decode`` reading K̂ and V̂ from a shadow written by ``update_cache``.
+
+    Arguments and results as ``decode`` (q, kv_cache, block_table, seq_lens,
+    softmax_scale, kv_lora_rank, num_splits, workspace — sized by
+    ``decode_workspace_size`` —, out, lse, max_seq_len, check_values, config),
+    plus ``shadow`` and ``storage`` as passed to ``update_cache``, and ``quant``
+    (required), whose k and v must be those the shadow was written with. The
+    page size must be a multiple of 16.
+
+    q̂ and P̂ are quantized in the kernel as in ``decode``; K̂ comes from the
+    shadow (raw K when k is ``none``); V̂ of complete 16-token blocks from the
+    shadow (raw V when v is ``none``; K̂ when fp8 K and V share a scale), and
+    the sequence's open nvfp4 V block is quantized on read from the raw rows
+    with zeros past ``seq_lens``. With the same split count and tile
+    configuration as ``decode``, the result is bit-identical to it; with
+    different ones, equal up to float32 summation order (SPEC 4).
+    """
+    qq = _check_quant(quant)
+    st = _check_storage(storage)
+    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, qq, max_seq_len)
+    cache = _check_cache(kv_cache, kv_lora_rank + c.rope)
+    lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
+    _, kh, ks, vh = _check_shadow(shadow, cache, lay)
+    device = c.q_nope.device
+    dtype = c.q_nope.dtype
+    if num_splits is not None:
+        _check_num_splits(num_splits)
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise ValueError(f"config: expected None or DecodeConfig, got {type(config).__name__}")
+    out_t = (
+        torch.empty(c.batch, c.heads, kv_lora_rank, dtype=dtype, device=device)
+        if out is None
+        else _check_out(out, c.batch, c.heads, kv_lora_rank, dtype, device)
+    )
+    lse_t = (
+        torch.empty(c.batch, c.heads, dtype=torch.float32, device=device)
+        if lse is None
+        else _check_lse(lse, c.batch, c.heads, device)
+    )
+    if check_values or (check_values is None and seq_lens.device.type == "cpu"):
+        _check_values(c, cache, block_table, seq_lens)
+    if c.batch == 0:
+        return out_t, lse_t
+
+    cfg = config if config is not None else shadow_decode_config(c.heads, qq, st)
+    head_groups = -(-c.heads // cfg.block_h)
+    bound = c.capacity if max_seq_len is None else max_seq_len
+    splits = (
+        num_splits
+        if num_splits is not None
+        else decode_num_splits(c.batch, c.heads, bound, device=device, block_h=cfg.block_h)
+    )
+    qo, ko, vo, po = (_operand(op) for op in (qq.q, qq.k, qq.v, qq.p))
+    qk_f16 = qo.code != 0 and ko.code != 0
+    v_src = 0 if vo.code == 0 else (2 if lay.v_shared else 1)
+    pv_f16 = qk_f16 if v_src == 2 else vo.code != 0
+    wl = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0)
+    if wl.total == 0:
+        ws = torch.empty(0, dtype=torch.uint8, device=device)
+    elif workspace is None:
+        ws = torch.empty(wl.total, dtype=torch.uint8, device=device)
+    else:
+        ws = _workspace_view(workspace, wl.total, device)
+    wacc = ws[wl.acc : wl.ml].view(torch.float32) if splits > 1 else lse_t
+    wml = ws[wl.ml : wl.q_scale].view(torch.float32) if splits > 1 else lse_t
+    q_nope, q_pe, q_scale = c.q_nope, c.q_pe, lse_t
+    if qo.code != 0:
+        width = kv_lora_rank + c.rope
+        q_scale = ws[wl.q_scale : wl.q_hat].view(torch.float32)
+        q_hat = ws[wl.q_hat : wl.total].view(torch.float16 if qk_f16 else dtype)
+        q_hat = q_hat[: c.batch * c.heads * width].view(c.batch, c.heads, width)
+        decode_q_kernel[(c.heads, c.batch)](
+            c.q_nope,
+            c.q_pe,
+            q_hat,
+            q_scale,
+            c.q_nope.stride(0),
+            c.q_nope.stride(1),
+            c.q_pe.stride(0),
+            c.q_pe.stride(1),
+            c.heads,
+            qo.gs,
+            D1=kv_lora_rank,
+            D2=c.rope,
+            Q_FMT=qo.code,
+            Q_DYN=qo.dynamic,
+            num_warps=4,
+        )
+        q_nope, q_pe = q_hat[..., :kv_lora_rank], q_hat[..., kv_lora_rank:]
+
+    dummy = cache
+    shadow_decode_split_kernel[(head_groups * splits * c.batch,)](
+        q_nope,
+        q_pe,
+        q_scale,
+        cache,
+        dummy if kh is None else kh,
+        dummy if ks is None else ks,
+        dummy if vh is None else vh,
+        block_table,
+        seq_lens,
+        out_t,
+        lse_t,
+        wacc,
+        wml,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        *_strides(kh),
+        *_strides(ks),
+        *_strides(vh),
+        block_table.stride(0),
+        block_table.stride(1),
+        seq_lens.stride(0),
+        out_t.stride(0),
+        out_t.stride(1),
+        lse_t.stride(0),
+        lse_t.stride(1),
+        c.heads,
+        c.capacity,
+        c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
+        vo.gs,
+        1.0 / vo.gs,
+        1.0 / (6.0 * vo.gs),
+        po.gs,
+        1.0 / po.gs,
+        1.0 / (6.0 * po.gs),
+        po.gs * vo.gs,
+        D1=kv_lora_rank,
+        D2=c.rope,
+        PAGE=c.page_size,
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        NUM_SPLITS=splits,
+        HEAD_GROUPS=head_groups,
+        SPLIT_ALIGN_=SPLIT_ALIGN,
+        Q_SCALED=qo.code != 0,
+        K_FMT=ko.code,
+        K_DYN=ko.dynamic,
+        V_FMT=vo.code,
+        V_SRC=v_src,
+        V_EXACT=not vo.pow2,
+        V_TAIL=vo.code == 2,
+        P_FMT=po.code,
+        PV_F16=pv_f16,
+        STORE=STORAGES.index(st),
+        FAST=cfg.fast_qdq,
+        HW_FP8=_hw_fp8(device),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        decode_merge_kernel[(-(-c.heads // _MERGE_BLOCK_H), c.batch)](
+            wacc,
+            wml,
+            seq_lens,
+            out_t,
+            lse_t,
+            seq_lens.stride(0),
+            out_t.stride(0),
+            out_t.stride(1),
+            lse_t.stride(0),
+            lse_t.stride(1),
+            c.heads,
+            c.capacity,
+            po.gs * vo.gs,
+            D1=kv_lora_rank,
+            BLOCK_H=_MERGE_BLOCK_H,
+            NUM_SPLITS=splits,
+            SPLIT_ALIGN_=SPLIT_ALIGN,
+            num_warps=4,
+        )
+    return out_t, lse_t

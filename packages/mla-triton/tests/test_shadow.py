@@ -1,0 +1,520 @@
+"""The write-once shadow cache against on-read decode and mla_formats (CPU, interpreter, fp16).
+
+Caches are built token by token through ``update_cache`` (a prefill chunk, then
+decode steps of one token per sequence, with ``-1`` padding slots holding NaN
+rows), in pools whose unwritten raw rows are NaN and whose shadow bytes are
+0xFF (float16 NaN): anything read that was never written shows.
+
+Checks:
+
+- contents: the raw rows are the inputs; K̂ equals ``qdq_factored`` along the
+  features (dynamic scales too), V̂ of every complete 16-token block at absolute
+  positions equals ``qdq_factored`` along the tokens (fp8: every token), bitwise,
+  for both storages (packed bytes decoded here with torch's float8 and a table);
+- decode: ``decode_shadow`` with the same split count and tile configuration as
+  ``decode`` is bit-identical to it (the same quantized operands through the same
+  dots); with its own default tiles, rows agree within float32 summation order
+  (``row_errors <= 1e-3``, LSE 1e-6);
+- a wrong shadow (one flipped value, or V quantized at a shifted block origin) is
+  detected by both checks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from mla_formats import AttentionQuant, OperandQuant, qdq_factored
+from mla_triton import (
+    ShadowLayout,
+    allocate_shadow,
+    decode,
+    decode_shadow,
+    shadow_layout,
+    update_cache,
+)
+from mla_triton.decode import DecodeConfig
+
+SCALE = 0.07
+D1, D2 = 512, 64
+D = D1 + D2
+E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+
+
+# ------------------------------------------------------------------ a paged pool
+
+
+@dataclass
+class Pool:
+    """A raw cache and its shadow, filled through ``update_cache`` like an engine does."""
+
+    quant: AttentionQuant
+    storage: str
+    page: int
+    max_len: int
+    batch: int
+    seed: int
+    cache: torch.Tensor = field(init=False)
+    shadow: torch.Tensor = field(init=False)
+    table: torch.Tensor = field(init=False)
+    lens: list[int] = field(init=False)
+    g: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.g = torch.Generator().manual_seed(self.seed)
+        per = -(-self.max_len // self.page)
+        blocks = self.batch * per + 2
+        self.cache = torch.full((blocks, self.page, D), float("nan"), dtype=torch.float16)
+        self.shadow = allocate_shadow(blocks, self.page, self.quant, storage=self.storage)
+        self.shadow.fill_(0xFF)
+        perm = torch.randperm(blocks, generator=self.g)[: self.batch * per]
+        self.table = perm.reshape(self.batch, per).to(torch.int32)
+        self.lens = [0] * self.batch
+
+    def append(self, counts: list[int], pad: int = 2) -> None:
+        """Write ``counts[b]`` new tokens of each sequence in one ``update_cache`` call.
+
+        Sequences appear in a random order, each one's tokens in position order,
+        with ``pad`` skipped (``-1``) tokens holding NaN rows in between.
+        """
+        rows: list[tuple[int, int]] = []  # (slot or -1, sequence)
+        for b in torch.randperm(self.batch, generator=self.g).tolist():
+            for pos in range(self.lens[b], self.lens[b] + counts[b]):
+                slot = int(self.table[b, pos // self.page]) * self.page + pos % self.page
+                rows.append((slot, b))
+        for _ in range(pad):
+            at = int(torch.randint(0, len(rows) + 1, (1,), generator=self.g))
+            rows.insert(at, (-1, -1))
+        n = len(rows)
+        # latent rows of mixed magnitudes (dynamic K scales differ per token); some
+        # rows exact ties of E2M1 midpoints
+        mag = torch.exp2(torch.randint(-3, 3, (n, 1), generator=self.g).float())
+        kvc = torch.randn(n, D1, generator=self.g) * mag
+        kpe = torch.randn(n, D2, generator=self.g) * mag
+        slots = torch.tensor([s for s, _ in rows], dtype=torch.int64)
+        kvc[slots < 0] = float("nan")
+        kpe[slots < 0] = float("nan")
+        # kv_c as float32 with a row stride: cast to the cache's fp16 in the kernel
+        wide = torch.zeros(n, D1 + 8)
+        wide[:, :D1] = kvc
+        update_cache(
+            wide[:, :D1],
+            kpe.half(),
+            self.cache,
+            slots,
+            self.shadow,
+            quant=self.quant,
+            storage=self.storage,
+        )
+        written = self.gather_rows(slots[slots >= 0])
+        want = torch.cat([kvc, kpe.half().float()], 1)[slots >= 0].half()
+        assert torch.equal(written, want), "raw rows differ from the inputs"
+        for b in range(self.batch):
+            self.lens[b] += counts[b]
+
+    def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.cache.view(-1, D)[slots]
+
+    def slots_of(self, b: int) -> torch.Tensor:
+        pos = torch.arange(self.lens[b])
+        return self.table[b, pos // self.page].long() * self.page + pos % self.page
+
+    def seq_lens(self) -> torch.Tensor:
+        return torch.tensor(self.lens, dtype=torch.int32)
+
+    @property
+    def layout(self) -> ShadowLayout:
+        return shadow_layout(self.quant, storage=self.storage)
+
+
+# ------------------------------------------------------------------ reading the shadow here
+
+
+def _e4m3(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float8_e4m3fn).float()
+
+
+def _nvfp4_unpack(b: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed nvfp4 ``[..., width / 2 codes, width / 16 scales]`` to (codes, scales)."""
+    codes = b[..., : width // 2].long()
+    vals = torch.stack([E2M1[codes & 0xF], E2M1[codes >> 4]], -1).flatten(-2)
+    return vals, _e4m3(b[..., width // 2 : width // 2 + width // 16])
+
+
+def read_k(pool: Pool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Factored K̂ ``[n, 576]`` float32 (and dynamic scales ``[n]``) of shadow rows."""
+    lay = pool.layout
+    kh, ks, _ = lay.views(pool.shadow)
+    assert kh is not None
+    rows = kh.reshape(-1, kh.shape[-1])[slots]
+    scale = None if ks is None else ks.reshape(-1)[slots]
+    if lay.storage == "fp16":
+        return rows.float(), scale
+    if lay.k_format == "fp8":
+        return _e4m3(rows), scale
+    parts = []
+    at = 0
+    for width in (D1, D2):
+        vals, sb = _nvfp4_unpack(rows[:, at:], width)
+        parts.append((vals.view(-1, width // 16, 16) * sb[..., None]).flatten(1))
+        at += width // 2 + width // 16
+    return torch.cat(parts, 1), scale
+
+
+def read_v(pool: Pool, slots: torch.Tensor) -> torch.Tensor:
+    """Factored V̂ ``[n, 512]`` float32 of shadow rows (nvfp4: whole 16-token blocks)."""
+    lay = pool.layout
+    _, _, vh = lay.views(pool.shadow)
+    if lay.v_shared:
+        return read_k(pool, slots)[0][:, :D1]
+    assert vh is not None
+    rows = vh.reshape(-1, vh.shape[-1])[slots]
+    if lay.storage == "fp16":
+        return rows.float()
+    if lay.v_format == "fp8":
+        return _e4m3(rows)
+    vals, sb = _nvfp4_unpack(rows, D1)  # sb: [n, 32], row r of a block: features 32r..
+    blocks = sb.view(-1, 16 * (D1 // 16))  # [n / 16, 512]
+    return (vals.view(-1, 16, D1) * blocks[:, None, :]).view(-1, D1)
+
+
+def check_contents(pool: Pool) -> None:
+    """Every written token's K̂ and every complete block's V̂ against mla_formats, bitwise."""
+    q = pool.quant
+    for b, length in enumerate(pool.lens):
+        if length == 0:
+            continue
+        slots = pool.slots_of(b)
+        latent = pool.gather_rows(slots).float()
+        if not q.k.is_identity:
+            want, gs = qdq_factored(latent, q.k, axis=1)
+            got, scale = read_k(pool, slots)
+            assert torch.equal(got, want), f"K̂ of sequence {b} differs"
+            if q.k.is_dynamic:
+                assert scale is not None and torch.equal(scale, gs[:, 0]), "K scales differ"
+        if not q.v.is_identity:
+            want, _ = qdq_factored(latent[:, :D1], q.v, axis=0, pad=True)
+            done = length - length % 16 if q.v.format.name == "nvfp4" else length
+            got = read_v(pool, slots[:done])
+            assert torch.equal(got, want[:done]), f"V̂ of sequence {b} differs"
+
+
+# ------------------------------------------------------------------ decode comparisons
+
+
+def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    o, r = out.double(), ref.double()
+    return (o - r).abs().amax(-1) / r.abs().amax(-1).clamp_min(1e-3)
+
+
+def q_for(pool: Pool, heads: int = 4) -> torch.Tensor:
+    return (torch.randn(pool.batch, heads, D, generator=pool.g) * 0.5).half()
+
+
+def check_decode(pool: Pool, q: torch.Tensor, *, splits: int = 2, same_tiles: bool = True) -> None:
+    """decode_shadow against decode: bit-identical with equal tiles, else within bounds."""
+    seq = pool.seq_lens()
+    kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": pool.quant, "num_splits": splits}
+    cfg = DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
+    want = decode(q, pool.cache, pool.table, seq, config=cfg, **kw)
+    if same_tiles:
+        got = decode_shadow(
+            q,
+            pool.cache,
+            pool.shadow,
+            pool.table,
+            seq,
+            storage=pool.storage,
+            config=cfg,
+            **kw,
+        )
+        assert torch.equal(got[0], want[0]), "out differs from on-read decode"
+        assert torch.equal(got[1], want[1]), "lse differs from on-read decode"
+    else:
+        got = decode_shadow(q, pool.cache, pool.shadow, pool.table, seq, storage=pool.storage, **kw)
+        assert torch.isfinite(got[0]).all()
+        assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
+        full = ~torch.isinf(want[1])
+        assert (got[1][full] - want[1][full]).abs().max().item() <= 1e-6
+        assert row_errors(got[0][full], want[0][full]).max().item() <= 1e-3
+
+
+NVFP4 = AttentionQuant.uniform("nvfp4")
+
+
+@pytest.mark.parametrize("storage", ["fp16", "packed"])
+def test_growth_across_block_bounds_one_token_at_a_time(storage: str) -> None:
+    """Ragged sequences (14, 30, 0, 47 tokens) grow one token a step across 16-token
+    block bounds (which are 16-slot page bounds too); decode matches on-read after
+    every step: a block one short of full, just full, and the next one opened."""
+    pool = Pool(NVFP4, storage, page=16, max_len=64, batch=4, seed=1)
+    pool.append([14, 30, 0, 47])
+    check_contents(pool)
+    q = q_for(pool)
+    for _ in range(3):
+        pool.append([1, 1, 1, 1], pad=1)
+        check_decode(pool, q)
+    check_contents(pool)
+    assert pool.lens == [17, 33, 3, 50]
+
+
+RECIPES = {
+    "nvfp4-page64": (NVFP4, 64),
+    "fp8-shared": (AttentionQuant.uniform("fp8"), 16),
+    "kdyn-nvfp4-vfp8": (
+        AttentionQuant(q="fp8", k=OperandQuant("nvfp4", "dynamic"), p="nvfp4", v="fp8"),
+        64,
+    ),
+    "kdyn-fp8-vnvfp4": (AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="nvfp4", p="fp8"), 16),
+    "calibrated": (
+        AttentionQuant(
+            q=OperandQuant("nvfp4", 12.0),
+            k=OperandQuant("fp8", 5.0),
+            v=OperandQuant("nvfp4", 100.0),
+            p="nvfp4",
+        ),
+        16,
+    ),
+    "k-only": (AttentionQuant(q="nvfp4", k="nvfp4"), 16),
+    "v-only": (AttentionQuant(v="nvfp4", p="fp8"), 64),
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "storage"),
+    [
+        ("nvfp4-page64", "fp16"),
+        ("nvfp4-page64", "packed"),
+        ("fp8-shared", "fp16"),
+        ("fp8-shared", "packed"),
+        ("kdyn-nvfp4-vfp8", "packed"),
+        ("kdyn-fp8-vnvfp4", "fp16"),
+        ("calibrated", "packed"),
+        ("k-only", "fp16"),
+        ("v-only", "packed"),
+    ],
+)
+def test_recipes_prefill_then_decode_steps(recipe: str, storage: str) -> None:
+    """Chunked prefill, then two decode steps: contents bitwise, decode bit-identical."""
+    quant, page = RECIPES[recipe]
+    pool = Pool(quant, storage, page=page, max_len=96, batch=3, seed=2)
+    pool.append([20, 0, 33])
+    pool.append([14, 31, 0])
+    pool.append([1, 1, 1])
+    pool.append([1, 0, 1])
+    check_contents(pool)
+    check_decode(pool, q_for(pool), splits=2)
+
+
+def test_default_tiles_and_splits_agree() -> None:
+    """decode_shadow's own tiles and split policy: equal up to float32 summation order."""
+    pool = Pool(NVFP4, "fp16", page=64, max_len=200, batch=2, seed=3)
+    pool.append([150, 77])
+    pool.append([1, 1])
+    check_decode(pool, q_for(pool, heads=20), same_tiles=False, splits=3)
+
+
+def test_wrong_shadow_is_detected() -> None:
+    """One flipped V̂ value, or V quantized at a shifted block origin, fails both checks."""
+    pool = Pool(NVFP4, "fp16", page=16, max_len=64, batch=2, seed=4)
+    pool.append([40, 45])
+    check_contents(pool)
+    q = q_for(pool)
+    good = pool.shadow.clone()
+    _, _, vh = pool.layout.views(pool.shadow)
+    assert vh is not None
+    slot = int(pool.slots_of(0)[5])
+    vh.view(-1, D1)[slot, 7] = -vh.view(-1, D1)[slot, 7] + 0.5
+    with pytest.raises(AssertionError, match="V̂"):
+        check_contents(pool)
+    with pytest.raises(AssertionError, match="out differs"):
+        check_decode(pool, q)
+    # V̂ of sequence 1 quantized with blocks starting at position 8
+    pool.shadow.copy_(good)
+    slots = pool.slots_of(1)
+    latent = pool.gather_rows(slots).float()[:, :D1]
+    shifted, _ = qdq_factored(latent, "nvfp4", axis=0, offset=8, pad=True)
+    vh.view(-1, D1)[slots[:16]] = shifted[:16].half()
+    with pytest.raises(AssertionError, match="V̂ of sequence 1"):
+        check_contents(pool)
+    with pytest.raises(AssertionError, match="out differs"):
+        check_decode(pool, q)
+    pool.shadow.copy_(good)
+    check_decode(pool, q)
+
+
+def test_shadow_in_a_combined_allocation() -> None:
+    """Raw latent and shadow as two strided views of one uint8 pool (one row per token)."""
+    quant = AttentionQuant(q="nvfp4", k="nvfp4", p="nvfp4", v="fp8")
+    lay = shadow_layout(quant, storage="packed")
+    raw_bytes = D * 2
+    blocks, page = 6, 16
+    big = torch.full((blocks, page, raw_bytes + lay.token_bytes), 0xFF, dtype=torch.uint8)
+    cache = big[..., :raw_bytes].view(torch.float16)
+    shadow = big[..., raw_bytes:]
+    assert cache.stride(1) == (raw_bytes + lay.token_bytes) // 2
+    g = torch.Generator().manual_seed(5)
+    kvc = torch.randn(37, D1, generator=g).half()
+    kpe = torch.randn(37, D2, generator=g).half()
+    table = torch.tensor([[4, 0, 2]], dtype=torch.int32)
+    pos = torch.arange(37)
+    slots = table[0, pos // page].long() * page + pos % page
+    update_cache(kvc, kpe, cache, slots, shadow, quant=quant, storage="packed")
+    q = (torch.randn(1, 4, D, generator=g) * 0.5).half()
+    seq = torch.tensor([37], dtype=torch.int32)
+    cfg = DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
+    want = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, config=cfg)
+    got = decode_shadow(
+        q, cache, shadow, table, seq, softmax_scale=SCALE, quant=quant, storage="packed", config=cfg
+    )
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_empty_rows_and_batch() -> None:
+    pool = Pool(NVFP4, "fp16", page=16, max_len=32, batch=2, seed=6)
+    pool.append([0, 9])
+    q = q_for(pool)
+    out, lse = decode_shadow(
+        q, pool.cache, pool.shadow, pool.table, pool.seq_lens(), softmax_scale=SCALE, quant=NVFP4
+    )
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all() and torch.isfinite(out).all()
+    out, lse = decode_shadow(
+        q[:0], pool.cache, pool.shadow, pool.table[:0], pool.seq_lens()[:0], softmax_scale=SCALE,
+        quant=NVFP4,
+    )  # fmt: skip
+    assert out.shape == (0, 4, D1) and lse.shape == (0, 4)
+    # an update with no tokens, or only skipped ones, writes nothing
+    before = (pool.cache.clone(), pool.shadow.clone())
+    empty = torch.empty(0, D1, dtype=torch.float16)
+    update_cache(
+        empty,
+        empty[:, :D2],
+        pool.cache,
+        torch.empty(0, dtype=torch.int64),
+        pool.shadow,
+        quant=NVFP4,
+    )
+    skip = torch.full((3,), -1, dtype=torch.int64)
+    update_cache(torch.zeros(3, D1), torch.zeros(3, D2), pool.cache, skip, pool.shadow, quant=NVFP4)
+    assert torch.equal(pool.cache.nan_to_num(7.0), before[0].nan_to_num(7.0))
+    assert torch.equal(pool.shadow, before[1])
+
+
+# ------------------------------------------------------------------ layout
+
+
+@pytest.mark.parametrize(
+    ("quant", "storage", "token", "payload"),
+    [
+        (NVFP4, "fp16", 2176, 2176),
+        (NVFP4, "packed", 624, 612),
+        (AttentionQuant.uniform("fp8"), "fp16", 1152, 1152),
+        (AttentionQuant.uniform("fp8"), "packed", 576, 576),
+        (AttentionQuant(k="nvfp4", v="fp8"), "packed", 848, 836),
+        (AttentionQuant(k=OperandQuant("nvfp4", "dynamic"), v="nvfp4"), "fp16", 2192, 2180),
+        (AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="fp8"), "packed", 1104, 1092),
+        (AttentionQuant(q="nvfp4", p="nvfp4"), "fp16", 0, 0),
+    ],
+)
+def test_layout_bytes(quant: AttentionQuant, storage: str, token: int, payload: int) -> None:
+    lay = shadow_layout(quant, storage=storage)
+    assert (lay.token_bytes, lay.payload_bytes) == (token, payload)
+    assert lay.shape(10, 64) == (10, 64, token) and lay.nbytes(10, 64) == 640 * token
+    for off, size in ((lay.k_offset, lay.k_bytes), (lay.v_offset, lay.v_bytes)):
+        assert off % 16 == 0 and off + size <= token
+    assert lay.v_shared == (
+        quant.v.format.name == "fp8" and quant.k.format.name == "fp8" and not quant.k.is_dynamic
+    )
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _update_calls() -> list[tuple[str, dict[str, object]]]:
+    cache = torch.zeros(4, 16, D, dtype=torch.float16)
+    shadow = allocate_shadow(4, 16, NVFP4)
+    kvc = torch.zeros(3, D1, dtype=torch.float16)
+    kpe = torch.zeros(3, D2, dtype=torch.float16)
+    slots = torch.tensor([0, 1, -1])
+    base: dict[str, object] = {
+        "kv_c": kvc, "k_pe": kpe, "kv_cache": cache, "slot_mapping": slots, "shadow": shadow,
+        "quant": NVFP4,
+    }  # fmt: skip
+    cases: list[tuple[str, dict[str, object]]] = [
+        ("kv_c", {"kv_c": kvc.int()}),
+        ("kv_c", {"kv_c": kvc[:, :500]}),
+        ("kv_c", {"kv_c": kvc.t().contiguous().t()}),
+        ("k_pe", {"k_pe": kpe[:2]}),
+        ("k_pe", {"k_pe": kpe[None]}),
+        ("kv_cache", {"kv_cache": cache.float()}),
+        ("kv_cache", {"kv_cache": torch.zeros(4, 8, D, dtype=torch.float16)}),
+        ("kv_cache", {"kv_cache": cache[..., :560]}),
+        ("slot_mapping", {"slot_mapping": slots.float()}),
+        ("slot_mapping", {"slot_mapping": torch.tensor([0, 1, 64])}),
+        ("slot_mapping", {"slot_mapping": torch.tensor([0, 1, 2, 3])}),
+        ("slot_mapping", {"slot_mapping": torch.tensor([-2])}),
+        ("shadow", {"shadow": shadow[..., :100]}),
+        ("shadow", {"shadow": shadow.view(torch.float16)}),
+        ("shadow", {"shadow": allocate_shadow(4, 16, NVFP4, storage="packed")}),
+        ("shadow", {"shadow": allocate_shadow(2, 16, NVFP4)}),
+        ("quant", {"quant": "nvfp4"}),
+        ("storage", {"storage": "fp8"}),
+    ]
+    return [(name, {**base, **change}) for name, change in cases]
+
+
+@pytest.mark.parametrize(("argument", "kwargs"), _update_calls())
+def test_update_validation(argument: str, kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=f"^{argument}"):
+        update_cache(**kwargs)  # type: ignore[arg-type]
+
+
+def _decode_calls() -> list[tuple[str, dict[str, object]]]:
+    cache = torch.zeros(4, 16, D, dtype=torch.float16)
+    shadow = allocate_shadow(4, 16, NVFP4)
+    q = torch.zeros(2, 4, D, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq = torch.tensor([3, 20], dtype=torch.int32)
+    base: dict[str, object] = {
+        "q": q, "kv_cache": cache, "shadow": shadow, "block_table": table, "seq_lens": seq,
+        "softmax_scale": SCALE, "quant": NVFP4,
+    }  # fmt: skip
+    cases: list[tuple[str, dict[str, object]]] = [
+        ("q", {"q": q.float()}),
+        ("shadow", {"kv_cache": torch.zeros(2, 32, D, dtype=torch.float16)}),
+        ("kv_cache", {"kv_cache": torch.zeros(4, 8, D, dtype=torch.float16)}),
+        ("shadow", {"shadow": allocate_shadow(4, 16, AttentionQuant.uniform("fp8"))}),
+        ("shadow", {"shadow": None}),
+        ("shadow", {"shadow": torch.zeros(4, 16, 2184, dtype=torch.uint8)[..., 8:]}),
+        ("quant", {"quant": None}),
+        ("storage", {"storage": "int4"}),
+        ("seq_lens", {"seq_lens": torch.tensor([3, 40], dtype=torch.int32)}),
+        ("block_table", {"block_table": torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)}),
+        ("num_splits", {"num_splits": 0}),
+        ("config", {"config": "fast"}),
+    ]
+    return [(name, {**base, **change}) for name, change in cases]
+
+
+@pytest.mark.parametrize(("argument", "kwargs"), _decode_calls())
+def test_decode_validation(argument: str, kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=f"^{argument}"):
+        decode_shadow(**kwargs)  # type: ignore[arg-type]
+
+
+def test_layout_validation() -> None:
+    with pytest.raises(ValueError, match=r"^quant"):
+        shadow_layout("nvfp4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^storage"):
+        shadow_layout(NVFP4, storage="bits")
+    with pytest.raises(ValueError, match=r"^kv_lora_rank"):
+        shadow_layout(NVFP4, kv_lora_rank=500)
+    with pytest.raises(ValueError, match=r"^page_size"):
+        allocate_shadow(4, 24, NVFP4)
+    assert math.prod(allocate_shadow(3, 16, NVFP4).shape) == 3 * 16 * 2176
