@@ -488,6 +488,59 @@ def _hw_fp8(device: torch.device) -> bool:
 # ---------------------------------------------------------------------------- decode
 
 
+def _stage_q(
+    c: _Checked,
+    qo: _Operand,
+    qk_f16: bool,
+    splits: int,
+    kv_lora_rank: int,
+    workspace: torch.Tensor | None,
+    lse_t: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Carve the workspace and QDQ q into it when q is quantized (both decode paths).
+
+    Returns ``(wacc, wml, q_nope, q_pe, q_scale)``: the split partials' buffers (``lse_t``
+    as a placeholder with one split), the queries the split kernel reads and their
+    per-row global scales (``lse_t`` as a placeholder when q is not quantized).
+    """
+    device = c.q_nope.device
+    dtype = c.q_nope.dtype
+    wl = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0)
+    if wl.total == 0:
+        ws = torch.empty(0, dtype=torch.uint8, device=device)
+    elif workspace is None:
+        ws = torch.empty(wl.total, dtype=torch.uint8, device=device)
+    else:
+        ws = _workspace_view(workspace, wl.total, device)
+    wacc = ws[wl.acc : wl.ml].view(torch.float32) if splits > 1 else lse_t
+    wml = ws[wl.ml : wl.q_scale].view(torch.float32) if splits > 1 else lse_t
+    q_nope, q_pe, q_scale = c.q_nope, c.q_pe, lse_t
+    if qo.code != 0:
+        width = kv_lora_rank + c.rope
+        q_scale = ws[wl.q_scale : wl.q_hat].view(torch.float32)
+        q_hat = ws[wl.q_hat : wl.total].view(torch.float16 if qk_f16 else dtype)
+        q_hat = q_hat[: c.batch * c.heads * width].view(c.batch, c.heads, width)
+        decode_q_kernel[(c.heads, c.batch)](
+            c.q_nope,
+            c.q_pe,
+            q_hat,
+            q_scale,
+            c.q_nope.stride(0),
+            c.q_nope.stride(1),
+            c.q_pe.stride(0),
+            c.q_pe.stride(1),
+            c.heads,
+            qo.gs,
+            D1=kv_lora_rank,
+            D2=c.rope,
+            Q_FMT=qo.code,
+            Q_DYN=qo.dynamic,
+            num_warps=4,
+        )
+        q_nope, q_pe = q_hat[..., :kv_lora_rank], q_hat[..., kv_lora_rank:]
+    return wacc, wml, q_nope, q_pe, q_scale
+
+
 def decode(
     q: torch.Tensor | Sequence[torch.Tensor],
     kv_cache: torch.Tensor,
@@ -594,39 +647,9 @@ def decode(
     kv_shared = ko.code == 1 and vo.code == 1 and ko.pow2 and ko.gs == vo.gs
     qk_f16 = qo.code != 0 and ko.code != 0
     pv_f16 = qk_f16 if kv_shared else vo.code != 0
-    lay = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0)
-    if lay.total == 0:
-        ws = torch.empty(0, dtype=torch.uint8, device=device)
-    elif workspace is None:
-        ws = torch.empty(lay.total, dtype=torch.uint8, device=device)
-    else:
-        ws = _workspace_view(workspace, lay.total, device)
-    wacc = ws[lay.acc : lay.ml].view(torch.float32) if splits > 1 else lse_t
-    wml = ws[lay.ml : lay.q_scale].view(torch.float32) if splits > 1 else lse_t
-    q_nope, q_pe, q_scale = c.q_nope, c.q_pe, lse_t
-    if qo.code != 0:
-        width = kv_lora_rank + c.rope
-        q_scale = ws[lay.q_scale : lay.q_hat].view(torch.float32)
-        q_hat = ws[lay.q_hat : lay.total].view(torch.float16 if qk_f16 else dtype)
-        q_hat = q_hat[: c.batch * c.heads * width].view(c.batch, c.heads, width)
-        decode_q_kernel[(c.heads, c.batch)](
-            c.q_nope,
-            c.q_pe,
-            q_hat,
-            q_scale,
-            c.q_nope.stride(0),
-            c.q_nope.stride(1),
-            c.q_pe.stride(0),
-            c.q_pe.stride(1),
-            c.heads,
-            qo.gs,
-            D1=kv_lora_rank,
-            D2=c.rope,
-            Q_FMT=qo.code,
-            Q_DYN=qo.dynamic,
-            num_warps=4,
-        )
-        q_nope, q_pe = q_hat[..., :kv_lora_rank], q_hat[..., kv_lora_rank:]
+    wacc, wml, q_nope, q_pe, q_scale = _stage_q(
+        c, qo, qk_f16, splits, kv_lora_rank, workspace, lse_t
+    )
 
     grid = (head_groups * splits * c.batch,)
     decode_split_kernel[grid](

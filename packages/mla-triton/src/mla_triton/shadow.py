@@ -51,13 +51,12 @@ from mla_triton.decode import (
     _check_out,
     _check_values,
     _hw_fp8,
-    _layout,
     _operand,
+    _stage_q,
     _tensor,
-    _workspace_view,
     decode_num_splits,
 )
-from mla_triton.kernels.decode_kernel import SPLIT_ALIGN, decode_merge_kernel, decode_q_kernel
+from mla_triton.kernels.decode_kernel import SPLIT_ALIGN, decode_merge_kernel
 from mla_triton.kernels.shadow_kernel import (
     shadow_decode_split_kernel,
     shadow_update_kernel,
@@ -578,39 +577,9 @@ def decode_shadow(
     qk_f16 = qo.code != 0 and ko.code != 0
     v_src = 0 if vo.code == 0 else (2 if lay.v_shared else 1)
     pv_f16 = qk_f16 if v_src == 2 else vo.code != 0
-    wl = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0)
-    if wl.total == 0:
-        ws = torch.empty(0, dtype=torch.uint8, device=device)
-    elif workspace is None:
-        ws = torch.empty(wl.total, dtype=torch.uint8, device=device)
-    else:
-        ws = _workspace_view(workspace, wl.total, device)
-    wacc = ws[wl.acc : wl.ml].view(torch.float32) if splits > 1 else lse_t
-    wml = ws[wl.ml : wl.q_scale].view(torch.float32) if splits > 1 else lse_t
-    q_nope, q_pe, q_scale = c.q_nope, c.q_pe, lse_t
-    if qo.code != 0:
-        width = kv_lora_rank + c.rope
-        q_scale = ws[wl.q_scale : wl.q_hat].view(torch.float32)
-        q_hat = ws[wl.q_hat : wl.total].view(torch.float16 if qk_f16 else dtype)
-        q_hat = q_hat[: c.batch * c.heads * width].view(c.batch, c.heads, width)
-        decode_q_kernel[(c.heads, c.batch)](
-            c.q_nope,
-            c.q_pe,
-            q_hat,
-            q_scale,
-            c.q_nope.stride(0),
-            c.q_nope.stride(1),
-            c.q_pe.stride(0),
-            c.q_pe.stride(1),
-            c.heads,
-            qo.gs,
-            D1=kv_lora_rank,
-            D2=c.rope,
-            Q_FMT=qo.code,
-            Q_DYN=qo.dynamic,
-            num_warps=4,
-        )
-        q_nope, q_pe = q_hat[..., :kv_lora_rank], q_hat[..., kv_lora_rank:]
+    wacc, wml, q_nope, q_pe, q_scale = _stage_q(
+        c, qo, qk_f16, splits, kv_lora_rank, workspace, lse_t
+    )
 
     dummy = cache
     shadow_decode_split_kernel[(head_groups * splits * c.batch,)](
