@@ -210,8 +210,14 @@ def _runner(
     )
 
 
-def _compile_one(entry: Entry) -> str:
-    """Compile one entry's kernels on inputs of the same table width (tiny data)."""
+def _compile_one(entry: Entry) -> tuple[Entry, str | None]:
+    """Compile one entry's kernels on inputs of the same table width (tiny data).
+
+    Returns the entry and a log line, or None when its tiles do not fit the device
+    (shared memory or registers): the sweep then leaves that entry out.
+    """
+    from triton.runtime.errors import OutOfResources
+
     _, heads, seq, page = SHAPES[entry.shape]
     t0 = time.time()
     small = Pool((2, heads, seq, page), "cuda", tiny=False)
@@ -219,16 +225,25 @@ def _compile_one(entry: Entry) -> str:
     splits = _splits(entry, SHAPES, "cuda")
     out = torch.empty(2, heads, 512, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(2, heads, device="cuda", dtype=torch.float32)
-    _runner(entry, small, splits, out, lse)()
+    try:
+        _runner(entry, small, splits, out, lse)()
+    except OutOfResources as err:
+        print(f"skipped {entry.shape} {entry.name} {entry.config}: {err}", flush=True)
+        return entry, None
     torch.cuda.synchronize()
-    return f"{entry.shape} {entry.name} {entry.config} {time.time() - t0:.1f}s"
+    return entry, f"{entry.shape} {entry.name} {entry.config} {time.time() - t0:.1f}s"
 
 
-def precompile(entries: list[Entry], workers: int) -> None:
+def precompile(entries: list[Entry], workers: int) -> list[Entry]:
+    """Compile every entry in parallel; returns those that fit the device."""
     ctx = mp.get_context("spawn")
+    fitting: list[Entry] = []
     with ctx.Pool(workers) as pool:
-        for line in pool.imap_unordered(_compile_one, entries):
-            print("compiled", line, flush=True)
+        for entry, line in pool.imap_unordered(_compile_one, entries):
+            if line is not None:
+                fitting.append(entry)
+                print("compiled", line, flush=True)
+    return [e for e in entries if e in fitting]
 
 
 def _bench(fn: Callable[[], object], tiny: bool, warmup_ms: int, rep_ms: int) -> float:
@@ -450,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = plan(shapes, args.sweep)
     if not tiny:
         t0 = time.time()
-        precompile(entries, args.workers)
+        entries = precompile(entries, args.workers)
         print(f"precompiled {len(entries)} entries in {time.time() - t0:.0f}s", flush=True)
     info: dict[str, object] = {
         "device": torch.cuda.get_device_name() if not tiny else "cpu (interpreter)",
