@@ -29,6 +29,7 @@ from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_man
 from mla_vllm.config import MLAQuantConfig, load_config
 from mla_vllm.gates import check_layers
 from mla_vllm.prefill import MLAQuantPrefillBackend
+from mla_vllm.shadow import LayerShadow, layer_shadow, note_vllm_config, split_cache
 from mla_vllm.state import LayerState, capturing
 
 __all__ = [
@@ -120,20 +121,24 @@ class MLAQuantImpl(TritonMLAImpl):
     Shapes (DeepSeek-V3: N local heads, B decode rows, T prefill tokens): decode q
     ``[B, N, 512 + 64]`` (or the pair), latent cache ``[blocks, page, 576]``, output
     ``[B, N, 512]`` and natural-log LSE ``[B, N]`` float32. The latent cache is
-    written raw (never quantized).
+    written raw (never quantized). With ``kv_path: "shadow"`` each cache row also
+    holds the token's quantized K̂/V̂ after the raw latent (``mla_vllm.shadow``).
     """
 
     mla_layer: LayerState | None
     mla_prefill: MLAQuantPrefillBackend | None
+    mla_shadow: LayerShadow | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._mla_init()
         config_from_vllm(self._vllm_config)  # validate mla_quant before weights load
+        note_vllm_config(self._vllm_config)  # MLAQuantBackend.customize_spec reads it
 
     def _mla_init(self) -> None:
         self.mla_layer = None
         self.mla_prefill = None
+        self.mla_shadow = None
 
     def bind(self, name: str, config: MLAQuantConfig, vllm_config: VllmConfig | None) -> None:
         """Attach the recipe of layer ``name`` and this layer's prefill backend."""
@@ -149,6 +154,16 @@ class MLAQuantImpl(TritonMLAImpl):
         )
         backend.layer = self.mla_layer
         self.mla_prefill = backend
+        self.mla_shadow = layer_shadow(
+            config, self.mla_layer.recipe.decode, self.kv_lora_rank, self.qk_rope_head_dim
+        )
+
+    def _split(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The raw latent view of a cache row and, on the shadow path, its shadow bytes."""
+        name = self.mla_layer.name if self.mla_layer is not None else ""
+        return split_cache(
+            kv_cache, self.kv_lora_rank + self.qk_rope_head_dim, self.mla_shadow, name
+        )
 
     def _state(self, layer: Any = None) -> LayerState:
         if self.mla_layer is None:
@@ -183,6 +198,26 @@ class MLAQuantImpl(TritonMLAImpl):
             )
             state.record_amax("decode", "v", kv_c_normed)
         if kv_cache.numel() == 0:
+            return
+        if (
+            self.mla_layer is None
+            and kv_cache.shape[-1] != self.kv_lora_rank + self.qk_rope_head_dim
+        ):
+            self._state()  # rows with shadow bytes: bind the recipe that says what they hold
+        kv_cache, shadow = self._split(kv_cache)
+        if shadow is not None:
+            from mla_triton.shadow import update_cache
+
+            assert self.mla_shadow is not None
+            update_cache(
+                kv_c_normed,
+                k_pe.reshape(k_pe.shape[0], -1),
+                kv_cache,
+                slot_mapping.flatten(),
+                shadow,
+                quant=self.mla_shadow.quant,
+                storage=self.mla_shadow.storage,
+            )
             return
         if kv_cache.device.type == "cuda":
             super().do_kv_cache_update(
@@ -244,6 +279,7 @@ class MLAQuantImpl(TritonMLAImpl):
                 seq_lens = (seq_lens.unsqueeze(1) + shift).flatten().clamp(min=0)
             else:
                 seq_lens = seq_lens.repeat_interleave(query_len)
+        kv_c_and_k_pe_cache, shadow = self._split(kv_c_and_k_pe_cache)
         page = kv_c_and_k_pe_cache.shape[1]
         capacity = block_table.shape[1] * page
         max_seq_len = max(1, min(int(attn_metadata.max_seq_len), capacity))
@@ -265,19 +301,38 @@ class MLAQuantImpl(TritonMLAImpl):
                     "q",
                     torch.cat([query[0].abs().amax().reshape(1), query[1].abs().amax().reshape(1)]),
                 )
-        out, lse = decode(
-            query,
-            kv_c_and_k_pe_cache,
-            block_table,
-            seq_lens,
-            softmax_scale=self.scale,
-            kv_lora_rank=self.kv_lora_rank,
-            quant=quant,
-            num_splits=splits,
-            workspace=workspace,
-            max_seq_len=max_seq_len,
-            check_values=False,
-        )
+        if shadow is not None and self.mla_shadow is not None:
+            from mla_triton.shadow import decode_shadow
+
+            out, lse = decode_shadow(
+                query,
+                kv_c_and_k_pe_cache,
+                shadow,
+                block_table,
+                seq_lens,
+                softmax_scale=self.scale,
+                quant=self.mla_shadow.quant,
+                storage=self.mla_shadow.storage,
+                kv_lora_rank=self.kv_lora_rank,
+                num_splits=splits,
+                workspace=workspace,
+                max_seq_len=max_seq_len,
+                check_values=False,
+            )
+        else:
+            out, lse = decode(
+                query,
+                kv_c_and_k_pe_cache,
+                block_table,
+                seq_lens,
+                softmax_scale=self.scale,
+                kv_lora_rank=self.kv_lora_rank,
+                quant=quant,
+                num_splits=splits,
+                workspace=workspace,
+                max_seq_len=max_seq_len,
+                check_values=False,
+            )
         if quant is not None and state.should_observe("decode"):
             n = min(rows, state.observe.max_rows)
             sub = query[:n] if isinstance(query, torch.Tensor) else (query[0][:n], query[1][:n])
@@ -316,6 +371,15 @@ class MLAQuantImpl(TritonMLAImpl):
         backend = self.mla_prefill
         assert backend is not None
         backend.prepare_metadata(prefill_md)
+        kv_c_and_k_pe_cache, _ = self._split(kv_c_and_k_pe_cache)
+        if (
+            prefill_md.chunked_context is not None
+            and kv_c_and_k_pe_cache.device.type == "cpu"
+            and not kv_c_and_k_pe_cache.is_contiguous()
+        ):
+            # vLLM's CPU context gather flattens the cache with .view(); its CUDA
+            # gathers read the row stride, so only CPU needs the raw rows compacted.
+            kv_c_and_k_pe_cache = kv_c_and_k_pe_cache.contiguous()
         native = prefill_md.prefill_backend
         prefill_md.prefill_backend = backend
         try:
@@ -400,6 +464,13 @@ class MLAQuantBackend(TritonMLABackend):
     @classmethod
     def is_sparse(cls) -> bool:
         return False
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        """TRITON_MLA's spec; with ``kv_path: "shadow"`` each token also holds its shadow."""
+        from mla_vllm.shadow import customize_spec
+
+        return customize_spec(super().customize_spec(spec))
 
     @classmethod
     def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:

@@ -17,7 +17,9 @@ engine starts. The configuration is a JSON object, given in vLLM's
         {"pattern": "model.layers.0.*", "recipe": "none"},
         {"pattern": "*.layers.1[0-9].*", "v": "fp8", "sparsity": null}
       ],
-      "observe": {"enabled": false, "interval": 16, "max_rows": 256}
+      "observe": {"enabled": false, "interval": 16, "max_rows": 256},
+      "kv_path": "on_read",                    # or "shadow": write-once K/V shadow cache
+      "shadow_storage": "fp16"                 # "fp16" or "packed" (kv_path "shadow" only)
     }
 
 Every error is a ``MLAQuantConfigError`` (a ``ValueError``) whose message starts
@@ -38,7 +40,9 @@ from mla_formats import FORMATS, AttentionQuant, NMSparsity, OperandQuant
 
 __all__ = [
     "CALIBRATION_FORMAT",
+    "KV_PATHS",
     "ROLES",
+    "SHADOW_STORAGES",
     "LayerRecipe",
     "MLAQuantConfig",
     "MLAQuantConfigError",
@@ -55,7 +59,11 @@ _OPERAND_KEYS = frozenset({"format", "amax"})
 _SPARSITY_KEYS = frozenset({"n", "m", "dense_sink_tokens", "dense_recent_tokens"})
 _OBSERVE_KEYS = frozenset({"enabled", "interval", "max_rows"})
 _LAYER_KEYS = frozenset({"pattern", "recipe", *ROLES, "sparsity"})
-_TOP_KEYS = frozenset({"recipe", *ROLES, "sparsity", "calibration", "layers", "observe"})
+_TOP_KEYS = frozenset(
+    {"recipe", *ROLES, "sparsity", "calibration", "layers", "observe", "kv_path", "shadow_storage"}
+)
+KV_PATHS = ("on_read", "shadow")
+SHADOW_STORAGES = ("fp16", "packed")  # mla_triton.shadow.STORAGES; the first is the default
 
 
 class MLAQuantConfigError(ValueError):
@@ -299,6 +307,12 @@ class MLAQuantConfig:
     calibration: Calibration
     observe: ObserveConfig
     source: str = "<inline>"
+    kv_path: str = "on_read"
+    """``"on_read"`` (K/V quantized from the raw cache at every decode step) or
+    ``"shadow"`` (quantized once at cache-write time into a shadow cache that lives
+    in the same KV-cache block as the raw latent; see ``mla_vllm.shadow``)."""
+    shadow_storage: str = SHADOW_STORAGES[0]
+    """Shadow storage (``mla_triton.shadow``): ``"fp16"`` (the faster) or ``"packed"``."""
 
     @classmethod
     def from_obj(cls, obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
@@ -317,6 +331,13 @@ class MLAQuantConfig:
         for i, entry in enumerate(raw_layers):
             at = f"{where}.layers[{i}]"
             item = _mapping(entry, at)
+            for key in ("kv_path", "shadow_storage"):
+                if key in item:
+                    raise _fail(
+                        f"{at}.{key}",
+                        "the KV path is global: every MLA layer shares one KV cache spec "
+                        "(one page size), so set it at the top level only",
+                    )
             _check_keys(item, _LAYER_KEYS, at)
             pattern = item.get("pattern")
             if not isinstance(pattern, str) or not pattern:
@@ -326,7 +347,8 @@ class MLAQuantConfig:
         if spec.get("calibration") is not None:
             calibration = load_calibration(spec["calibration"], f"{where}.calibration")
         observe = _observe(spec.get("observe"), f"{where}.observe")
-        config = cls(base, tuple(overrides), calibration, observe, source)
+        kv_path, storage = _kv_path(spec, where)
+        config = cls(base, tuple(overrides), calibration, observe, source, kv_path, storage)
         config.recipe_for("")  # resolve once: format/amax combinations are checked here
         return config
 
@@ -365,7 +387,32 @@ class MLAQuantConfig:
                 else:
                     resolved[role] = OperandQuant(spec.format, amax)  # type: ignore[arg-type]
             paths[path] = AttentionQuant(**resolved)
+        if self.kv_path == "shadow" and paths["decode"].v.is_dynamic:
+            # unreachable through the schema (v takes static amaxes); kept for direct use
+            raise _fail(
+                "mla_quant.kv_path",
+                f"'shadow' needs a static V amax; layer {layer_name!r} has a dynamic one",
+            )
         return LayerRecipe(paths["prefill"], paths["decode"], sparsity)
+
+
+def _kv_path(spec: Mapping[str, Any], where: str) -> tuple[str, str]:
+    kv_path = spec.get("kv_path", "on_read")
+    if kv_path not in KV_PATHS:
+        raise _fail(f"{where}.kv_path", f"expected one of {list(KV_PATHS)}, got {kv_path!r}")
+    if "shadow_storage" not in spec:
+        return kv_path, SHADOW_STORAGES[0]
+    storage = spec["shadow_storage"]
+    if storage not in SHADOW_STORAGES:
+        raise _fail(
+            f"{where}.shadow_storage", f"expected one of {list(SHADOW_STORAGES)}, got {storage!r}"
+        )
+    if kv_path != "shadow":
+        raise _fail(
+            f"{where}.shadow_storage",
+            f"only used with kv_path 'shadow' (kv_path is {kv_path!r})",
+        )
+    return kv_path, storage
 
 
 def load_config(obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:

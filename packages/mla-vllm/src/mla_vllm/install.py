@@ -26,7 +26,12 @@ from typing import Any
 
 import torch
 
-from mla_vllm.config import CALIBRATION_FORMAT, MLAQuantConfig, load_config
+from mla_vllm.config import (
+    CALIBRATION_FORMAT,
+    MLAQuantConfig,
+    MLAQuantConfigError,
+    load_config,
+)
 from mla_vllm.gates import MLAQuantGateError, check_layers
 from mla_vllm.state import LayerState
 
@@ -105,6 +110,12 @@ def _install_model(model: torch.nn.Module, config: object) -> list[str]:
     if getattr(model, _INSTALLED_ATTR, None):
         raise ValueError("model: quantized MLA is already installed; call uninstall first")
     cfg = load_config(config)
+    if cfg.kv_path == "shadow":
+        raise MLAQuantConfigError(
+            "mla_quant.kv_path: 'shadow' needs shadow bytes in every KV cache row, which "
+            "only MLA_QUANT's KV cache spec allocates; install in place keeps TRITON_MLA's "
+            "raw cache: use kv_path 'on_read', or serve with --attention-backend MLA_QUANT"
+        )
     layers = _layers(model)
     cfg.check_patterns(layers)
     check_layers(layers, in_place=True)
