@@ -4,19 +4,28 @@ and the cost of ``update_cache``.
 Run on a CUDA GPU from the repository root (one command; compiles in parallel, then times)::
 
     PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
-        python packages/mla-triton/benchmarks/shadow.py --out OUTDIR
+        python packages/mla-triton/benchmarks/shadow.py --out OUTDIR [--sweep] [--tail]
 
 Writes ``OUTDIR/shadow.json`` and ``OUTDIR/shadow.txt``. Per shape (b128 h128 L8192
 and b128 h16 L8192, page 64, random bf16, every request at full length, block table
 a random permutation) and variant (quant none; on-read fp8 and nvfp4; shadow nvfp4
-and fp8 in both storages, default tiles and a few alternatives): the median time
-of ``triton.testing.do_bench``, TFLOP/s counted as FlashMLA does (``2 H L (576 +
+and fp8 in both storages, default tiles): the median time of
+``triton.testing.do_bench``, TFLOP/s counted as FlashMLA does (``2 H L (576 +
 512)`` per request), GB/s of raw-latent-equivalent traffic (576 bf16 per token +
 q + out) and of the bytes actually read (shadow payload per token, + q + out).
 The shadow is filled by ``update_cache`` itself. Then ``update_cache``'s time for
 a decode step (128 new tokens at scattered slots) and a prefill (8192 consecutive
 tokens), against the raw-only write (``quant`` none), and the bytes per token.
-Every shadow variant is checked against the on-read decode on two requests.
+Every shadow variant is checked against the on-read decode on two requests, and
+a summary compares each fp16-shadow recipe with quant none of the same shape.
+
+Options: ``--sweep`` adds alternative fp16-shadow tiles (``SWEEP``: block_n 64/32/16,
+num_stages 1 to 4, num_warps 4/8, per shape) and quant none at nvfp4's 32-token
+tile; ``--variants 'nvfp4:64,64,8,1;fp8:16,64,4,2'`` adds given tiles
+(``RECIPE:block_h,block_n,num_warps,num_stages``); ``--tail`` adds b128 h128 at
+L = 8155, where every request ends inside a tile (the peeled tail tile, with an
+open nvfp4 V block); ``--skip-packed`` and ``--skip-update`` leave parts out.
+Tiles that do not fit the device are skipped when compiled.
 
 ``--tiny`` runs a small version of everything on the CPU (``TRITON_INTERPRET=1``):
 a smoke test of the script, not a measurement.
@@ -49,9 +58,18 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {  # batch, heads, seq len, page 
     "b128-h128-L8192": (128, 128, 8192, 64),
     "b128-h16-L8192": (128, 16, 8192, 64),
 }
+# --tail: every request 37 tokens short of a page bound, so each one's last split
+# runs the tile holding its end (with an open 16-token V block of 11 tokens)
+TAIL_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "b128-h128-L8155-tail": (128, 128, 8155, 64),
+}
 TINY_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "b2-h16-L80": (2, 16, 80, 16),
 }
+TINY_TAIL_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "b2-h16-L75-tail": (2, 16, 75, 16),
+}
+ALL_SHAPES = {**SHAPES, **TAIL_SHAPES}
 NVFP4 = AttentionQuant.uniform("nvfp4")
 FP8 = AttentionQuant.uniform("fp8")
 QUANTS: dict[str, AttentionQuant | None] = {"none": None, "fp8": FP8, "nvfp4": NVFP4}
@@ -77,20 +95,66 @@ def _cfg(bh: int, bn: int, warps: int, stages: int) -> DecodeConfig:
     return DecodeConfig(block_h=bh, block_n=bn, num_warps=warps, num_stages=stages)
 
 
-def plan(shapes: dict[str, tuple[int, int, int, int]], sweep: bool) -> list[Entry]:
+# Alternative tiles of the fp16 shadow (``--sweep``), per head-group size: block_n
+# 64/32/16, num_stages 1/2/3/4, num_warps 4/8. Tiles known not to fit the 227 KiB
+# of shared memory of an H100/H200 SM with 64 heads a program (q alone takes 72
+# KiB; a 64-token stage of K̂ + V̂ 136 KiB) are left out; any other that does not
+# fit is skipped when it is compiled.
+SWEEP: dict[int, dict[str, list[tuple[int, int, int, int]]]] = {
+    64: {
+        "nvfp4": [(64, 64, 8, 1), (64, 16, 8, 3), (64, 16, 8, 4)],
+        "fp8": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1)],
+    },
+    16: {
+        "nvfp4": [(16, 32, 4, 3), (16, 64, 4, 2), (16, 64, 4, 1), (16, 32, 8, 2)],
+        "fp8": [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 3)],
+    },
+}
+
+
+def parse_variants(text: str) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """``"nvfp4:64,64,8,1;fp8:16,64,4,2"``: (recipe, (block_h, block_n, warps, stages))."""
+    out: list[tuple[str, tuple[int, int, int, int]]] = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        recipe, _, tiles = item.partition(":")
+        nums = tuple(int(x) for x in tiles.split(","))
+        if recipe not in ("nvfp4", "fp8") or len(nums) != 4:
+            raise SystemExit(f"--variants: expected RECIPE:bh,bn,warps,stages, got {item!r}")
+        _cfg(*nums)  # validates
+        out.append((recipe, (nums[0], nums[1], nums[2], nums[3])))
+    return out
+
+
+def plan(
+    shapes: dict[str, tuple[int, int, int, int]],
+    sweep: bool,
+    *,
+    variants: list[tuple[str, tuple[int, int, int, int]]] | None = None,
+    packed: bool = True,
+) -> list[Entry]:
+    """Default entries per shape, then the sweep's and ``--variants``' alternative tiles.
+
+    Sweep and variant tiles run the fp16 shadow (the default storage) of the shapes
+    whose default head group (64 for H > 32, else 16) matches their block_h.
+    """
     entries: list[Entry] = []
+    paths = ("shadow-fp16", "shadow-packed") if packed else ("shadow-fp16",)
     for s in shapes:
         entries += [Entry(s, "none", "on-read"), Entry(s, "fp8", "on-read")]
         entries += [Entry(s, "nvfp4", "on-read")]
-        for path in ("shadow-fp16", "shadow-packed"):
+        for path in paths:
             entries += [Entry(s, "nvfp4", path), Entry(s, "fp8", path)]
-        if sweep:
-            bh = 64 if shapes[s][1] > 32 else 16
-            warps = 8 if bh == 64 else 4
-            for path in ("shadow-fp16", "shadow-packed"):
-                for bn, st in ((64, 2), (32, 3), (16, 3)):
-                    entries.append(Entry(s, "nvfp4", path, _cfg(bh, bn, warps, st)))
-            entries.append(Entry(s, "fp8", "shadow-fp16", _cfg(bh, 64, warps, 3)))
+        bh = 64 if shapes[s][1] > 32 else 16
+        extra: list[tuple[str, tuple[int, int, int, int]]] = []
+        if sweep and not s.endswith("-tail"):
+            extra += [(r, t) for r, ts in SWEEP[bh].items() for t in ts]
+            if bh == 64:  # quant none at the 32-token tile of nvfp4's default
+                entries.append(Entry(s, "none", "on-read", _cfg(64, 32, 8, 2)))
+        extra += [(r, t) for r, t in (variants or []) if t[0] == bh]
+        for recipe, tiles in extra:
+            e = Entry(s, recipe, "shadow-fp16", _cfg(*tiles))
+            if e not in entries:
+                entries.append(e)
     return entries
 
 
@@ -124,7 +188,7 @@ class Pool:
         self.batch, self.heads, self.seq, self.page = batch, heads, seq, page
         self.device = device
         g = torch.Generator(device="cpu").manual_seed(0)
-        pages_per = seq // page
+        pages_per = -(-seq // page)
         self.blocks = batch * pages_per
         self.table = (
             torch.randperm(self.blocks, generator=g).to(torch.int32).reshape(batch, pages_per)
@@ -218,11 +282,11 @@ def _compile_one(entry: Entry) -> tuple[Entry, str | None]:
     """
     from triton.runtime.errors import OutOfResources
 
-    _, heads, seq, page = SHAPES[entry.shape]
+    _, heads, seq, page = ALL_SHAPES[entry.shape]
     t0 = time.time()
     small = Pool((2, heads, seq, page), "cuda", tiny=False)
     small.lens.fill_(64)
-    splits = _splits(entry, SHAPES, "cuda")
+    splits = _splits(entry, ALL_SHAPES, "cuda")
     out = torch.empty(2, heads, 512, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(2, heads, device="cuda", dtype=torch.float32)
     try:
@@ -255,6 +319,13 @@ def _bench(fn: Callable[[], object], tiny: bool, warmup_ms: int, rep_ms: int) ->
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _tag(row: dict[str, object]) -> str:
+    c = row["config"]
+    assert isinstance(c, dict)
+    tiles = f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']}"
+    return tiles + (" (default)" if row["default_config"] else "")
 
 
 def _row_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -309,7 +380,8 @@ def time_decodes(
                 row["max_lse_err_vs_on_read"] = float((got[1] - want[1]).abs().max())
             rows.append(row)
             print(
-                f"{shape:17s} {entry.name:22s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s",
+                f"{shape:20s} {entry.name:22s} {_tag(row)} {ms:8.3f} ms "
+                f"{row['tflops']:7.1f} TFLOP/s",
                 flush=True,
             )
         del pool
@@ -408,6 +480,32 @@ def memory_table() -> list[dict[str, object]]:
     return rows
 
 
+def summary(dec: list[dict[str, object]]) -> list[str]:
+    """Per shape: each fp16-shadow recipe's default and best tiles against quant none."""
+    lines = ["summary (fp16 shadow against on-read quant none, default tiles, same shape):"]
+    for shape in dict.fromkeys(str(r["shape"]) for r in dec):
+        rows = [r for r in dec if r["shape"] == shape]
+        none = [r for r in rows if r["recipe"] == "none" and r["default_config"]]
+        if not none:
+            continue
+        base = float(none[0]["ms"])  # type: ignore[arg-type]
+        lines.append(f"  {shape}: none {base:.3f} ms")
+        for recipe in ("nvfp4", "fp8"):
+            mine = [r for r in rows if r["path"] == "shadow-fp16" and r["recipe"] == recipe]
+            if not mine:
+                continue
+            best = min(mine, key=lambda r: float(r["ms"]))  # type: ignore[arg-type]
+            for label, r in [("default", d) for d in mine if d["default_config"]] + [
+                ("best", best)
+            ]:
+                ms = float(r["ms"])  # type: ignore[arg-type]
+                lines.append(
+                    f"    {recipe:6s} {label:8s} {_tag(r):22s} {ms:8.3f} ms  "
+                    f"{base / ms:5.2f}x quant none"
+                )
+    return lines
+
+
 def render(
     info: dict[str, object],
     dec: list[dict[str, object]],
@@ -416,22 +514,19 @@ def render(
 ) -> str:
     lines = [
         f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}",
-        f"{'shape':17s} {'path':14s} {'recipe':6s} {'config (bh,bn,warps,stages)':30s} "
+        f"{'shape':20s} {'path':14s} {'recipe':6s} {'config (bh,bn,warps,stages)':30s} "
         f"{'splits':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'rawGB/s':>8s} {'GB/s':>7s} {'err':>8s}",
     ]
     for r in dec:
-        c = r["config"]
-        assert isinstance(c, dict)
-        tag = f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']}" + (
-            " (default)" if r["default_config"] else ""
-        )
+        tag = _tag(r)
         err = r.get("max_row_err_vs_on_read")
         lines.append(
-            f"{r['shape']:17s} {r['path']:14s} {r['recipe']:6s} {tag:30s} {r['num_splits']:>6} "
+            f"{r['shape']:20s} {r['path']:14s} {r['recipe']:6s} {tag:30s} {r['num_splits']:>6} "
             f"{r['ms']:8.3f} {r['tflops']:8.1f} {r['raw_equiv_gbps']:8.0f} {r['actual_gbps']:7.0f} "
             + (f"{err:8.1e}" if isinstance(err, float) else f"{'':8s}")
             + ("" if r["finite"] else "  NON-FINITE")
         )
+    lines += summary(dec)
     lines.append("update_cache (raw write + shadow):")
     for r in upd:
         lines.append(
@@ -450,7 +545,20 @@ def render(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for shadow.json/.txt")
-    parser.add_argument("--sweep", action="store_true", help="add alternative tiles")
+    parser.add_argument(
+        "--sweep", action="store_true", help="add alternative fp16-shadow tiles (SWEEP)"
+    )
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="more fp16-shadow tiles, 'RECIPE:bh,bn,warps,stages;...' (recipe nvfp4 or fp8; "
+        "run on the shapes whose default head group is bh)",
+    )
+    parser.add_argument(
+        "--tail", action="store_true", help="add a shape whose requests end inside a tile"
+    )
+    parser.add_argument("--skip-packed", action="store_true", help="leave out the packed storage")
+    parser.add_argument("--skip-update", action="store_true", help="leave out update_cache")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (TRITON_INTERPRET=1)")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--warmup-ms", type=int, default=50)
@@ -461,8 +569,12 @@ def main(argv: list[str] | None = None) -> int:
         print("shadow benchmark: needs a CUDA GPU (or --tiny on the CPU)", file=sys.stderr)
         return 2
     device = "cpu" if tiny else "cuda"
-    shapes = TINY_SHAPES if tiny else SHAPES
-    entries = plan(shapes, args.sweep)
+    shapes = dict(TINY_SHAPES if tiny else SHAPES)
+    if args.tail:
+        shapes.update(TINY_TAIL_SHAPES if tiny else TAIL_SHAPES)
+    entries = plan(
+        shapes, args.sweep, variants=parse_variants(args.variants), packed=not args.skip_packed
+    )
     if not tiny:
         t0 = time.time()
         entries = precompile(entries, args.workers)
@@ -474,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiny": tiny,
     }
     dec = time_decodes(entries, shapes, device, tiny, args.warmup_ms, args.rep_ms)
-    upd = time_updates(device, tiny, args.warmup_ms, args.rep_ms)
+    upd = [] if args.skip_update else time_updates(device, tiny, args.warmup_ms, args.rep_ms)
     mem = memory_table()
     text = render(info, dec, upd, mem)
     print(text)

@@ -37,7 +37,9 @@ from mla_triton import (
     shadow_layout,
     update_cache,
 )
-from mla_triton.decode import DecodeConfig
+from mla_triton import shadow as shadow_module
+from mla_triton.decode import DecodeConfig, decode_config
+from mla_triton.shadow import shadow_decode_config
 
 SCALE = 0.07
 D1, D2 = 512, 64
@@ -217,11 +219,18 @@ def q_for(pool: Pool, heads: int = 4) -> torch.Tensor:
     return (torch.randn(pool.batch, heads, D, generator=pool.g) * 0.5).half()
 
 
-def check_decode(pool: Pool, q: torch.Tensor, *, splits: int = 2, same_tiles: bool = True) -> None:
+def check_decode(
+    pool: Pool,
+    q: torch.Tensor,
+    *,
+    splits: int = 2,
+    same_tiles: bool = True,
+    cfg: DecodeConfig | None = None,
+) -> None:
     """decode_shadow against decode: bit-identical with equal tiles, else within bounds."""
     seq = pool.seq_lens()
     kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": pool.quant, "num_splits": splits}
-    cfg = DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
+    cfg = cfg or DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
     want = decode(q, pool.cache, pool.table, seq, config=cfg, **kw)
     if same_tiles:
         got = decode_shadow(
@@ -310,6 +319,74 @@ def test_recipes_prefill_then_decode_steps(recipe: str, storage: str) -> None:
     pool.append([1, 0, 1])
     check_contents(pool)
     check_decode(pool, q_for(pool), splits=2)
+
+
+TAIL_LENGTHS = [*range(1, 18), 31, 32, 48, 64, 65, 79, 96, 127, 128, 143, 150, 192]
+
+
+@pytest.mark.parametrize("tail_loop", [False, True])
+@pytest.mark.parametrize(
+    ("recipe", "page", "block_n", "splits"),
+    [
+        ("nvfp4-page64", 64, 64, 3),
+        ("nvfp4-page64", 64, 32, 2),
+        ("fp8-shared", 16, 64, 3),
+        ("kdyn-fp8-vnvfp4", 16, 32, 3),
+    ],
+)
+def test_tail_tile_lengths(
+    recipe: str, page: int, block_n: int, splits: int, tail_loop: bool, monkeypatch: Any
+) -> None:
+    """Every tail shape, in both forms of the tail tile (peeled, or a loop of 0 or 1).
+
+    Lengths 1 to 17 (an open block alone, a full block, one token past it),
+    multiples of 16 and of the tile (no open block, or no tail tile at all), and
+    tails behind split bounds (64-token multiples) with 2 and 3 splits; pages of
+    16 (a tile over several pages) and 64. Bit-identical to on-read decode.
+    """
+    monkeypatch.setattr(shadow_module, "_tail_loop", lambda block_h, v_tail: tail_loop)
+    quant, _ = RECIPES[recipe]
+    lens = TAIL_LENGTHS
+    pool = Pool(quant, "fp16", page=page, max_len=max(lens), batch=len(lens), seed=7)
+    pool.append([n - 1 for n in lens])  # a prefill, then one decode step
+    pool.append([1] * len(lens), pad=1)
+    assert pool.lens == lens
+    cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=2)
+    check_decode(pool, q_for(pool), splits=splits, cfg=cfg)
+
+
+@pytest.mark.parametrize("tail_loop", [False, True])
+def test_tail_tile_wide_head_group(tail_loop: bool, monkeypatch: Any) -> None:
+    """64 heads a program (the H = 128 tiles), ragged tails, both tail forms."""
+    monkeypatch.setattr(shadow_module, "_tail_loop", lambda block_h, v_tail: tail_loop)
+    pool = Pool(NVFP4, "fp16", page=64, max_len=140, batch=3, seed=8)
+    pool.append([63, 139, 15])
+    pool.append([1, 1, 1], pad=0)
+    cfg = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    check_decode(pool, q_for(pool, heads=40), splits=2, cfg=cfg)
+
+
+@pytest.mark.parametrize("storage", ["fp16", "packed"])
+def test_default_tiles_are_on_read_bits(storage: str) -> None:
+    """decode_shadow's default tiles, given to on-read decode too: bit-identical."""
+    for quant in (AttentionQuant.uniform("fp8"), NVFP4):
+        pool = Pool(quant, storage, page=64, max_len=100, batch=2, seed=9)
+        pool.append([70, 99])
+        pool.append([1, 1])
+        cfg = shadow_decode_config(4, quant, storage)
+        check_decode(pool, q_for(pool), splits=2, cfg=cfg)
+
+
+def test_default_config() -> None:
+    """Quant none's tiles where K̂ alone is read; 32-token tiles for two tiles a stage."""
+    fp8 = AttentionQuant.uniform("fp8")
+    for heads in (16, 128):
+        assert shadow_decode_config(heads, fp8) == decode_config(heads, None)
+    big = shadow_decode_config(128, NVFP4)
+    assert (big.block_h, big.block_n, big.num_warps, big.num_stages) == (64, 32, 8, 2)
+    for quant in (AttentionQuant(k="nvfp4"), AttentionQuant(k="nvfp4", v="fp8")):
+        assert shadow_decode_config(128, quant).block_n == 32
+    assert shadow_decode_config(128, fp8, "packed").block_n == 32
 
 
 def test_default_tiles_and_splits_agree() -> None:

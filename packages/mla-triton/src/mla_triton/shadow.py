@@ -483,23 +483,40 @@ def update_cache(
 def shadow_decode_config(
     num_heads: int, quant: AttentionQuant | None = None, storage: str = "fp16"
 ) -> DecodeConfig:
-    """Default tiles of ``decode_shadow``: as on-read, but full tiles hold no float32 copy.
+    """Default tiles of ``decode_shadow``: quant none's where the shared memory allows.
 
-    A 16-bit shadow is read like the raw cache (64-token tiles), except with nvfp4
-    V, whose last tile quantizes the open block on read (32-token tiles), and the
-    packed storage, which decodes codes to float32 (32-token tiles).
+    The loop reads 16-bit K̂ (and V̂) like on-read decode reads the raw cache, with
+    no float32 copy of a tile: K and V unquantized, or fp8 V sharing K̂, take quant
+    none's tiles (``decode_config``: 64-token tiles; 2 stages for 64 heads a
+    program, 3 for fewer). K and V read from different rows (a V̂ section, or
+    only one of them quantized) double the bytes a tile stages in shared memory
+    (64 heads: q 72 KiB + 136 KiB a 64-token stage, more than the 227 KiB of a
+    Hopper SM for 2 stages), so they take 32-token tiles, 2 stages. The packed
+    storage decodes codes to float32 in registers: 32-token tiles, 2 stages.
     """
     block_h = _block_h(num_heads)
-    nvfp4_v = quant is not None and quant.v.format.name == "nvfp4"
-    packed = (
-        storage == "packed"
-        and quant is not None
-        and not (quant.k.is_identity and quant.v.is_identity)
-    )
-    block_n = 32 if (nvfp4_v or packed) else 64
-    if block_h == 64:
-        return DecodeConfig(block_h=64, block_n=block_n, num_warps=8, num_stages=2)
-    return DecodeConfig(block_h=block_h, block_n=block_n, num_warps=4, num_stages=2)
+    read = quant is not None and not (quant.k.is_identity and quant.v.is_identity)
+    # K and V from different rows (K̂ and V̂, or one of them raw): two tiles a stage
+    two_tiles = read and quant is not None and not _v_shared(quant.k, quant.v)
+    if two_tiles or (read and storage == "packed"):
+        block_n, stages = 32, 2
+    else:
+        block_n, stages = 64, (2 if block_h == 64 else 3)
+    warps = 8 if block_h == 64 else 4
+    return DecodeConfig(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+def _tail_loop(block_h: int, v_tail: bool) -> bool:
+    """How the split kernel runs the tile holding a sequence's end (``TAIL_LOOP``).
+
+    True: a pipelined loop of 0 or 1 tiles (its loads staged through shared memory
+    like the main loop's); False: one tile after the loop, not pipelined (its loads
+    go through registers). Compiled for sm_90 (ptxas register and spill counts),
+    the peeled tile frees the main loop of spills with 64 heads a program
+    (wgmma), and the loop form does with fewer heads (mma.sync) unless the tail
+    quantizes nvfp4 V on read. Both give the same bits.
+    """
+    return block_h < 64 and not v_tail
 
 
 def decode_shadow(
@@ -637,6 +654,7 @@ def decode_shadow(
         V_SRC=v_src,
         V_EXACT=not vo.pow2,
         V_TAIL=vo.code == 2,
+        TAIL_LOOP=_tail_loop(cfg.block_h, vo.code == 2),
         P_FMT=po.code,
         PV_F16=pv_f16,
         STORE=STORAGES.index(st),

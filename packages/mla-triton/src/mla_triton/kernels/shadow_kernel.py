@@ -24,9 +24,11 @@ Kernels:
   16-token block re-reads the block's 16 raw rows and writes their nvfp4 V̂. A
   second launch, so the raw rows of the same step are visible.
 - ``shadow_decode_split_kernel``: ``decode_split_kernel`` with K̂ and V̂ read from
-  the shadow instead of quantized on read; the sequence's last, partial tile
-  quantizes nvfp4 V on read (the open block). Stage 0 (q̂) and stage 2 (merge)
-  are ``decode_kernel``'s.
+  the shadow instead of quantized on read. Its loop runs the complete tiles only
+  (no masks, no QDQ of K or V); the tile holding the sequence's end runs after
+  it, reads K̂ and the complete blocks' V̂ from the shadow and quantizes only the
+  open nvfp4 V block (16 raw rows) on read. Stage 0 (q̂) and stage 2 (merge) are
+  ``decode_kernel``'s.
 
 Storage (``STORE``): 0, the 16-bit form: factored values as float16 (exact; a
 cast to bfloat16 is exact too). 1, packed: nvfp4 as E2M1 codes (two per byte,
@@ -316,6 +318,16 @@ def shadow_v_block_kernel(
 
 
 @triton.jit
+def _load_rows(ptrs, valid, other, FULL: tl.constexpr):
+    """``ptrs [N, C]``; ``FULL``: every row exists, no mask; else rows ``valid [N]``, ``other``."""
+    if FULL:  # noqa: SIM108 (a constexpr branch: the masked load is not traced)
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=valid[:, None], other=other)
+    return x
+
+
+@triton.jit
 def _load_k_hat(
     kh_ptr,
     krow,
@@ -324,20 +336,21 @@ def _load_k_hat(
     STORE: tl.constexpr,
     COLS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     """Factored K̂ ``[BLOCK_N, COLS]`` float32 (16-bit: float16 as stored) from shadow rows."""
     if STORE == 0:
         offs = tl.arange(0, COLS)
-        y = tl.load(kh_ptr + krow[:, None] + offs[None, :], mask=valid[:, None], other=0.0)
+        y = _load_rows(kh_ptr + krow[:, None] + offs[None, :], valid, 0.0, FULL)
     elif FMT == 1:
         offs = tl.arange(0, COLS)
-        b = tl.load(kh_ptr + krow[:, None] + offs[None, :], mask=valid[:, None], other=0)
+        b = _load_rows(kh_ptr + krow[:, None] + offs[None, :], valid, 0, FULL)
         y = e4m3_decode(b.to(tl.int32))
     else:
         half = tl.arange(0, COLS // 2)
-        b = tl.load(kh_ptr + krow[:, None] + half[None, :], mask=valid[:, None], other=0)
+        b = _load_rows(kh_ptr + krow[:, None] + half[None, :], valid, 0, FULL)
         nb = tl.arange(0, COLS // 16)
-        sc = tl.load(kh_ptr + krow[:, None] + COLS // 2 + nb[None, :], mask=valid[:, None], other=0)
+        sc = _load_rows(kh_ptr + krow[:, None] + COLS // 2 + nb[None, :], valid, 0, FULL)
         sb = e4m3_decode(sc.to(tl.int32))
         codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, COLS), (BLOCK_N, COLS // 16, 16))
         y = tl.reshape(codes * tl.expand_dims(sb, 2), (BLOCK_N, COLS))
@@ -353,24 +366,84 @@ def _load_v_hat(
     STORE: tl.constexpr,
     D1: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FULL: tl.constexpr,
 ):
     """Factored V̂ ``[BLOCK_N, D1]`` of a tile starting at a multiple of 16 (complete blocks)."""
     if STORE == 0:
         offs = tl.arange(0, D1)
-        y = tl.load(vh_ptr + vrow[:, None] + offs[None, :], mask=valid[:, None], other=0.0)
+        y = _load_rows(vh_ptr + vrow[:, None] + offs[None, :], valid, 0.0, FULL)
     elif FMT == 1:
         offs = tl.arange(0, D1)
-        b = tl.load(vh_ptr + vrow[:, None] + offs[None, :], mask=valid[:, None], other=0)
+        b = _load_rows(vh_ptr + vrow[:, None] + offs[None, :], valid, 0, FULL)
         y = e4m3_decode(b.to(tl.int32))
     else:
         half = tl.arange(0, D1 // 2)
-        b = tl.load(vh_ptr + vrow[:, None] + half[None, :], mask=valid[:, None], other=0)
+        b = _load_rows(vh_ptr + vrow[:, None] + half[None, :], valid, 0, FULL)
         nb = tl.arange(0, D1 // 16)
-        sc = tl.load(vh_ptr + vrow[:, None] + D1 // 2 + nb[None, :], mask=valid[:, None], other=0)
+        sc = _load_rows(vh_ptr + vrow[:, None] + D1 // 2 + nb[None, :], valid, 0, FULL)
         sb = tl.reshape(e4m3_decode(sc.to(tl.int32)), (BLOCK_N // 16, 1, D1))
         codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, D1), (BLOCK_N // 16, 16, D1))
         y = tl.reshape(codes * sb, (BLOCK_N, D1))
     return y
+
+
+@triton.jit
+def _tail_v(
+    vh_ptr,
+    kv_ptr,
+    bt_row,
+    page,
+    slot,
+    start,
+    hi,
+    stride_kv_page,
+    stride_kv_row,
+    stride_vh_page,
+    stride_vh_row,
+    stride_bt_p,
+    v_gs,
+    v_inv_gs,
+    v_inv_6gs,
+    D1: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_EXACT: tl.constexpr,
+    STORE: tl.constexpr,
+    FAST: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    """Factored nvfp4 V̂ ``[BLOCK_N, D1]`` float32 of the tile holding the sequence's end.
+
+    ``hi`` is the sequence's length and ``start <= hi < start + BLOCK_N``. Complete
+    16-token blocks (positions below ``ob = 16 * (hi // 16)``) come from the shadow;
+    the open block (positions ``ob .. ob + 15``, raw rows below ``hi``, zeros past
+    it) is quantized here from the raw cache: a float32 tile of 16 rows, not
+    ``BLOCK_N``. Rows of blocks past ``hi`` are zeros. Equal to the on-read
+    decode's V̂ of the tile (QDQ along the tokens is blockwise, blocks at absolute
+    positions).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    ob = (hi // 16) * 16
+    vrow = page * stride_vh_page + slot * stride_vh_row
+    done = _load_v_hat(vh_ptr, vrow, (start + offs_n) < ob, V_FMT, STORE, D1, BLOCK_N, False)
+    # the open block: 16 slots of one page (the page size is a multiple of 16)
+    offs_o = tl.arange(0, 16)
+    offs_d1 = tl.arange(0, D1)
+    if PAGE % BLOCK_N == 0:  # the tile, hence its open block, lies in one page
+        opage = page
+    else:  # (hi - 1: the table may end at hi when no block is open)
+        opage = tl.load(bt_row + (tl.minimum(ob, hi - 1) // PAGE) * stride_bt_p).to(tl.int64)
+    orow = opage * stride_kv_page + ((ob % PAGE) + offs_o).to(tl.int64) * stride_kv_row
+    omask = (ob + offs_o) < hi
+    raw = tl.load(kv_ptr + orow[:, None] + offs_d1[None, :], mask=omask[:, None], other=0.0)
+    vo = _qdq_v(raw.to(tl.float32), v_gs, v_inv_gs, v_inv_6gs, V_FMT, V_EXACT, FAST, HW_FP8, 16, D1)
+    # put the open block in its place among the tile's BLOCK_N // 16 blocks
+    first = start + 16 * tl.arange(0, BLOCK_N // 16)
+    sel = tl.expand_dims(tl.expand_dims(first == ob, 1), 2)  # [BLOCK_N // 16, 1, 1]
+    v3 = tl.reshape(done.to(tl.float32), (BLOCK_N // 16, 16, D1))
+    v3 = tl.where(sel, tl.expand_dims(vo, 0), v3)
+    return tl.reshape(v3, (BLOCK_N, D1))
 
 
 @triton.jit
@@ -413,6 +486,7 @@ def _shadow_tile(
     V_FMT: tl.constexpr,
     V_SRC: tl.constexpr,
     V_EXACT: tl.constexpr,
+    FULL: tl.constexpr,
     V_ON_READ: tl.constexpr,
     P_FMT: tl.constexpr,
     PV_F16: tl.constexpr,
@@ -424,8 +498,10 @@ def _shadow_tile(
 
     K̂ from the shadow (raw K for ``K_FMT == 0``); V from the raw cache (``V_SRC``
     0), the shadow's V section (1) or the first D1 features of K̂ (2: fp8 K and V
-    with one scale); ``V_ON_READ``: nvfp4 V̂ quantized from the raw rows (the
-    sequence's last tile, holding its open block). Returns ``(m_i, l_i, acc)``.
+    with one scale). ``FULL``: every token of the tile is below ``hi`` (no masks,
+    no -inf scores: the main loop). Otherwise the tile holds the sequence's end
+    (``hi`` is its length): masked loads, and with ``V_ON_READ`` (nvfp4 V) the
+    open block's V̂ is quantized on read (``_tail_v``). Returns ``(m_i, l_i, acc)``.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1)
@@ -435,6 +511,9 @@ def _shadow_tile(
     if PAGE % BLOCK_N == 0:
         page = tl.load(bt_row + (start // PAGE) * stride_bt_p).to(tl.int64)
         slot = ((start % PAGE) + offs_n).to(tl.int64)
+    elif FULL:
+        page = tl.load(bt_row + (tok // PAGE) * stride_bt_p).to(tl.int64)
+        slot = (tok % PAGE).to(tl.int64)
     else:
         page = tl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(tl.int64)
         slot = (tok % PAGE).to(tl.int64)
@@ -442,28 +521,33 @@ def _shadow_tile(
     qk_dtype = q1.dtype
     in_dtype = kv_ptr.dtype.element_ty
     pv_dtype = tl.float16 if PV_F16 else in_dtype
-
     if K_FMT == 0:
-        k1 = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
-        k2 = tl.load(kv_ptr + rows[:, None] + D1 + offs_d2[None, :], mask=valid[:, None], other=0.0)
+        k1 = _load_rows(kv_ptr + rows[:, None] + offs_d1[None, :], valid, 0.0, FULL)
+        k2 = _load_rows(kv_ptr + rows[:, None] + D1 + offs_d2[None, :], valid, 0.0, FULL)
     else:
         krow = page * stride_kh_page + slot * stride_kh_row
-        k1 = _load_k_hat(kh_ptr, krow, valid, K_FMT, STORE, D1, BLOCK_N).to(qk_dtype)
+        k1 = _load_k_hat(kh_ptr, krow, valid, K_FMT, STORE, D1, BLOCK_N, FULL).to(qk_dtype)
         if STORE == 1 and K_FMT == 2:
-            k2 = _load_k_hat(kh_ptr, krow + D1 // 2 + D1 // 16, valid, K_FMT, STORE, D2, BLOCK_N)
+            k2 = _load_k_hat(
+                kh_ptr, krow + D1 // 2 + D1 // 16, valid, K_FMT, STORE, D2, BLOCK_N, FULL
+            )
         else:
-            k2 = _load_k_hat(kh_ptr, krow + D1, valid, K_FMT, STORE, D2, BLOCK_N)
+            k2 = _load_k_hat(kh_ptr, krow + D1, valid, K_FMT, STORE, D2, BLOCK_N, FULL)
         k2 = k2.to(qk_dtype)
 
     s = tl.dot(q1, tl.trans(k1))
     s = tl.dot(q2, tl.trans(k2), s)
     t = s * row_scale[:, None]
     if K_DYN:
-        gs_tok = tl.load(
-            ks_ptr + page * stride_ks_page + slot * stride_ks_row, mask=valid, other=1.0
-        )
+        if FULL:
+            gs_tok = tl.load(ks_ptr + page * stride_ks_page + slot * stride_ks_row)
+        else:
+            gs_tok = tl.load(
+                ks_ptr + page * stride_ks_page + slot * stride_ks_row, mask=valid, other=1.0
+            )
         t = t * gs_tok[None, :]
-    t = tl.where(valid[None, :], t, float("-inf"))
+    if not FULL:
+        t = tl.where(valid[None, :], t, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.ceil(tl.max(t, axis=1)))
     alpha = tl.exp2(m_i - m_new)
@@ -474,15 +558,16 @@ def _shadow_tile(
     if V_SRC == 2:
         v = k1
     elif V_SRC == 0:
-        v = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
+        v = _load_rows(kv_ptr + rows[:, None] + offs_d1[None, :], valid, 0.0, FULL)
     elif V_ON_READ:
-        kv = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
-        v = _qdq_v(
-            kv.to(tl.float32), v_gs, v_inv_gs, v_inv_6gs, V_FMT, V_EXACT, FAST, HW_FP8, BLOCK_N, D1
-        ).to(pv_dtype)
+        v = _tail_v(
+            vh_ptr, kv_ptr, bt_row, page, slot, start, hi, stride_kv_page, stride_kv_row,
+            stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs, v_inv_6gs, D1, PAGE,
+            BLOCK_N, V_FMT, V_EXACT, STORE, FAST, HW_FP8,
+        ).to(pv_dtype)  # fmt: skip
     else:
         vrow = page * stride_vh_page + slot * stride_vh_row
-        v = _load_v_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N).to(pv_dtype)
+        v = _load_v_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N, FULL).to(pv_dtype)
     acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
@@ -546,6 +631,7 @@ def shadow_decode_split_kernel(
     V_SRC: tl.constexpr,
     V_EXACT: tl.constexpr,
     V_TAIL: tl.constexpr,
+    TAIL_LOOP: tl.constexpr,
     P_FMT: tl.constexpr,
     PV_F16: tl.constexpr,
     STORE: tl.constexpr,
@@ -554,11 +640,15 @@ def shadow_decode_split_kernel(
 ):
     """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``.
 
-    The chunk's tiles that end at or before the sequence's end read K̂ and V̂
-    from the shadow; the tile holding the end (at most one per request, since
-    split bounds are multiples of ``SPLIT_ALIGN_``, itself a multiple of
-    ``BLOCK_N``) reads K̂ from the shadow and, with ``V_TAIL`` (nvfp4 V),
-    quantizes V on read from the raw rows, zeros past the end.
+    The split's tiles that end at or before the sequence's end run in the main
+    loop (``_shadow_tile`` with ``FULL``: shadow reads only, no masks). The tile
+    holding the end (at most one per request, since split bounds are multiples
+    of ``SPLIT_ALIGN_``, itself a multiple of ``BLOCK_N``) runs after it, masked,
+    and with ``V_TAIL`` (nvfp4 V) quantizes its open V block on read from the raw
+    rows, zeros past the end. ``TAIL_LOOP``: that tile as a (pipelined) loop of
+    0 or 1 iterations, else as one tile under an ``if`` (the wrapper picks the
+    form that compiles with fewer spills; the bits are the same). Same tiles,
+    same per-tile arithmetic and running maxima as on-read decode: bit-identical.
     """
     pid = tl.program_id(0)
     hg = pid % HEAD_GROUPS
@@ -595,21 +685,30 @@ def shadow_decode_split_kernel(
     acc = tl.zeros([BLOCK_H, D1], tl.float32)
     bt_row = bt_ptr + b * stride_bt_b
 
-    for start in range(lo, full_hi, BLOCK_N):
+    for start in range(lo, full_hi, BLOCK_N):  # complete tiles: shadow only, no masks
         m_i, l_i, acc = _shadow_tile(
             q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, start, hi,
             stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
             stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
             v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
-            V_FMT, V_SRC, V_EXACT, False, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+            V_FMT, V_SRC, V_EXACT, True, False, P_FMT, PV_F16, STORE, FAST, HW_FP8,
         )  # fmt: skip
-    for start in range(full_hi, hi, BLOCK_N):  # the tile holding the end: 0 or 1 of them
+    if TAIL_LOOP:  # the tile holding the sequence's end: a loop of 0 or 1 tiles
+        for tail in range(full_hi, hi, BLOCK_N):
+            m_i, l_i, acc = _shadow_tile(
+                q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, tail,
+                hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
+                stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
+                v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
+                V_FMT, V_SRC, V_EXACT, False, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+            )  # fmt: skip
+    elif full_hi < hi:  # the tile holding the sequence's end, peeled off the loop
         m_i, l_i, acc = _shadow_tile(
-            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, start, hi,
-            stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
+            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, full_hi,
+            hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
             stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
             v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
-            V_FMT, V_SRC, V_EXACT, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+            V_FMT, V_SRC, V_EXACT, False, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
         )  # fmt: skip
 
     if NUM_SPLITS == 1:
