@@ -1,9 +1,11 @@
-"""End-to-end check of MLA_QUANT in a real vLLM 0.33 engine on one CUDA GPU.
+"""End-to-end check of MLA_QUANT in a real vLLM 0.33 engine on CUDA GPUs.
 
-Builds a tiny DeepSeek-V2-style model locally (config only; weights initialised
-from a seeded generator at a realistic scale, token ids instead of a tokenizer),
-then runs ``vllm.LLM`` in one subprocess per configuration (its own log, result
-JSON and timeout; a failure does not stop the others):
+Builds a tiny DeepSeek-V2-style model locally: a config and a real safetensors
+checkpoint of seeded weights at a realistic scale (every full tensor drawn from a
+generator seeded by its name, so the weights do not depend on the tensor-parallel
+size: vLLM's own weight loaders shard them), token ids instead of a tokenizer.
+Then it runs ``vllm.LLM`` in one subprocess per configuration (its own log,
+result JSON and timeout; a failure does not stop the others):
 
 - TRITON_MLA and MLA_QUANT with no quantization, eager and with CUDA graphs:
   prompt logprobs (prefill, including a chunked-context prefill) and greedy
@@ -17,24 +19,39 @@ JSON and timeout; a failure does not stop the others):
 - in-place ``install``/``uninstall`` on a TRITON_MLA engine: uninstall restores
   the native logprobs exactly.
 
+``--tp N`` runs the engines at ``tensor_parallel_size=N`` (vLLM's multiprocess
+executor: one worker process per GPU, started with ``spawn``, so MLA_QUANT must
+be registered there through its ``vllm.general_plugins`` entry point: install the
+packages' wheels, see docs/tensor-parallel.md). With N > 1 the default set is the
+six TRITON_MLA / none / nvfp4 runs (eager and graphs) plus three configurations
+that must fail in the workers with an error that reaches this process naming the
+layer or the field. Each result records what every worker process saw (its pid,
+rank, local heads, registration, the ``mla_quant`` config and each layer's
+resolved recipe). ``--compare-tp A,B`` compares two result folders (say TP=1 and
+TP=2): logprobs, per-layer statistics and recipes, within stated bounds; it needs
+no GPU and writes ``tp_compare.txt`` / ``tp_compare.json`` into ``--out``.
+
 ``--out DIR`` receives ``<config>.log`` and ``<config>.json`` for every
 configuration, ``calibration.json``, ``results.json`` (every run and check) and
 ``summary.txt`` (the table printed at the end). ``--jobs N`` runs N lanes of
-configurations at once on the one GPU (each engine takes a fixed 1 GiB KV cache,
-so their memory profiling cannot disturb each other); ``--deadline S`` stops
-starting configurations (and cuts timeouts) so that everything ends within S
-seconds. Exit code 0 when every check holds; 1 when a run or check fails; 2 when
-no CUDA GPU or no vLLM 0.33.0 is there.
+configurations at once (each engine takes a fixed 1 GiB KV cache, so their memory
+profiling cannot disturb each other; at TP=1 with several GPUs visible, lane i
+runs on GPU i mod count); ``--deadline S`` stops starting configurations (and
+cuts timeouts) so that everything ends within S seconds. Exit code 0 when every
+check holds; 1 when a run or check fails; 2 when no CUDA GPU (or fewer than
+``--tp``), no vLLM 0.33.0, or (TP > 1) no installed entry point is there.
 
 Usage: ``python tests-vllm-e2e/run_e2e.py [--out DIR] [--tol 0.05] [--jobs 3]
-[--deadline 400] [--only NAME ...]``. On the lent H200 (packages on PYTHONPATH, no
-entry point installed) the script registers ``MLA_QUANT`` itself in each engine
-process; engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+[--deadline 400] [--tp 1] [--only NAME ...]``, or ``--compare-tp A,B``. Engines
+run in this script's child process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
+in-process engine core, whose executor starts the TP workers), which also
+registers ``MLA_QUANT`` itself; at TP=1 that is enough (no worker processes).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -45,6 +62,7 @@ import tempfile
 import threading
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +110,7 @@ class Run:
     backend: str
     eager: bool
     quant: Any  # mla_quant object, None (no additional_config) or "CALIBRATED"
-    action: str  # generate | calibrate | install
+    action: str  # generate | calibrate | install | expect_error
     timeout: float
 
 
@@ -104,16 +122,83 @@ RUNS: dict[str, Run] = {
     "triton_graphs": Run("TRITON_MLA", False, None, "generate", 300),
     "quant_none_graphs": Run("MLA_QUANT", False, {}, "generate", 300),
     "nvfp4_graphs": Run("MLA_QUANT", False, {"recipe": "nvfp4"}, "generate", 300),
+    # The write-once shadow KV path (issue 8): the same function as on-read decode.
+    "nvfp4_shadow_eager": Run(
+        "MLA_QUANT",
+        True,
+        {"recipe": "nvfp4", "kv_path": "shadow", "observe": OBSERVE},
+        "generate",
+        180,
+    ),
+    "nvfp4_shadow_graphs": Run(
+        "MLA_QUANT", False, {"recipe": "nvfp4", "kv_path": "shadow"}, "generate", 300
+    ),
     "calibrate": Run("MLA_QUANT", True, {}, "calibrate", 180),
     "nvfp4_calibrated": Run("MLA_QUANT", True, "CALIBRATED", "generate", 180),
     "install_in_place": Run("TRITON_MLA", True, None, "install", 180),
+    # Must fail inside the TP workers; the error must reach this process (see EXPECT).
+    # A layer override whose pattern matches no layer: known only once the workers
+    # have built the model, raised when the metadata builder binds the layers.
+    "tp_error_bind": Run(
+        "MLA_QUANT",
+        True,
+        {"recipe": "nvfp4", "layers": [{"pattern": "model.layers.9.*", "v": "fp8"}]},
+        "expect_error",
+        200,
+    ),
+    # Valid schema, but layer 1 alone gets a static P amax below 1, which the
+    # prefill kernel refuses (SPEC 4) at that layer's first prefill.
+    "tp_error_layer": Run(
+        "MLA_QUANT",
+        True,
+        {
+            "recipe": "nvfp4",
+            "layers": [{"pattern": "model.layers.1.*", "p": {"format": "nvfp4", "amax": 0.5}}],
+        },
+        "expect_error",
+        200,
+    ),
+    # A schema error: raised while each worker builds the model (before it reports
+    # ready), so vLLM's parent only says that a worker failed to start.
+    "tp_error_schema": Run("MLA_QUANT", True, {"recipe": "nvfp5"}, "expect_error", 200),
 }
+# What an expected failure must show: substrings of the exception raised in this
+# process by LLM()/generate ("message", its causes included) and of the child's log
+# ("log": the workers inherit its stdout/stderr, as they share a user's console).
+EXPECT: dict[str, dict[str, tuple[str, ...]]] = {
+    "tp_error_bind": {
+        "message": ("mla_quant.layers[0].pattern", "model.layers.0.self_attn.attn"),
+        "log": ("mla_quant.layers[0].pattern",),
+    },
+    "tp_error_layer": {
+        "message": ("model.layers.1.self_attn.attn", "P's static amax"),
+        "log": ("model.layers.1.self_attn.attn",),
+    },
+    "tp_error_schema": {"message": (), "log": ("additional_config.mla_quant.recipe",)},
+}
+# The default set at TP > 1, and the set a TP=1 reference run for --compare-tp takes.
+TP_RUNS = (
+    "triton_eager",
+    "quant_none_eager",
+    "nvfp4_eager",
+    "triton_graphs",
+    "quant_none_graphs",
+    "nvfp4_graphs",
+)
+TP_DEFAULT = (*TP_RUNS, "tp_error_bind", "tp_error_layer", "tp_error_schema")
 # Configurations in one lane run one after another (a comparison's pair, a
 # dependency); lanes run concurrently with --jobs > 1, in this order of priority.
 LANES: tuple[tuple[str, ...], ...] = (
-    ("triton_graphs", "quant_none_graphs", "nvfp4_graphs"),
+    ("triton_graphs", "quant_none_graphs", "nvfp4_graphs", "nvfp4_shadow_graphs"),
     ("triton_eager", "quant_none_eager", "nvfp4_eager", "fp8_eager"),
-    ("calibrate", "nvfp4_calibrated", "install_in_place"),
+    ("calibrate", "nvfp4_calibrated", "install_in_place", "nvfp4_shadow_eager"),
+)
+LANES_TP: tuple[tuple[str, ...], ...] = (
+    ("triton_graphs", "quant_none_graphs"),
+    ("triton_eager", "quant_none_eager", "nvfp4_eager"),
+    ("nvfp4_graphs", "tp_error_schema"),
+    ("tp_error_bind", "tp_error_layer"),
+    ("fp8_eager", "calibrate", "nvfp4_calibrated", "install_in_place"),
 )
 DEPENDS = {"nvfp4_calibrated": "calibrate"}
 MIN_USEFUL_SECONDS = 40.0  # do not start a configuration with less time left
@@ -124,8 +209,12 @@ def fail(message: str, code: int = 1) -> None:
     sys.exit(code)
 
 
-def preflight() -> dict[str, str]:
-    """Exit 2 with a clear message unless a CUDA GPU and vLLM 0.33.0 are there."""
+def preflight(tp: int = 1) -> dict[str, str]:
+    """Exit 2 with a clear message unless ``tp`` CUDA GPUs and vLLM 0.33.0 are there.
+
+    At ``tp > 1`` the workers are separate processes that register ``MLA_QUANT``
+    only through the ``vllm.general_plugins`` entry point: it must be installed.
+    """
     try:
         import torch
     except ImportError:
@@ -146,7 +235,30 @@ def preflight() -> dict[str, str]:
         import mla_vllm.backend  # noqa: F401
     except ImportError as exc:
         fail(f"needs mla_vllm and mla_triton importable ({exc})", 2)
-    return {"torch": torch.__version__, "vllm": vllm.__version__}
+    count = torch.cuda.device_count()
+    if count < tp:
+        fail(f"--tp {tp} needs {tp} CUDA GPUs, found {count}", 2)
+    if tp > 1 and entry_point() is None:
+        fail(
+            f"--tp {tp}: vLLM's worker processes register MLA_QUANT only through the "
+            "'vllm.general_plugins' entry point, and none is installed (packages on "
+            "PYTHONPATH have no dist-info). Install the wheels, e.g. `python3 -m pip "
+            "install --no-deps --no-index --target /tmp/mla-site .e2e-pin/wheels/*.whl` "
+            "and put /tmp/mla-site first on PYTHONPATH (docs/tensor-parallel.md)",
+            2,
+        )
+    return {"torch": torch.__version__, "vllm": vllm.__version__, "gpus": str(count)}
+
+
+def entry_point() -> str | None:
+    """Where the ``mla_vllm.plugin:register`` entry point comes from, if installed."""
+    from importlib.metadata import entry_points
+
+    for e in entry_points(group="vllm.general_plugins"):
+        if e.value == "mla_vllm.plugin:register":
+            dist = getattr(e, "dist", None)
+            return str(getattr(dist, "_path", None) or getattr(dist, "name", "?"))
+    return None
 
 
 def prompts() -> list[list[int]]:
@@ -156,29 +268,69 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def init_weights(model: Any) -> None:
-    """Seeded weights at a realistic scale: norms 1, matrices N(0, 1/fan_in).
+def checkpoint_shapes(config: dict[str, Any] = CONFIG) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model's Hugging Face checkpoint (DeepSeek-V2 names), full size.
 
-    Every parameter is written in place, and vLLM 0.33's ``replace_parameter``
-    copies the recomputed W_UK_T / W_UV into the existing tensors, so CUDA graphs
-    captured before this call replay with the new weights.
+    ``q_lora_rank`` is None (a plain ``q_proj``) and every MLP is dense. vLLM 0.33's
+    ``DeepseekV2ForCausalLM.load_weights`` maps these names onto its parameters and
+    each parameter's weight loader takes the rank's shard: ``q_proj`` and
+    ``kv_b_proj`` (ColumnParallelLinear) by output rows, i.e. by heads; ``o_proj``
+    and ``down_proj`` (RowParallelLinear) by input columns; ``gate_proj`` and
+    ``up_proj`` into the merged column-parallel ``gate_up_proj``;
+    ``kv_a_proj_with_mqa`` and the norms replicated; ``embed_tokens`` and
+    ``lm_head`` by vocabulary rows.
+    """
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    rank, v = int(config["kv_lora_rank"]), int(config["v_head_dim"])
+    inter, vocab = int(config["intermediate_size"]), int(config["vocab_size"])
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(int(config["num_hidden_layers"])):
+        at = f"model.layers.{i}"
+        shapes |= {
+            f"{at}.input_layernorm.weight": (hidden,),
+            f"{at}.self_attn.q_proj.weight": (heads * (nope + rope), hidden),
+            f"{at}.self_attn.kv_a_proj_with_mqa.weight": (rank + rope, hidden),
+            f"{at}.self_attn.kv_a_layernorm.weight": (rank,),
+            f"{at}.self_attn.kv_b_proj.weight": (heads * (nope + v), rank),
+            f"{at}.self_attn.o_proj.weight": (hidden, heads * v),
+            f"{at}.post_attention_layernorm.weight": (hidden,),
+            f"{at}.mlp.gate_proj.weight": (inter, hidden),
+            f"{at}.mlp.up_proj.weight": (inter, hidden),
+            f"{at}.mlp.down_proj.weight": (hidden, inter),
+        }
+    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    return shapes
+
+
+def seeded_tensor(name: str, shape: tuple[int, ...]) -> Any:
+    """The full tensor ``name``: norms 1, embeddings N(0, 1), matrices N(0, 1/fan_in).
+
+    Drawn from a generator seeded by ``SEED`` and the name alone (not by the order
+    of the parameters or by a rank's shard), in float32, then rounded to bfloat16.
     """
     import torch
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    gen = torch.Generator(device="cpu").manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if "norm" in name:
-                param.fill_(1.0)
-                continue
-            fan_in = param.shape[-1] if param.dim() > 1 else 1
-            scale = 1.0 if "embed" in name else fan_in**-0.5
-            value = torch.randn(param.shape, generator=gen) * scale
-            param.copy_(value.to(param.dtype))
-        for module in model.modules():
-            if isinstance(module, MLAAttention):  # W_UK_T / W_UV from the new kv_b_proj
-                module.process_weights_after_loading(torch.bfloat16)
+    if "norm" in name:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    gen = torch.Generator(device="cpu").manual_seed(SEED * 1_000_003 + zlib.crc32(name.encode()))
+    scale = 1.0 if "embed" in name else shape[-1] ** -0.5
+    return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+def write_checkpoint(model_dir: Path, config: dict[str, Any] = CONFIG) -> str:
+    """``config.json`` and ``model.safetensors`` of the seeded weights; the file's sha256."""
+    from safetensors.torch import save_file
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = {
+        name: seeded_tensor(name, shape) for name, shape in checkpoint_shapes(config).items()
+    }
+    path = model_dir / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def describe_layers(model: Any) -> dict[str, list[str]]:
@@ -192,27 +344,84 @@ def describe_layers(model: Any) -> dict[str, list[str]]:
     }
 
 
-def ensure_registered() -> str:
-    """Register MLA_QUANT in this (engine) process.
+def probe_worker(model: Any) -> dict[str, Any]:
+    """What one worker process sees: pid, TP rank, registration, config, per-layer recipe."""
+    import os as _os
 
-    Installed packages have the ``vllm.general_plugins`` entry point, which vLLM
-    runs itself; with the packages only on PYTHONPATH (the lent GPU) there is no
-    dist-info and so no entry point. The engine runs in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU: in-process executor), so
-    registering here reaches it either way; ``register`` is re-entrant.
-    """
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        registered = AttentionBackendEnum["MLA_QUANT"].get_class().__name__
+    except Exception as exc:  # not registered in this process
+        registered = f"not registered ({type(exc).__name__}: {exc})"
+    layers: dict[str, Any] = {}
+    for m in model.modules():
+        if not isinstance(m, MLAAttention):
+            continue
+        impl = m.impl
+        config = getattr(impl, "_vllm_config", None)
+        extra = getattr(config, "additional_config", None) or {}
+        state = getattr(impl, "mla_layer", None)
+        layers[m.layer_name] = {
+            "impl": type(impl).__name__,
+            "num_heads": int(getattr(impl, "num_heads", -1)),
+            "mla_quant": extra.get("mla_quant") if isinstance(extra, dict) else None,
+            "recipe": None if state is None else repr(state.recipe),
+        }
     from importlib.metadata import entry_points
 
+    found = [
+        str(getattr(getattr(e, "dist", None), "_path", "?"))
+        for e in entry_points(group="vllm.general_plugins")
+        if e.value == "mla_vllm.plugin:register"
+    ]
+    return {
+        "pid": _os.getpid(),
+        "tp_rank": get_tensor_model_parallel_rank(),
+        "entry_point": found[0] if found else None,
+        "registered": registered,
+        "layers": layers,
+    }
+
+
+def ensure_registered(tp: int = 1) -> str:
+    """Register MLA_QUANT in this (engine) process; at ``tp > 1`` require the entry point.
+
+    Installed packages have the ``vllm.general_plugins`` entry point, which vLLM
+    runs itself in every process; with the packages only on PYTHONPATH there is no
+    dist-info and so no entry point. At TP=1 the engine and its one worker run in
+    this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: in-process engine core and
+    executor), so registering here reaches it either way; ``register`` is
+    re-entrant. At TP > 1 the workers are spawned processes: only the entry point
+    reaches them.
+    """
     from mla_vllm.plugin import register
 
-    found = any(
-        e.value == "mla_vllm.plugin:register" for e in entry_points(group="vllm.general_plugins")
-    )
+    found = entry_point()
+    if tp > 1 and found is None:
+        raise RuntimeError(
+            "no 'vllm.general_plugins' entry point for mla_vllm: TP workers could not "
+            "register MLA_QUANT (install the wheels: docs/tensor-parallel.md)"
+        )
     register()
-    return "entry point installed; registered directly too" if found else "registered directly"
+    if found is None:
+        return "registered directly"
+    return f"entry point {found}; registered directly too"
 
 
-def run_one(name: str, out_dir: Path, model_dir: Path) -> dict[str, Any]:
+def _messages(exc: BaseException) -> list[str]:
+    """``type: message`` of an exception and of its causes and contexts."""
+    seen: list[str] = []
+    current: BaseException | None = exc
+    while current is not None and len(seen) < 8:
+        seen.append(f"{type(current).__name__}: {current}")
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def run_one(name: str, out_dir: Path, model_dir: Path, tp: int = 1) -> dict[str, Any]:
     """One engine, one configuration; results as JSON-able data."""
     import torch
     import vllm
@@ -221,7 +430,7 @@ def run_one(name: str, out_dir: Path, model_dir: Path) -> dict[str, Any]:
     import mla_vllm
 
     run = RUNS[name]
-    registered = ensure_registered()
+    registered = ensure_registered(tp)
     quant = run.quant
     if quant == "CALIBRATED":
         quant = {
@@ -230,30 +439,60 @@ def run_one(name: str, out_dir: Path, model_dir: Path) -> dict[str, Any]:
             "observe": OBSERVE,
         }
     extra: dict[str, Any] = {} if quant is None else {"mla_quant": quant}
-    t0 = time.time()
-    llm = LLM(
-        model=str(model_dir),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        attention_backend=run.backend,
-        enforce_eager=run.eager,
-        additional_config=extra,
-        max_model_len=1024,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        max_num_seqs=8,
-        enable_chunked_prefill=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.15,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        seed=SEED,
-    )
-    engine_seconds = time.time() - t0
-    llm.apply_model(init_weights)
+    common: dict[str, Any] = {
+        "name": name,
+        "tp": tp,
+        "backend": run.backend,
+        "eager": run.eager,
+        "quant": quant,
+        "registered": registered,
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+        "gpu": torch.cuda.get_device_name(),
+        "weights": json.loads((model_dir / "weights.json").read_text()),
+    }
+    parallel: dict[str, Any] = {}
+    if tp > 1:  # the two-GPU kind's settings (shared/gpu-vllm/README.md)
+        parallel = {"tensor_parallel_size": tp, "disable_custom_all_reduce": True}
     params = SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2, prompt_logprobs=0, ignore_eos=True
     )
     inputs: list[Any] = [{"prompt_token_ids": p} for p in prompts()]
+    t0 = time.time()
+    try:
+        llm = LLM(
+            model=str(model_dir),
+            load_format="safetensors",
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            attention_backend=run.backend,
+            enforce_eager=run.eager,
+            additional_config=extra,
+            max_model_len=1024,
+            max_num_batched_tokens=MAX_BATCHED_TOKENS,
+            max_num_seqs=8,
+            enable_chunked_prefill=True,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=0.15,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            seed=SEED,
+            **parallel,
+        )
+        if run.action == "expect_error":
+            llm.generate(inputs, params, use_tqdm=False)
+    except Exception as exc:
+        if run.action != "expect_error":
+            raise
+        traceback.print_exc()
+        chain = _messages(exc)
+        return common | {
+            "raised": True,
+            "error_type": type(exc).__name__,
+            "message": "\n".join(chain),
+            "seconds": round(time.time() - t0, 1),
+        }
+    if run.action == "expect_error":
+        return common | {"raised": False, "message": "", "seconds": round(time.time() - t0, 1)}
+    engine_seconds = time.time() - t0
 
     def generate() -> list[dict[str, Any]]:
         results = []
@@ -282,17 +521,13 @@ def run_one(name: str, out_dir: Path, model_dir: Path) -> dict[str, Any]:
 
     config = getattr(llm.llm_engine, "vllm_config", None)
     mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
-    result: dict[str, Any] = {
-        "name": name,
-        "backend": run.backend,
-        "eager": run.eager,
-        "quant": quant,
-        "registered": registered,
+    per_rank = llm.apply_model(describe_layers)
+    result: dict[str, Any] = common | {
         "cudagraph_mode": str(mode),
-        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
-        "gpu": torch.cuda.get_device_name(),
         "engine_seconds": round(engine_seconds, 1),
-        "layers": llm.apply_model(describe_layers)[0],
+        "engine_pid": os.getpid(),
+        "layers": per_rank[0],
+        "layers_per_rank": per_rank,
     }
     start = time.time()
     if run.action == "calibrate":
@@ -310,6 +545,7 @@ def run_one(name: str, out_dir: Path, model_dir: Path) -> dict[str, Any]:
         result["outputs"] = generate()
         if isinstance(quant, dict) and quant.get("observe", {}).get("enabled"):
             result["stats"] = mla_vllm.get_stats(llm)
+    result["workers"] = llm.apply_model(probe_worker)  # after a forward: recipes bound
     result["work_seconds"] = round(time.time() - start, 1)
     return result
 
@@ -333,17 +569,38 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _child_env() -> dict[str, str]:
+# NVLink multicast stays off on the lent multi-GPU machines (device KINDS.md), and
+# vLLM's symmetric-memory all-reduce with it; set in every child, whatever the caller.
+MULTI_GPU_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+}
+
+
+def _child_env(gpu: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: apply_model, registration
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core: apply_model
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's functions, if pickled
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # TP workers: fresh processes, no fork
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # no FlashInfer on the lent GPU
     env.setdefault("PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(MULTI_GPU_ENV)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
 
 
 def run_child(
-    name: str, out: Path, model_dir: Path, deadline: float, results: dict[str, Any]
+    name: str,
+    out: Path,
+    model_dir: Path,
+    deadline: float,
+    results: dict[str, Any],
+    tp: int = 1,
+    gpu: str | None = None,
 ) -> Outcome:
     """Run one configuration in its own process (group), with its own timeout."""
     dep = DEPENDS.get(name)
@@ -366,10 +623,12 @@ def run_child(
         name,
         "--_model",
         str(model_dir),
+        "--tp",
+        str(tp),
     ]
     with log.open("w") as fh:
         proc = subprocess.Popen(
-            cmd, env=_child_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=_child_env(gpu), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             code = proc.wait(timeout=timeout)
@@ -430,7 +689,70 @@ def _finite(result: dict[str, Any]) -> bool:
     return True
 
 
-def evaluate(results: dict[str, Any], tol: float) -> tuple[list[dict[str, Any]], list[str]]:
+def check_workers(result: dict[str, Any], tp: int) -> list[str]:
+    """Problems with what the worker processes saw (empty: none).
+
+    ``tp`` distinct worker processes with ranks 0..tp-1, other than the engine's
+    process at TP > 1; each layer with ``heads / tp`` local heads; for MLA_QUANT:
+    registered in every worker, the ``mla_quant`` config there equal to the one
+    given, and every layer's resolved recipe bound and identical on every rank.
+    """
+    workers = result.get("workers") or []
+    problems: list[str] = []
+    if len(workers) != tp:
+        return [f"{len(workers)} worker replies, expected {tp}"]
+    pids = {w["pid"] for w in workers}
+    if len(pids) != tp:
+        problems.append(f"worker pids {sorted(pids)}: not {tp} distinct processes")
+    if tp > 1 and result.get("engine_pid") in pids:
+        problems.append("a worker ran in the engine's process")
+    if sorted(w["tp_rank"] for w in workers) != list(range(tp)):
+        problems.append(f"TP ranks {[w['tp_rank'] for w in workers]}")
+    heads = int(CONFIG["num_attention_heads"]) // tp
+    recipes: dict[str, set[str | None]] = {}
+    for w in workers:
+        where = f"rank {w['tp_rank']}"
+        if len(w["layers"]) != LAYERS:
+            problems.append(f"{where}: {len(w['layers'])} MLA layers")
+        for layer, info in w["layers"].items():
+            if info["num_heads"] != heads:
+                problems.append(f"{where} {layer}: {info['num_heads']} local heads, not {heads}")
+            if result["backend"] != "MLA_QUANT":
+                continue
+            if info["impl"] != "MLAQuantImpl":
+                problems.append(f"{where} {layer}: impl {info['impl']}")
+            if info["mla_quant"] != result["quant"]:
+                problems.append(f"{where} {layer}: mla_quant {info['mla_quant']!r} in the worker")
+            recipes.setdefault(layer, set()).add(info["recipe"])
+        if result["backend"] == "MLA_QUANT" and w["registered"] != "MLAQuantBackend":
+            problems.append(f"{where}: MLA_QUANT {w['registered']}")
+    for layer, seen in sorted(recipes.items()):
+        if None in seen or len(seen) != 1:
+            problems.append(
+                f"{layer}: recipes differ between ranks or unbound: {sorted(map(str, seen))}"
+            )
+    return problems
+
+
+def check_error(name: str, result: dict[str, Any], log: str) -> list[str]:
+    """Problems with an expected failure: it must raise, and say what ``EXPECT`` lists."""
+    if not result.get("raised"):
+        return ["the engine started and generated: no error raised"]
+    expect = EXPECT.get(name, {})
+    problems = [
+        f"the raised error does not mention {text!r}"
+        for text in expect.get("message", ())
+        if text not in result.get("message", "")
+    ]
+    problems += [
+        f"the log does not mention {text!r}" for text in expect.get("log", ()) if text not in log
+    ]
+    return problems
+
+
+def evaluate(
+    results: dict[str, Any], tol: float, out: Path | None = None, tp: int = 1
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Every check as ``{check, ok, value}``, and the report's lines."""
     checks: list[dict[str, Any]] = []
     lines: list[str] = []
@@ -442,6 +764,9 @@ def evaluate(results: dict[str, Any], tol: float) -> tuple[list[dict[str, Any]],
     for native, quant in (
         ("triton_eager", "quant_none_eager"),
         ("triton_graphs", "quant_none_graphs"),
+        # same recipe through the shadow KV path: the same function as on-read
+        ("nvfp4_eager", "nvfp4_shadow_eager"),
+        ("nvfp4_graphs", "nvfp4_shadow_graphs"),
     ):
         if native in results and quant in results:
             d = max_diff(results[native]["outputs"], results[quant]["outputs"], tol)
@@ -477,17 +802,32 @@ def evaluate(results: dict[str, Any], tol: float) -> tuple[list[dict[str, Any]],
             )
     for name in [n for n in RUNS if n in results]:
         result = results[name]
+        if RUNS[name].action == "expect_error":
+            log = (out / f"{name}.log").read_text(errors="replace") if out is not None else ""
+            problems = check_error(name, result, log)
+            first = result.get("message", "").splitlines()[:1] or ["(none)"]
+            check(
+                f"{name}: fails in the workers, naming what is wrong",
+                not problems,
+                "; ".join(problems) or f"yes: {first[0][:300]}",
+            )
+            continue
         problems = [] if _finite(result) else ["non-finite logprobs"]
-        impls = sorted({v[0] for v in result.get("layers", {}).values()})
+        per_rank = result.get("layers_per_rank") or [result.get("layers", {})]
+        impls = sorted({v[0] for rank in per_rank for v in rank.values()})
         if result["backend"] == "MLA_QUANT" and impls != ["MLAQuantImpl"]:
             problems.append(f"impls {impls}, expected MLAQuantImpl")
         stats = result.get("stats")
         what = f"finite logprobs, impl {'/'.join(impls)}"
+        if tp > 1:
+            problems += check_workers(result, tp)
+            what += f", {tp} worker processes with the config and recipes"
         if name.startswith(("nvfp4", "fp8")) and result["eager"]:
             paths = [set(v) for v in (stats or {}).values()]
-            if len(paths) != LAYERS or not all({"prefill", "decode"} <= p for p in paths):
-                problems.append(f"per-layer statistics for {len(paths)} layers")
-            what += f", prefill and decode statistics of {LAYERS} layers"
+            want = LAYERS * tp  # get_stats keys other ranks' layers as "<layer>@<rank>"
+            if len(paths) != want or not all({"prefill", "decode"} <= p for p in paths):
+                problems.append(f"per-layer statistics for {len(paths)} layer shards, not {want}")
+            what += f", prefill and decode statistics of {LAYERS} layers x {tp} ranks"
         check(f"{name}: {what}", not problems, "; ".join(problems) or "yes")
         for layer, per_path in sorted((stats or {}).items()):
             for path, s in sorted(per_path.items()):
@@ -528,16 +868,24 @@ def evaluate(results: dict[str, Any], tol: float) -> tuple[list[dict[str, Any]],
 
 
 def run_lanes(
-    names: list[str], out: Path, model_dir: Path, jobs: int, deadline: float
+    names: list[str],
+    out: Path,
+    model_dir: Path,
+    jobs: int,
+    deadline: float,
+    tp: int = 1,
+    gpus: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[Outcome]]:
+    """Run ``names`` in lanes, ``jobs`` lanes at once; at TP=1 lane i on ``gpus[i % n]``."""
     results: dict[str, Any] = {}
     outcomes: list[Outcome] = []
-    lanes = [[n for n in lane if n in names] for lane in LANES]
+    lanes = [[n for n in lane if n in names] for lane in (LANES if tp == 1 else LANES_TP)]
     lanes = [lane for lane in lanes if lane]
     lock = threading.Lock()
 
     def worker(index: int) -> None:
         time.sleep(3.0 * index)  # stagger the engines' start (ports, compile caches)
+        gpu = gpus[index % len(gpus)] if tp == 1 and gpus and len(gpus) > 1 else None
         while True:
             with lock:
                 if not lanes:
@@ -545,7 +893,7 @@ def run_lanes(
                 lane = lanes.pop(0)
             for name in lane:
                 print(f"vllm_e2e: {time.strftime('%H:%M:%S')} start {name}", flush=True)
-                outcome = run_child(name, out, model_dir, deadline, results)
+                outcome = run_child(name, out, model_dir, deadline, results, tp, gpu)
                 with lock:
                     outcomes.append(outcome)
                 extra = f" ({outcome.detail})" if outcome.detail else ""
@@ -565,6 +913,133 @@ def run_lanes(
     return results, outcomes
 
 
+# ----------------------------------------------------------------------------- TP compare
+
+# Bounds of TP=B against TP=A, in nats, for the same configuration (see
+# docs/tensor-parallel.md): unquantized runs differ only by the bf16 rounding of
+# the row-parallel all-reduces (o_proj, down_proj) and of shape-dependent GEMM
+# kernels; nvfp4 runs see those same input differences, which can move an element
+# across a rounding boundary of the 4-bit grid (one quantum), so their bound is
+# wider. Quantization scales themselves never depend on the head split (SPEC 2).
+TP_TOL = {"none": 0.05, "nvfp4": 0.15}
+TP_MEAN_TOL = {"none": 0.01, "nvfp4": 0.03}  # mean |Δ prompt logprob|
+STATS_REL_TOL = 0.15  # per layer/path: |rel_l2_mean(B, mean over ranks) / rel_l2_mean(A) - 1|
+STATS_COS_TOL = 0.005  # per layer/path: |Δ cosine_mean|
+
+
+def _load_results(folder: Path) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name in RUNS:
+        path = folder / f"{name}.json"
+        if path.is_file():
+            found[name] = json.loads(path.read_text())
+    return found
+
+
+def _merged_stats(stats: dict[str, Any]) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """``{layer: {path: [stats of each rank]}}`` from get_stats' ``layer`` / ``layer@rank`` keys."""
+    merged: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for key, per_path in stats.items():
+        layer = key.split("@", 1)[0]
+        for path, values in per_path.items():
+            merged.setdefault(layer, {}).setdefault(path, []).append(values)
+    return merged
+
+
+def compare_tp(a_dir: Path, b_dir: Path) -> tuple[bool, list[str], list[dict[str, Any]]]:
+    """Compare two result folders configuration by configuration; (passed, table, checks)."""
+    a, b = _load_results(a_dir), _load_results(b_dir)
+    rows: list[dict[str, Any]] = []
+    lines = [f"TP compare: A = {a_dir}, B = {b_dir}"]
+
+    def row(check: str, ok: bool, value: str) -> None:
+        rows.append({"check": check, "ok": ok, "value": value})
+
+    common = [n for n in TP_RUNS if n in a and n in b]
+    if not common:
+        row("configurations in both folders", False, f"none of {list(TP_RUNS)}")
+    for name in common:
+        ra, rb = a[name], b[name]
+        label = f"{name} TP={ra.get('tp', 1)} vs TP={rb.get('tp', 1)}"
+        wa, wb = ra.get("weights", {}), rb.get("weights", {})
+        if wa.get("sha256") is None or wa.get("sha256") != wb.get("sha256"):
+            row(f"{label}: same checkpoint", False, f"{wa.get('sha256')} vs {wb.get('sha256')}")
+            continue
+        kind = "nvfp4" if name.startswith("nvfp4") else "none"
+        tol, mean_tol = TP_TOL[kind], TP_MEAN_TOL[kind]
+        d = max_diff(ra["outputs"], rb["outputs"], tol)
+        ok = (
+            d["prompt_max"] <= tol
+            and d["prompt_mean"] <= mean_tol
+            and d["gen_max"] <= tol
+            and d["divergences_near_ties"]
+        )
+        tokens = (
+            "identical"
+            if d["same_tokens"]
+            else "diverge at "
+            + ", ".join(
+                f"prompt {v['prompt']} step {v['step']} (A's top-2 margin {v['margin']:.4f})"
+                for v in d["divergences"]
+            )
+        )
+        row(
+            f"{label}: logprobs (max {tol}, mean {mean_tol} nats)",
+            ok,
+            f"max |Δ prompt logprob| {d['prompt_max']:.4f} (mean {d['prompt_mean']:.5f}), "
+            f"max |Δ generated logprob| {d['gen_max']:.4f}, greedy tokens {tokens}",
+        )
+        recipes_a = {
+            layer: info["recipe"]
+            for w in ra.get("workers", [])
+            for layer, info in w["layers"].items()
+        }
+        recipes_b = {
+            layer: info["recipe"]
+            for w in rb.get("workers", [])
+            for layer, info in w["layers"].items()
+        }
+        if ra["backend"] == "MLA_QUANT" and (recipes_a or recipes_b):
+            row(
+                f"{label}: every layer resolves the same recipe",
+                recipes_a == recipes_b and None not in recipes_a.values(),
+                "yes" if recipes_a == recipes_b else f"{recipes_a} vs {recipes_b}",
+            )
+        sa, sb = _merged_stats(ra.get("stats") or {}), _merged_stats(rb.get("stats") or {})
+        for layer in sorted(set(sa) | set(sb)):
+            for path in sorted(set(sa.get(layer, {})) | set(sb.get(layer, {}))):
+                xa, xb = sa.get(layer, {}).get(path, []), sb.get(layer, {}).get(path, [])
+                if not xa or not xb:
+                    row(f"{label}: {layer} {path} statistics", False, "missing on one side")
+                    continue
+                calls_a = {v["calls"] for v in xa}
+                calls_b = {v["calls"] for v in xb}
+                rel_a = sum(v["rel_l2_mean"] for v in xa) / len(xa)
+                rel_b = sum(v["rel_l2_mean"] for v in xb) / len(xb)
+                cos_a = sum(v["cosine_mean"] for v in xa) / len(xa)
+                cos_b = sum(v["cosine_mean"] for v in xb) / len(xb)
+                rel = abs(rel_b / rel_a - 1.0) if rel_a > 0 else math.inf
+                ok = (
+                    calls_a == calls_b
+                    and len(calls_a) == 1
+                    and rel <= STATS_REL_TOL
+                    and abs(cos_b - cos_a) <= STATS_COS_TOL
+                )
+                per_rank = ", ".join(f"{v['rel_l2_mean']:.4f}" for v in xb)
+                row(
+                    f"{label}: {layer} {path} statistics (rel_l2 within "
+                    f"{STATS_REL_TOL:.0%}, cosine within {STATS_COS_TOL})",
+                    ok,
+                    f"calls {sorted(calls_a)} vs {sorted(calls_b)}, rel_l2_mean {rel_a:.4f} vs "
+                    f"{rel_b:.4f} (ranks {per_rank}; {rel:.1%}), cosine_mean {cos_a:.5f} vs "
+                    f"{cos_b:.5f}",
+                )
+    passed = bool(rows) and all(r["ok"] for r in rows)
+    lines += [f"  [{'ok' if r['ok'] else 'FAIL'}] {r['check']}: {r['value']}" for r in rows]
+    lines.append(f"tp_compare: {'PASS' if passed else 'FAIL'}")
+    return passed, lines, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("vllm-e2e-out"))
@@ -574,6 +1049,13 @@ def main() -> None:
     parser.add_argument(
         "--deadline", type=float, default=None, help="end everything within this many seconds"
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    parser.add_argument(
+        "--compare-tp",
+        default=None,
+        metavar="A,B",
+        help="compare two result folders (no GPU needed); the table goes to --out",
+    )
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_model", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -581,7 +1063,7 @@ def main() -> None:
     if args._child:
         out.mkdir(parents=True, exist_ok=True)
         try:
-            result = run_one(args._child, out, args._model)
+            result = run_one(args._child, out, args._model, args.tp)
         except BaseException:
             traceback.print_exc()
             sys.stdout.flush()
@@ -590,29 +1072,49 @@ def main() -> None:
         (out / f"{args._child}.json").write_text(json.dumps(result, indent=1))
         print(f"vllm_e2e child {args._child}: done", flush=True)
         os._exit(0)  # skip the engine's teardown: the process is done
+    if args.compare_tp is not None:
+        folders = [Path(x) for x in args.compare_tp.split(",")]
+        if len(folders) != 2:
+            parser.error("--compare-tp takes two result folders: A,B")
+        ok, table, rows = compare_tp(folders[0], folders[1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tp_compare.txt").write_text("\n".join(table) + "\n")
+        (out / "tp_compare.json").write_text(
+            json.dumps({"a": str(folders[0]), "b": str(folders[1]), "passed": ok, "checks": rows})
+        )
+        print("\n".join(table), flush=True)
+        sys.exit(0 if ok else 1)
     unknown = sorted(set(args.only or []) - set(RUNS))
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; expected some of {list(RUNS)}")
+    if args.tp < 1 or int(CONFIG["num_attention_heads"]) % args.tp:
+        parser.error(f"--tp {args.tp}: must divide the {CONFIG['num_attention_heads']} heads")
     started = time.time()
-    versions = preflight()
+    versions = preflight(args.tp)
     deadline = started + (args.deadline if args.deadline is not None else 24 * 3600.0)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(tempfile.mkdtemp(prefix="mla-e2e-model-"))
-    (model_dir / "config.json").write_text(json.dumps(CONFIG, indent=1))
-    names = [n for n in RUNS if args.only is None or n in args.only]
+    sha = write_checkpoint(model_dir)
+    weights = {"format": "safetensors", "seed": SEED, "sha256": sha}
+    (model_dir / "weights.json").write_text(json.dumps(weights))
+    default = [n for n in RUNS if n not in EXPECT] if args.tp == 1 else list(TP_DEFAULT)
+    names = [n for n in RUNS if (n in default if args.only is None else n in args.only)]
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu_list = gpus.split(",") if gpus else [str(i) for i in range(int(versions["gpus"]))]
     print(
-        f"vllm_e2e: {len(names)} configurations, {args.jobs} at once, tol {args.tol} nats, "
-        f"out {out}",
+        f"vllm_e2e: {len(names)} configurations at TP={args.tp}, {args.jobs} at once, tol "
+        f"{args.tol} nats, weights sha256 {sha[:12]}, out {out}",
         flush=True,
     )
-    results, outcomes = run_lanes(names, out, model_dir, args.jobs, deadline)
-    checks, lines = evaluate(results, args.tol)
+    results, outcomes = run_lanes(names, out, model_dir, args.jobs, deadline, args.tp, gpu_list)
+    checks, lines = evaluate(results, args.tol, out, args.tp)
     runs_ok = all(o.status == "ok" for o in outcomes)
     passed = runs_ok and all(c["ok"] for c in checks)
 
     report = [
         f"vllm_e2e summary: torch {versions['torch']}, vllm {versions['vllm']}, "
-        f"{len(outcomes)} configurations in {time.time() - started:.0f} s (--jobs {args.jobs})",
+        f"{len(outcomes)} configurations at TP={args.tp} in {time.time() - started:.0f} s "
+        f"(--jobs {args.jobs}), weights sha256 {sha[:12]}",
         "runs:",
     ]
     for o in outcomes:
@@ -638,6 +1140,8 @@ def main() -> None:
         json.dumps(
             {
                 "versions": versions,
+                "tp": args.tp,
+                "weights": weights,
                 "tol": args.tol,
                 "runs": [dict(o.__dict__, seconds=round(o.seconds, 1)) for o in outcomes],
                 "checks": checks,

@@ -170,3 +170,22 @@ def test_unmatched_pattern_is_named() -> None:
     config.check_patterns(["model.layers.0.self_attn.attn", "decoder.attn"], where="x")
     with pytest.raises(ValueError, match=r"^x\.layers\[1\]\.pattern: 'decoder\.\*' matches no"):
         config.check_patterns(["model.layers.0.self_attn.attn"], where="x")
+
+
+def test_prefill_p_amax_below_one_is_refused_naming_the_layer() -> None:
+    config = load_config(
+        {
+            "recipe": "nvfp4",
+            "layers": [{"pattern": "*.layers.1.*", "p": {"format": "nvfp4", "amax": 0.5}}],
+        }
+    )
+    assert not config.recipe_for("model.layers.0.self_attn.attn").is_identity
+    with pytest.raises(
+        MLAQuantConfigError,
+        match=r"mla_quant\.p\.amax: layer 'model\.layers\.1\.self_attn\.attn': prefill needs "
+        r"P's static amax to be at least 1, got 0\.5",
+    ):
+        config.recipe_for("model.layers.1.self_attn.attn")
+    # decode alone may take it: the limit is the prefill kernel's
+    decode_only = load_config({"p": {"format": "nvfp4", "amax": {"decode": 0.5}}})
+    assert decode_only.recipe_for("x").decode.p.static_amax() == 0.5

@@ -387,6 +387,16 @@ class MLAQuantConfig:
                 else:
                     resolved[role] = OperandQuant(spec.format, amax)  # type: ignore[arg-type]
             paths[path] = AttentionQuant(**resolved)
+        p_prefill = paths["prefill"].p
+        if not p_prefill.is_identity and p_prefill.static_amax() < 1.0:
+            # mla_triton.prefill's limit (SPEC 4): below 1, whether P saturates would
+            # depend on the online softmax's running maximum. Raised here, when the
+            # layer is bound, so the message names the layer (also from a TP worker).
+            raise _fail(
+                "mla_quant.p.amax",
+                f"layer {layer_name!r}: prefill needs P's static amax to be at least 1, "
+                f"got {p_prefill.static_amax()}",
+            )
         if self.kv_path == "shadow" and paths["decode"].v.is_dynamic:
             # unreachable through the schema (v takes static amaxes); kept for direct use
             raise _fail(
