@@ -247,26 +247,38 @@ class Batch:
         return int(self.query_start_loc[-1])
 
 
-def make_batch(model: Model, requests: Sequence[tuple[int, int]], seed: int = 1) -> Batch:
-    """Block tables over shuffled pages (page 0 unused), slots of the new tokens, metadata."""
+def slots_of(table: Sequence[Sequence[int]], requests: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The cache slots of each request's new tokens, ``[num_new_tokens]`` int64."""
+    slots = [
+        int(table[r][pos // PAGE]) * PAGE + pos % PAGE
+        for r, (c, q) in enumerate(requests)
+        for pos in range(c, c + q)
+    ]
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def make_batch(
+    model: Model,
+    requests: Sequence[tuple[int, int]],
+    seed: int = 1,
+    table: Sequence[Sequence[int]] | None = None,
+) -> Batch:
+    """Block tables (given, or over shuffled pages with page 0 unused), slots of the new
+    tokens, metadata."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = next(iter(model.caches.values())).shape[0]
-    pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    max_pages = max(-(-(c + q) // PAGE) for c, q in requests)
-    table = torch.zeros(len(requests), max_pages, dtype=torch.int32)
-    for r, (c, q) in enumerate(requests):
-        for j in range(-(-(c + q) // PAGE)):
-            table[r, j] = pages.pop()
+    if table is None:
+        gen = torch.Generator().manual_seed(seed)
+        num_blocks = next(iter(model.caches.values())).shape[0]
+        pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        table = [[pages.pop() for _ in range(-(-(c + q) // PAGE))] for c, q in requests]
+    width = max(len(row) for row in table)
+    padded = [[*row] + [0] * (width - len(row)) for row in table]
+    block_table = torch.tensor(padded, dtype=torch.int32)
     seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
     qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor([q for _, q in requests]), 0)
-    slots = []
-    for r, (c, q) in enumerate(requests):
-        for pos in range(c, c + q):
-            slots.append(int(table[r, pos // PAGE]) * PAGE + pos % PAGE)
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    slot_mapping = slots_of(table, requests)
     common = CommonAttentionMetadata(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl.clone(),
@@ -275,12 +287,12 @@ def make_batch(model: Model, requests: Sequence[tuple[int, int]], seed: int = 1)
         num_actual_tokens=int(qsl[-1]),
         max_query_len=max(q for _, q in requests),
         max_seq_len=int(seq_lens.max()),
-        block_table_tensor=table,
+        block_table_tensor=block_table,
         slot_mapping=slot_mapping,
         seq_lens_cpu_upper_bound=seq_lens.clone(),
         is_prefilling=torch.tensor([q > 1 for _, q in requests]),
     )
-    batch = Batch(requests, table, seq_lens, qsl, slot_mapping)
+    batch = Batch(requests, block_table, seq_lens, qsl, slot_mapping)
     batch.metadata = model.builder.build(0, common)
     return batch
 

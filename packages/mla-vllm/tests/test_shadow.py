@@ -22,8 +22,10 @@ from conftest import (
     Model,
     build_model,
     forward,
+    make_batch,
     make_builder,
     make_vllm_config,
+    slots_of,
 )
 
 from mla_vllm.config import MLAQuantConfigError, load_config
@@ -93,36 +95,7 @@ def _model(tmp_path: Path, mla_quant: object, num_layers: int = 1) -> Model:
 
 def _metadata(model: Model, table: list[list[int]], requests: list[tuple[int, int]]) -> Any:
     """The builder's metadata for requests (context, new tokens) on explicit block tables."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    width = max(len(row) for row in table)
-    block_table = torch.tensor([row + [0] * (width - len(row)) for row in table], dtype=torch.int32)
-    seq_lens = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
-    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor([n for _, n in requests]), 0)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens=seq_lens,
-        num_reqs=len(requests),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=max(n for _, n in requests),
-        max_seq_len=int(seq_lens.max()),
-        block_table_tensor=block_table,
-        slot_mapping=_slots(table, requests),
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
-        is_prefilling=torch.tensor([n > 1 for _, n in requests]),
-    )
-    return model.builder.build(0, common)
-
-
-def _slots(table: list[list[int]], requests: list[tuple[int, int]]) -> torch.Tensor:
-    slots = [
-        table[r][pos // PAGE] * PAGE + pos % PAGE
-        for r, (c, n) in enumerate(requests)
-        for pos in range(c, c + n)
-    ]
-    return torch.tensor(slots, dtype=torch.int64)
+    return make_batch(model, requests, table=table).metadata
 
 
 def _latents(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +109,7 @@ def _write(
     model: Model, table: list[list[int]], requests: list[tuple[int, int]], seed: int
 ) -> None:
     """Write each request's tokens ``c .. c + n`` through every layer's ``do_kv_cache_update``."""
-    slots = _slots(table, requests)
+    slots = slots_of(table, requests)
     for i, (name, layer) in enumerate(model.layers.items()):
         kv_c, k_pe = _latents(slots.shape[0], seed + i)
         scale = torch.ones((), dtype=torch.float32)
@@ -317,7 +290,7 @@ def test_layer_forward_shadow_equals_on_read(tmp_path: Path) -> None:
         for path, model in models.items():
             name = next(iter(model.layers))
             batch = Batch(
-                requests, torch.empty(0), torch.empty(0), torch.empty(0), _slots(table, requests)
+                requests, torch.empty(0), torch.empty(0), torch.empty(0), slots_of(table, requests)
             )
             batch.metadata = _metadata(model, table, requests)
             gen = torch.Generator().manual_seed(100 + step)
@@ -354,7 +327,7 @@ def test_prefix_cache_reuse_reads_the_shared_shadow(tmp_path: Path) -> None:
     outs = {}
     for path, each in models.items():
         batch = Batch(
-            requests, torch.empty(0), torch.empty(0), torch.empty(0), _slots(table_b, requests)
+            requests, torch.empty(0), torch.empty(0), torch.empty(0), slots_of(table_b, requests)
         )
         batch.metadata = _metadata(each, table_b, requests)
         assert batch.metadata.prefill.chunked_context is not None
