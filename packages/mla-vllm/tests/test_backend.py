@@ -217,3 +217,35 @@ def test_decode_workspace_comes_from_vllm_manager(
     manager.lock()
     _run(model, [(700, 1), (5, 1)])  # 701 tokens: two splits, merged through the workspace
     assert manager._workspace_size_bytes(manager._current_workspaces[0]) == reserved
+
+
+def test_kernel_errors_name_the_layer(tmp_path: Path) -> None:
+    """vLLM reports a tensor-parallel worker's error by its message: it must name the layer."""
+    model = _quant_model(tmp_path, NVFP4, num_layers=1)
+    name, layer = next(iter(model.layers.items()))
+    impl = layer.impl
+    q = torch.zeros(2, SMALL.heads, SMALL.kv_lora_rank + SMALL.rope, dtype=DTYPE)
+
+    class NoDecode:
+        decode = None
+
+    with pytest.raises(ValueError, match=rf"^layer '{name}': attn_metadata\.decode"):
+        impl.forward_mqa(q, model.caches[name], NoDecode(), layer)
+    prefill = impl.mla_prefill
+    prefill.layer = impl.mla_layer
+    chunk = type(
+        "Chunk",
+        (),
+        {
+            "query_start_loc": torch.tensor([0, 2], dtype=torch.int32),
+            "cu_seq_lens": torch.tensor([0, 3], dtype=torch.int32),
+            "max_query_len": 2,
+            "max_seq_len": 3,
+        },
+    )()
+    k = torch.zeros(3, SMALL.heads, SMALL.qk, dtype=DTYPE)
+    v = torch.zeros(3, SMALL.heads, SMALL.v + 1, dtype=DTYPE)  # not a multiple of 16
+    with pytest.raises(ValueError, match=rf"^layer '{name}': "):
+        prefill.run_prefill_context_chunk(
+            chunk, torch.zeros(2, SMALL.heads, SMALL.qk, dtype=DTYPE), k, v
+        )

@@ -30,7 +30,7 @@ from mla_vllm.config import MLAQuantConfig, load_config
 from mla_vllm.gates import check_layers
 from mla_vllm.prefill import MLAQuantPrefillBackend
 from mla_vllm.shadow import LayerShadow, layer_shadow, note_vllm_config, split_cache
-from mla_vllm.state import LayerState, capturing
+from mla_vllm.state import LayerState, capturing, layer_errors
 
 __all__ = [
     "BACKEND_NAME",
@@ -209,15 +209,16 @@ class MLAQuantImpl(TritonMLAImpl):
             from mla_triton.shadow import update_cache
 
             assert self.mla_shadow is not None
-            update_cache(
-                kv_c_normed,
-                k_pe.reshape(k_pe.shape[0], -1),
-                kv_cache,
-                slot_mapping.flatten(),
-                shadow,
-                quant=self.mla_shadow.quant,
-                storage=self.mla_shadow.storage,
-            )
+            with layer_errors(self._state().name):
+                update_cache(
+                    kv_c_normed,
+                    k_pe.reshape(k_pe.shape[0], -1),
+                    kv_cache,
+                    slot_mapping.flatten(),
+                    shadow,
+                    quant=self.mla_shadow.quant,
+                    storage=self.mla_shadow.storage,
+                )
             return
         if kv_cache.device.type == "cuda":
             super().do_kv_cache_update(
@@ -257,6 +258,17 @@ class MLAQuantImpl(TritonMLAImpl):
         layer: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorbed decode: ``(out [B, N, kv_lora_rank], lse [B, N] float32)``."""
+        with layer_errors(self._state(layer).name):
+            return self._forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+
+    def _forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: Any,
+        layer: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_mqa`` without the layer name on its errors."""
         from mla_triton.decode import decode, decode_num_splits, decode_workspace_size
 
         state = self._state(layer)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 
-from mla_vllm.state import LayerState
+from mla_vllm.state import LayerState, layer_errors
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,21 +126,22 @@ class MLAQuantPrefillBackend(MLAPrefillBackend):
             state.record_amax("prefill", "q", q)
             state.record_amax("prefill", "k", k)
             state.record_amax("prefill", "v", v)
-        result = prefill(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            softmax_scale=self.scale,
-            causal=True,
-            quant=quant,
-            sparsity=sparsity,
-            return_lse=return_softmax_lse,
-            out=out,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_q,
-        )
+        with layer_errors("" if state is None else state.name):
+            result = prefill(
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                softmax_scale=self.scale,
+                causal=True,
+                quant=quant,
+                sparsity=sparsity,
+                return_lse=return_softmax_lse,
+                out=out,
+                max_seqlen_q=max_q,
+                max_seqlen_k=max_q,
+            )
         observed = state is not None and (quant is not None or sparsity is not None)
         if observed and state is not None and state.should_observe("prefill"):
             reference = prefill(
@@ -172,17 +173,18 @@ class MLAQuantPrefillBackend(MLAPrefillBackend):
 
         state = self.layer
         quant = None if state is None or state.recipe.prefill.is_identity else state.recipe.prefill
-        return prefill(
-            q,
-            k,
-            v,
-            chunk.query_start_loc,
-            chunk.cu_seq_lens,
-            softmax_scale=self.scale,
-            causal=False,
-            quant=quant,
-            return_lse=True,
-            out=out,
-            max_seqlen_q=int(chunk.max_query_len),
-            max_seqlen_k=int(chunk.max_seq_len),
-        )
+        with layer_errors("" if state is None else state.name):
+            return prefill(
+                q,
+                k,
+                v,
+                chunk.query_start_loc,
+                chunk.cu_seq_lens,
+                softmax_scale=self.scale,
+                causal=False,
+                quant=quant,
+                return_lse=True,
+                out=out,
+                max_seqlen_q=int(chunk.max_query_len),
+                max_seqlen_k=int(chunk.max_seq_len),
+            )

@@ -7,13 +7,31 @@ while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from mla_vllm.config import LayerRecipe, ObserveConfig
 
-__all__ = ["LayerState", "capturing", "error_stats"]
+__all__ = ["LayerState", "capturing", "error_stats", "layer_errors"]
+
+
+@contextmanager
+def layer_errors(name: str) -> Iterator[None]:
+    """Prefix a ``ValueError`` raised inside with ``layer '<name>': ``, keeping its type.
+
+    vLLM reports an error raised in a tensor-parallel worker by its message alone,
+    so the message itself must say which layer failed.
+    """
+    try:
+        yield
+    except ValueError as exc:
+        prefix = f"layer {name!r}: "
+        if name and exc.args and not str(exc.args[0]).startswith(prefix):
+            exc.args = (prefix + str(exc.args[0]), *exc.args[1:])
+        raise
 
 
 def capturing() -> bool:
