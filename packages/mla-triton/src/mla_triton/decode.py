@@ -294,6 +294,20 @@ class _Checked:
     scale: float
 
 
+def _index_tensor(
+    t: object, name: str, ndim: int, batch: int, unit: str, device: torch.device
+) -> torch.Tensor:
+    """An int32/int64 per-request tensor (block table, sequence lengths) on q's device."""
+    x = _tensor(t, name, ndim)
+    if x.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name}: expected int32 or int64, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if x.shape[0] != batch:
+        raise ValueError(f"{name}: expected {batch} {unit} (the batch of q), got {x.shape[0]}")
+    return x
+
+
 def _check(
     q: torch.Tensor | Sequence[torch.Tensor],
     kv_cache: object,
@@ -352,24 +366,8 @@ def _check(
     if page_size <= 0:
         raise ValueError(f"kv_cache: page size (dim 1) must be positive, got {page_size}")
 
-    table = _tensor(block_table, "block_table", 2)
-    if table.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"block_table: expected int32 or int64, got {table.dtype}")
-    if table.device != q_nope.device:
-        raise ValueError(f"block_table: expected device {q_nope.device}, got {table.device}")
-    if table.shape[0] != batch:
-        raise ValueError(
-            f"block_table: expected {batch} rows (the batch of q), got {table.shape[0]}"
-        )
-    lens = _tensor(seq_lens, "seq_lens", 1)
-    if lens.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"seq_lens: expected int32 or int64, got {lens.dtype}")
-    if lens.device != q_nope.device:
-        raise ValueError(f"seq_lens: expected device {q_nope.device}, got {lens.device}")
-    if lens.shape[0] != batch:
-        raise ValueError(
-            f"seq_lens: expected {batch} entries (the batch of q), got {lens.shape[0]}"
-        )
+    table = _index_tensor(block_table, "block_table", 2, batch, "rows", q_nope.device)
+    _index_tensor(seq_lens, "seq_lens", 1, batch, "entries", q_nope.device)
     capacity = table.shape[1] * page_size
     if max_seq_len is not None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:

@@ -143,17 +143,11 @@ class MLAQuantImpl(TritonMLAImpl):
     def bind(self, name: str, config: MLAQuantConfig, vllm_config: VllmConfig | None) -> None:
         """Attach the recipe of layer ``name`` and this layer's prefill backend."""
         self.mla_layer = LayerState(name, config.recipe_for(name), config.observe)
-        backend = MLAQuantPrefillBackend(
-            num_heads=self.num_heads,
-            scale=self.scale,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            v_head_dim=self.v_head_dim,
-            vllm_config=vllm_config if vllm_config is not None else self._vllm_config,
+        self.mla_prefill = MLAQuantPrefillBackend.like(
+            self,
+            vllm_config if vllm_config is not None else self._vllm_config,
+            self.mla_layer,
         )
-        backend.layer = self.mla_layer
-        self.mla_prefill = backend
         self.mla_shadow = layer_shadow(
             config, self.mla_layer.recipe.decode, self.kv_lora_rank, self.qk_rope_head_dim
         )

@@ -76,18 +76,25 @@ class MLAQuantPrefillBackend(MLAPrefillBackend):
             return False
         return True
 
-    def clone(self) -> MLAQuantPrefillBackend:
-        copy = MLAQuantPrefillBackend(
-            num_heads=self.num_heads,
-            scale=self.scale,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_nope_head_dim=self.qk_nope_head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            v_head_dim=self.v_head_dim,
-            vllm_config=self.vllm_config,
+    @classmethod
+    def like(
+        cls, dims: Any, vllm_config: VllmConfig, layer: LayerState | None
+    ) -> MLAQuantPrefillBackend:
+        """A backend with the attention dims of ``dims`` (an MLA impl or another backend)."""
+        backend = cls(
+            num_heads=dims.num_heads,
+            scale=dims.scale,
+            kv_lora_rank=dims.kv_lora_rank,
+            qk_nope_head_dim=dims.qk_nope_head_dim,
+            qk_rope_head_dim=dims.qk_rope_head_dim,
+            v_head_dim=dims.v_head_dim,
+            vllm_config=vllm_config,
         )
-        copy.layer = self.layer
-        return copy
+        backend.layer = layer
+        return backend
+
+    def clone(self) -> MLAQuantPrefillBackend:
+        return self.like(self, self.vllm_config, self.layer)
 
     def supports_out(self) -> bool:
         return True
