@@ -344,6 +344,17 @@ def describe_layers(model: Any) -> dict[str, list[str]]:
     }
 
 
+def describe_shadows(model: Any) -> dict[str, Any]:
+    """Per MLA layer: its shadow KV storage and cache row width (None: on-read decode)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return {
+        m.layer_name: _shadow_info(m.impl, m)
+        for m in model.modules()
+        if isinstance(m, MLAAttention)
+    }
+
+
 def probe_worker(model: Any) -> dict[str, Any]:
     """What one worker process sees: pid, TP rank, registration, config, per-layer recipe."""
     import os as _os
@@ -369,6 +380,8 @@ def probe_worker(model: Any) -> dict[str, Any]:
             "num_heads": int(getattr(impl, "num_heads", -1)),
             "mla_quant": extra.get("mla_quant") if isinstance(extra, dict) else None,
             "recipe": None if state is None else repr(state.recipe),
+            # the shadow KV path: what the layer stores, and the cache row it got
+            "shadow": _shadow_info(impl, m),
         }
     from importlib.metadata import entry_points
 
@@ -383,6 +396,21 @@ def probe_worker(model: Any) -> dict[str, Any]:
         "entry_point": found[0] if found else None,
         "registered": registered,
         "layers": layers,
+    }
+
+
+def _shadow_info(impl: Any, layer: Any) -> dict[str, Any] | None:
+    """The layer's shadow (storage, bytes per token) and its cache row width; None: on-read."""
+    shadow = getattr(impl, "mla_shadow", None)
+    if shadow is None:
+        return None
+    cache = getattr(layer, "kv_cache", None)
+    return {
+        "storage": shadow.storage,
+        "token_bytes": int(shadow.layout.token_bytes),
+        "cache_row_bytes": None
+        if cache is None or cache.dim() == 0 or cache.numel() == 0
+        else int(cache.shape[-1] * cache.element_size()),
     }
 
 
@@ -528,6 +556,7 @@ def run_one(name: str, out_dir: Path, model_dir: Path, tp: int = 1) -> dict[str,
         "engine_pid": os.getpid(),
         "layers": per_rank[0],
         "layers_per_rank": per_rank,
+        "shadows": llm.apply_model(describe_shadows)[0],
     }
     start = time.time()
     if run.action == "calibrate":
@@ -822,6 +851,17 @@ def evaluate(
         if tp > 1:
             problems += check_workers(result, tp)
             what += f", {tp} worker processes with the config and recipes"
+        quant = RUNS[name].quant if name in RUNS else None
+        if isinstance(quant, dict) and quant.get("kv_path") == "shadow":
+            shadows = result.get("shadows") or {}
+            raw = 2 * (CONFIG["kv_lora_rank"] + CONFIG["qk_rope_head_dim"])
+            rows = sorted({(v or {}).get("cache_row_bytes") or 0 for v in shadows.values()})
+            if len(shadows) != LAYERS or not all(
+                v and v["cache_row_bytes"] and v["cache_row_bytes"] >= raw + v["token_bytes"]
+                for v in shadows.values()
+            ):
+                problems.append(f"shadow bytes missing from the cache rows: {shadows}")
+            what += f", shadow in every layer's cache rows ({rows} bytes per token, raw {raw})"
         if name.startswith(("nvfp4", "fp8")) and result["eager"]:
             paths = [set(v) for v in (stats or {}).values()]
             want = LAYERS * tp  # get_stats keys other ranks' layers as "<layer>@<rank>"
