@@ -21,6 +21,7 @@ Checks:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,8 @@ class Pool:
     max_len: int
     batch: int
     seed: int
+    dtype: torch.dtype = torch.float16
+    device: str = "cpu"
     cache: torch.Tensor = field(init=False)
     shadow: torch.Tensor = field(init=False)
     table: torch.Tensor = field(init=False)
@@ -72,11 +75,15 @@ class Pool:
         self.g = torch.Generator().manual_seed(self.seed)
         per = -(-self.max_len // self.page)
         blocks = self.batch * per + 2
-        self.cache = torch.full((blocks, self.page, D), float("nan"), dtype=torch.float16)
-        self.shadow = allocate_shadow(blocks, self.page, self.quant, storage=self.storage)
+        self.cache = torch.full(
+            (blocks, self.page, D), float("nan"), dtype=self.dtype, device=self.device
+        )
+        self.shadow = allocate_shadow(
+            blocks, self.page, self.quant, storage=self.storage, device=self.device
+        )
         self.shadow.fill_(0xFF)
         perm = torch.randperm(blocks, generator=self.g)[: self.batch * per]
-        self.table = perm.reshape(self.batch, per).to(torch.int32)
+        self.table = perm.reshape(self.batch, per).to(torch.int32).to(self.device)
         self.lens = [0] * self.batch
 
     def append(self, counts: list[int], pad: int = 2) -> None:
@@ -102,33 +109,47 @@ class Pool:
         slots = torch.tensor([s for s, _ in rows], dtype=torch.int64)
         kvc[slots < 0] = float("nan")
         kpe[slots < 0] = float("nan")
-        # kv_c as float32 with a row stride: cast to the cache's fp16 in the kernel
+        # kv_c as float32 with a row stride: cast to the cache's dtype in the kernel
         wide = torch.zeros(n, D1 + 8)
         wide[:, :D1] = kvc
+        dev = self.device
         update_cache(
-            wide[:, :D1],
-            kpe.half(),
+            wide[:, :D1].to(dev),
+            kpe.to(self.dtype).to(dev),
             self.cache,
-            slots,
+            slots.to(dev),
             self.shadow,
             quant=self.quant,
             storage=self.storage,
         )
-        written = self.gather_rows(slots[slots >= 0])
-        want = torch.cat([kvc, kpe.half().float()], 1)[slots >= 0].half()
+        written = self.gather_rows(slots[slots >= 0]).cpu()
+        want = torch.cat([kvc, kpe.to(self.dtype).float()], 1)[slots >= 0].to(self.dtype)
         assert torch.equal(written, want), "raw rows differ from the inputs"
         for b in range(self.batch):
             self.lens[b] += counts[b]
 
     def gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.cache.view(-1, D)[slots]
+        return self.cache.view(-1, D)[slots.to(self.device)]
 
     def slots_of(self, b: int) -> torch.Tensor:
         pos = torch.arange(self.lens[b])
-        return self.table[b, pos // self.page].long() * self.page + pos % self.page
+        return self.table[b].cpu()[pos // self.page].long() * self.page + pos % self.page
 
     def seq_lens(self) -> torch.Tensor:
-        return torch.tensor(self.lens, dtype=torch.int32)
+        return torch.tensor(self.lens, dtype=torch.int32, device=self.device)
+
+    def on_cpu(self) -> Pool:
+        """A copy with the cache, shadow and table on the CPU (the checks index there)."""
+        if self.device == "cpu":
+            return self
+        other = copy.copy(self)
+        other.cache, other.shadow, other.table = (
+            self.cache.cpu(),
+            self.shadow.cpu(),
+            self.table.cpu(),
+        )
+        other.device = "cpu"
+        return other
 
     @property
     def layout(self) -> ShadowLayout:
@@ -187,7 +208,12 @@ def read_v(pool: Pool, slots: torch.Tensor) -> torch.Tensor:
 
 
 def check_contents(pool: Pool) -> None:
-    """Every written token's K̂ and every complete block's V̂ against mla_formats, bitwise."""
+    """Every written token's K̂ and every complete block's V̂ against mla_formats, bitwise.
+
+    On the CPU (a copy of a GPU pool): mla_formats on CUDA divides by a Python
+    scalar through its reciprocal, which is not the SPEC's rounded division.
+    """
+    pool = pool.on_cpu()
     q = pool.quant
     for b, length in enumerate(pool.lens):
         if length == 0:
