@@ -111,6 +111,52 @@ def _qdq_q(x, gs, FMT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _qdq_latent(
+    x,
+    gs,
+    inv_gs,
+    inv_6gs,
+    AXIS: tl.constexpr,
+    FMT: tl.constexpr,
+    EXACT: tl.constexpr,
+    FAST: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """Factored QDQ of latent rows, float32 ``[ROWS, COLS]``: as K (``AXIS`` 1, blocks
+    along the features) or as V (``AXIS`` 0, blocks along the tokens).
+
+    ``gs``, ``inv_gs = 1 / gs``, ``inv_6gs = 1 / (6 gs)``: scalars, or ``[ROWS, 1]``
+    along the features. A power-of-two ``gs`` (``EXACT`` false) multiplies by
+    reciprocals: exact for fp8, and for nvfp4 with ``FAST`` (``qdq_device``'s
+    multiply-and-round form with ``snap_ties``) or the compare form. Any other
+    ``gs`` divides per element like the reference (``EXACT``): slower, bit-exact.
+    Along the tokens the tile starts at a position that is a multiple of 16 and
+    rows past the end of the sequence are zeros (the open tail block).
+    """
+    if FMT == 1:  # per element: the axis does not matter
+        if EXACT:
+            y = dev.e4m3_round_hw(tl.math.div_rn(x, gs), HW_FP8)
+        else:
+            y = _fp8_values(x, inv_gs, HW_FP8)
+    elif AXIS == 1:
+        if EXACT:
+            y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS, True)
+        elif FAST:
+            y = dev.nvfp4_qdq_rows_fast(x, gs, inv_6gs, ROWS, COLS, HW_FP8, True)
+        else:
+            y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS)
+    elif EXACT:
+        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS, True)
+    elif FAST:
+        y = dev.nvfp4_qdq_cols_fast(x, gs, inv_6gs, ROWS, COLS, HW_FP8, True)
+    else:
+        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS)
+    return y
+
+
+@triton.jit
 def _qdq_k(
     x,
     gs,
@@ -123,26 +169,8 @@ def _qdq_k(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    """Factored QDQ of latent rows as K: float32 ``[ROWS, COLS]`` along axis 1 (features).
-
-    ``gs``, ``inv_gs = 1 / gs``, ``inv_6gs = 1 / (6 gs)``: scalars or ``[ROWS, 1]``.
-    A power-of-two ``gs`` (``EXACT`` false) multiplies by reciprocals: exact for
-    fp8, and for nvfp4 with ``FAST`` (``qdq_device``'s multiply-and-round form with
-    ``snap_ties``) or the compare form. Any other ``gs`` divides per element like
-    the reference (``EXACT``): slower, bit-exact.
-    """
-    if FMT == 1:
-        if EXACT:
-            y = dev.e4m3_round_hw(tl.math.div_rn(x, gs), HW_FP8)
-        else:
-            y = _fp8_values(x, inv_gs, HW_FP8)
-    elif EXACT:
-        y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS, True)
-    elif FAST:
-        y = dev.nvfp4_qdq_rows_fast(x, gs, inv_6gs, ROWS, COLS, HW_FP8, True)
-    else:
-        y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS)
-    return y
+    """``_qdq_latent`` as K: along the features."""
+    return _qdq_latent(x, gs, inv_gs, inv_6gs, 1, FMT, EXACT, FAST, HW_FP8, ROWS, COLS)
 
 
 @triton.jit
@@ -158,24 +186,8 @@ def _qdq_v(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    """Factored QDQ of latent rows as V: float32 ``[ROWS, COLS]`` along axis 0 (tokens).
-
-    The tile starts at a token position that is a multiple of 16 and rows past the
-    end of the sequence are zeros (the open tail block). Scalar scales; ``EXACT``
-    and ``FAST`` as in ``_qdq_k``.
-    """
-    if FMT == 1:
-        if EXACT:
-            y = dev.e4m3_round_hw(tl.math.div_rn(x, gs), HW_FP8)
-        else:
-            y = _fp8_values(x, inv_gs, HW_FP8)
-    elif EXACT:
-        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS, True)
-    elif FAST:
-        y = dev.nvfp4_qdq_cols_fast(x, gs, inv_6gs, ROWS, COLS, HW_FP8, True)
-    else:
-        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS)
-    return y
+    """``_qdq_latent`` as V: along the tokens (scalar scales)."""
+    return _qdq_latent(x, gs, inv_gs, inv_6gs, 0, FMT, EXACT, FAST, HW_FP8, ROWS, COLS)
 
 
 @triton.jit

@@ -328,6 +328,19 @@ def _load_rows(ptrs, valid, other, FULL: tl.constexpr):
 
 
 @triton.jit
+def _load_elements(ptr, row, valid, STORE: tl.constexpr, COLS: tl.constexpr, FULL: tl.constexpr):
+    """``COLS`` factored values per shadow row, one stored element each: float16 as
+    stored (16-bit storage), or E4M3 bytes decoded to float32 (packed fp8)."""
+    offs = tl.arange(0, COLS)
+    if STORE == 0:
+        y = _load_rows(ptr + row[:, None] + offs[None, :], valid, 0.0, FULL)
+    else:
+        b = _load_rows(ptr + row[:, None] + offs[None, :], valid, 0, FULL)
+        y = e4m3_decode(b.to(tl.int32))
+    return y
+
+
+@triton.jit
 def _load_k_hat(
     kh_ptr,
     krow,
@@ -339,14 +352,7 @@ def _load_k_hat(
     FULL: tl.constexpr,
 ):
     """Factored K̂ ``[BLOCK_N, COLS]`` float32 (16-bit: float16 as stored) from shadow rows."""
-    if STORE == 0:
-        offs = tl.arange(0, COLS)
-        y = _load_rows(kh_ptr + krow[:, None] + offs[None, :], valid, 0.0, FULL)
-    elif FMT == 1:
-        offs = tl.arange(0, COLS)
-        b = _load_rows(kh_ptr + krow[:, None] + offs[None, :], valid, 0, FULL)
-        y = e4m3_decode(b.to(tl.int32))
-    else:
+    if STORE == 1 and FMT == 2:  # packed nvfp4: codes, then each row's block scales
         half = tl.arange(0, COLS // 2)
         b = _load_rows(kh_ptr + krow[:, None] + half[None, :], valid, 0, FULL)
         nb = tl.arange(0, COLS // 16)
@@ -354,6 +360,8 @@ def _load_k_hat(
         sb = e4m3_decode(sc.to(tl.int32))
         codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, COLS), (BLOCK_N, COLS // 16, 16))
         y = tl.reshape(codes * tl.expand_dims(sb, 2), (BLOCK_N, COLS))
+    else:
+        y = _load_elements(kh_ptr, krow, valid, STORE, COLS, FULL)
     return y
 
 
@@ -369,14 +377,7 @@ def _load_v_hat(
     FULL: tl.constexpr,
 ):
     """Factored V̂ ``[BLOCK_N, D1]`` of a tile starting at a multiple of 16 (complete blocks)."""
-    if STORE == 0:
-        offs = tl.arange(0, D1)
-        y = _load_rows(vh_ptr + vrow[:, None] + offs[None, :], valid, 0.0, FULL)
-    elif FMT == 1:
-        offs = tl.arange(0, D1)
-        b = _load_rows(vh_ptr + vrow[:, None] + offs[None, :], valid, 0, FULL)
-        y = e4m3_decode(b.to(tl.int32))
-    else:
+    if STORE == 1 and FMT == 2:  # packed nvfp4: codes, then 1/16 of the block's scales
         half = tl.arange(0, D1 // 2)
         b = _load_rows(vh_ptr + vrow[:, None] + half[None, :], valid, 0, FULL)
         nb = tl.arange(0, D1 // 16)
@@ -384,6 +385,8 @@ def _load_v_hat(
         sb = tl.reshape(e4m3_decode(sc.to(tl.int32)), (BLOCK_N // 16, 1, D1))
         codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, D1), (BLOCK_N // 16, 16, D1))
         y = tl.reshape(codes * sb, (BLOCK_N, D1))
+    else:
+        y = _load_elements(vh_ptr, vrow, valid, STORE, D1, FULL)
     return y
 
 

@@ -1,0 +1,219 @@
+"""Compile the decode and shadow-cache kernels for sm_90a on any machine, without a GPU:
+shared memory, registers and spills per kernel, and the PTX, to compare two versions.
+
+From the repository root::
+
+    PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
+        python packages/mla-triton/benchmarks/ptx_report.py --out DIR [--case nvfp4:fp16:128 ...]
+    python packages/mla-triton/benchmarks/ptx_report.py --compare DIR_A DIR_B
+
+First a child process runs small ``update_cache``, ``decode_shadow`` and ``decode``
+calls per case (``RECIPE:STORAGE:HEADS``; default ``CASES``) in Triton's interpreter
+and records every distinct launch: kernel, argument types, constexprs, warps and
+stages. Integer arguments are specialized as Triton's JIT does (1 becomes a
+constant; multiples of 16 are marked divisible by 16). Then each launch is compiled
+for sm_90a with the hardware E4M3 conversion on (``HW_FP8``, as on an H100/H200),
+and ``ptxas -v`` reports registers and spills. ``DIR`` gets ``report.txt`` and one
+``.ptx`` per launch. ``--compare`` diffs two such folders' PTX with the debug line
+information removed: equal PTX is equal machine code, so a refactor that keeps it
+needs no new timing. The Triton used is the one installed here (3.8 with torch
+2.14; the H200 machine has 3.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CASES = ("nvfp4:fp16:128", "fp8:fp16:128", "nvfp4:packed:128", "nvfp4:fp16:16", "fp8:fp16:16")
+TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32"}
+TYPES.update({"int64": "i64", "uint8": "u8"})
+
+
+def _arg_type(value: Any) -> str:
+    """Triton signature type of a launch argument, with the JIT's integer specialization."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        base = "i32" if -(2**31) <= value < 2**31 else "i64"
+        return base + (":1" if value == 1 else ":16" if value % 16 == 0 else "")
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unexpected launch argument {type(value).__name__}")
+
+
+def record(path: Path, cases: list[str]) -> None:
+    """Child, under TRITON_INTERPRET=1: run the cases and write their launches to ``path``."""
+    import torch
+    import triton.runtime.interpreter as interpreter
+
+    from mla_formats import AttentionQuant
+    from mla_triton import allocate_shadow, decode, decode_shadow, update_cache
+
+    launches: list[dict[str, Any]] = []
+    original = interpreter.InterpretedFunction.__getitem__
+
+    def getitem(self: Any, grid: Any) -> Any:
+        launch = original(self, grid)
+        params = inspect.signature(self.fn).parameters
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            bound = dict(zip(params, args, strict=False)) | kwargs
+            signature: dict[str, str] = {}
+            constexprs: dict[str, Any] = {}
+            for name, param in params.items():
+                if "constexpr" in str(param.annotation) or bound.get(name) is None:
+                    signature[name] = "constexpr"
+                    constexprs[name] = bound.get(name)
+                else:
+                    signature[name] = _arg_type(bound[name])
+            entry = {
+                "module": self.fn.__module__,
+                "kernel": self.fn.__name__,
+                "signature": signature,
+                "constexprs": constexprs,
+                "num_warps": kwargs.get("num_warps", 4),
+                "num_stages": kwargs.get("num_stages", 3),
+            }
+            if entry not in launches:
+                launches.append(entry)
+            return launch(*args, **kwargs)
+
+        return run
+
+    interpreter.InterpretedFunction.__getitem__ = getitem  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(0)
+    length, page, blocks = 70, 64, 2
+    for case in cases:
+        recipe, storage, heads = case.split(":")
+        quant = AttentionQuant.uniform(recipe)
+        cache = torch.zeros(blocks, page, 576, dtype=torch.float16)
+        shadow = allocate_shadow(blocks, page, quant, storage=storage)
+        kv_c = torch.randn(length, 512, generator=g).half()
+        k_pe = torch.randn(length, 64, generator=g).half()
+        update_cache(kv_c, k_pe, cache, torch.arange(length), shadow, quant=quant, storage=storage)
+        table = torch.arange(blocks, dtype=torch.int32)[None]
+        seq = torch.tensor([length], dtype=torch.int32)
+        q = torch.randn(1, int(heads), 576, generator=g).half()
+        kw: dict[str, Any] = {"softmax_scale": 0.07, "quant": quant, "num_splits": 1}
+        decode_shadow(q, cache, shadow, table, seq, storage=storage, **kw)
+        decode(q, cache, table, seq, **kw)
+    path.write_text(json.dumps(launches, indent=1, default=str))
+
+
+def compile_all(launches: list[dict[str, Any]], out: Path) -> list[str]:
+    """Compile every launch for sm_90a into ``out``; one report line each."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    found = get_ptxas(90)
+    ptxas = getattr(found, "path", None) or found[0]
+    lines = []
+    for i, launch in enumerate(launches):
+        fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+        constexprs = dict(launch["constexprs"])
+        if "HW_FP8" in constexprs:
+            constexprs["HW_FP8"] = True
+        signature: dict[str, str] = {}
+        attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+        for j, (name, kind) in enumerate(launch["signature"].items()):
+            base, _, spec = kind.partition(":")
+            if base == "constexpr" or spec == "1":
+                signature[name] = "constexpr"
+                constexprs.setdefault(name, 1)
+                continue
+            signature[name] = base
+            if base.startswith("*") or spec == "16":
+                attrs[(j,)] = [["tt.divisibility", 16]]
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        name = f"{i:02d}-{launch['kernel']}"
+        ptx = out / f"{name}.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+        regs = re.findall(r"Used (\d+) registers", log)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        tiles = ",".join(
+            f"{k}={constexprs[k]}"
+            for k in ("BLOCK_H", "BLOCK_N", "K_FMT", "V_FMT", "STORE")
+            if k in constexprs
+        )
+        line = (
+            f"{name:32s} {tiles:46s} warps {launch['num_warps']} stages {launch['num_stages']}"
+            f"  smem {compiled.metadata.shared:6d} B  regs {regs[0] if regs else '?':>3s}"
+            f"  spills {spills[0] if spills else '?'} B"
+        )
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def _code(path: Path) -> list[str]:
+    """PTX without debug sections, ``.loc``/``.file`` lines and comments."""
+    text = path.read_text().split(".section\t.debug")[0]
+    lines = (re.sub(r"//.*", "", line).rstrip() for line in text.splitlines())
+    return [line for line in lines if line and ".loc" not in line and ".file" not in line]
+
+
+def compare(a: Path, b: Path) -> int:
+    names = sorted(p.name for p in a.glob("*.ptx"))
+    if names != sorted(p.name for p in b.glob("*.ptx")):
+        print("the two folders hold different launches")
+        return 1
+    differ = [n for n in names if _code(a / n) != _code(b / n)]
+    for n in names:
+        print(f"{'DIFFERENT' if n in differ else 'same':9s} {n}")
+    print(f"{len(names) - len(differ)} of {len(names)} kernels compile to the same PTX")
+    return 1 if differ else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="folder for report.txt and the PTX")
+    parser.add_argument("--case", action="append", help="RECIPE:STORAGE:HEADS (repeatable)")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("DIR_A", "DIR_B"))
+    parser.add_argument("--_record", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cases = args.case or list(CASES)
+    if args._record is not None:
+        record(args._record, cases)
+        return 0
+    if args.compare:
+        return compare(*args.compare)
+    if args.out is None:
+        parser.error("give --out DIR or --compare DIR_A DIR_B")
+    args.out.mkdir(parents=True, exist_ok=True)
+    launches_file = args.out / "launches.json"
+    child = [sys.executable, __file__, "--_record", str(launches_file)]
+    child += [f"--case={c}" for c in cases]
+    subprocess.run(child, env=os.environ | {"TRITON_INTERPRET": "1"}, check=True)
+    lines = compile_all(json.loads(launches_file.read_text()), args.out)
+    import triton
+
+    header = f"sm_90a, triton {triton.__version__}, cases {' '.join(cases)}"
+    (args.out / "report.txt").write_text("\n".join([header, *lines]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
