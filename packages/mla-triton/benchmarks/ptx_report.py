@@ -169,10 +169,11 @@ def compile_all(launches: list[dict[str, Any]], out: Path) -> list[str]:
 
 
 def _code(path: Path) -> list[str]:
-    """PTX without debug sections, ``.loc``/``.file`` lines and comments."""
+    """PTX without debug sections, ``.loc``/``.file`` lines, debug labels and comments."""
     text = path.read_text().split(".section\t.debug")[0]
     lines = (re.sub(r"//.*", "", line).rstrip() for line in text.splitlines())
-    return [line for line in lines if line and ".loc" not in line and ".file" not in line]
+    debug = re.compile(r"\.loc|\.file|^\$L__tmp\d+:$")
+    return [line for line in lines if line and not debug.search(line.strip())]
 
 
 def compare(a: Path, b: Path) -> int:

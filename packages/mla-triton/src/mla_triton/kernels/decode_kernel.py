@@ -116,13 +116,13 @@ def _qdq_latent(
     gs,
     inv_gs,
     inv_6gs,
-    AXIS: tl.constexpr,
     FMT: tl.constexpr,
     EXACT: tl.constexpr,
     FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    AXIS: tl.constexpr,
 ):
     """Factored QDQ of latent rows, float32 ``[ROWS, COLS]``: as K (``AXIS`` 1, blocks
     along the features) or as V (``AXIS`` 0, blocks along the tokens).
@@ -154,40 +154,6 @@ def _qdq_latent(
     else:
         y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS)
     return y
-
-
-@triton.jit
-def _qdq_k(
-    x,
-    gs,
-    inv_gs,
-    inv_6gs,
-    FMT: tl.constexpr,
-    EXACT: tl.constexpr,
-    FAST: tl.constexpr,
-    HW_FP8: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    """``_qdq_latent`` as K: along the features."""
-    return _qdq_latent(x, gs, inv_gs, inv_6gs, 1, FMT, EXACT, FAST, HW_FP8, ROWS, COLS)
-
-
-@triton.jit
-def _qdq_v(
-    x,
-    gs,
-    inv_gs,
-    inv_6gs,
-    FMT: tl.constexpr,
-    EXACT: tl.constexpr,
-    FAST: tl.constexpr,
-    HW_FP8: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    """``_qdq_latent`` as V: along the tokens (scalar scales)."""
-    return _qdq_latent(x, gs, inv_gs, inv_6gs, 0, FMT, EXACT, FAST, HW_FP8, ROWS, COLS)
 
 
 @triton.jit
@@ -402,11 +368,11 @@ def decode_split_kernel(
                 gs_k = k_gs
                 inv_gs_k = k_inv_gs
                 inv_6gs_k = k_inv_6gs
-            k1 = _qdq_k(
-                kvf, gs_k, inv_gs_k, inv_6gs_k, K_FMT, K_EXACT, FAST, HW_FP8, BLOCK_N, D1
+            k1 = _qdq_latent(
+                kvf, gs_k, inv_gs_k, inv_6gs_k, K_FMT, K_EXACT, FAST, HW_FP8, BLOCK_N, D1, 1
             ).to(qk_dtype)
-            k2 = _qdq_k(
-                kpf, gs_k, inv_gs_k, inv_6gs_k, K_FMT, K_EXACT, FAST, HW_FP8, BLOCK_N, D2
+            k2 = _qdq_latent(
+                kpf, gs_k, inv_gs_k, inv_6gs_k, K_FMT, K_EXACT, FAST, HW_FP8, BLOCK_N, D2, 1
             ).to(qk_dtype)
 
         s = tl.dot(q1, tl.trans(k1))
@@ -430,7 +396,7 @@ def decode_split_kernel(
         elif V_FMT == 0:
             v = kv
         else:
-            v = _qdq_v(
+            v = _qdq_latent(
                 kv.to(tl.float32),
                 v_gs,
                 v_inv_gs,
@@ -441,6 +407,7 @@ def decode_split_kernel(
                 HW_FP8,
                 BLOCK_N,
                 D1,
+                0,
             ).to(pv_dtype)
         acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
         m_i = m_new
