@@ -57,10 +57,6 @@ class DecodeConfig:
         fast_qdq: on-read nvfp4 rounding by multiply and magic-number addition
             (``qdq_device.*_fast``, bit-exact for the default power-of-two global
             scales) instead of seven compares per element.
-        lazy_rescale: rescale the output accumulator only in tiles where some
-            row's running maximum grew (integer maxima: rarely after the first
-            tiles) instead of in every tile. Skipping multiplies by exactly 1,
-            so the outputs are the same bits either way.
     """
 
     block_h: int
@@ -68,7 +64,6 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     fast_qdq: bool = True
-    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.block_h not in (16, 32, 64):
@@ -710,7 +705,6 @@ def decode(
         KV_SHARED=kv_shared,
         PV_F16=pv_f16,
         FAST=cfg.fast_qdq,
-        LAZY_RESCALE=cfg.lazy_rescale,
         HW_FP8=_hw_fp8(device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

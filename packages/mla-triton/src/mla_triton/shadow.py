@@ -659,7 +659,6 @@ def decode_shadow(
         PV_F16=pv_f16,
         STORE=STORAGES.index(st),
         FAST=cfg.fast_qdq,
-        LAZY_RESCALE=cfg.lazy_rescale,
         HW_FP8=_hw_fp8(device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

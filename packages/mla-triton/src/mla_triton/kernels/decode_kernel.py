@@ -180,18 +180,6 @@ def _qdq_p(
 
 
 @triton.jit
-def _rescale(acc, alpha, m_new, m_old, LAZY: tl.constexpr):
-    """``acc * alpha[:, None]``; ``LAZY``: only when some row's maximum grew (else
-    every ``alpha`` is ``exp2(0) = 1``: the same bits, without the multiplies)."""
-    if LAZY:
-        if tl.max(m_new - m_old, axis=0) > 0.0:
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
-    return acc
-
-
-@triton.jit
 def _chunk(seq_len, NUM_SPLITS: tl.constexpr, ALIGN: tl.constexpr):
     """Tokens per split of a request: ``ceil(seq_len / NUM_SPLITS)`` rounded up to ``ALIGN``."""
     per = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
@@ -300,7 +288,6 @@ def decode_split_kernel(
     PV_F16: tl.constexpr,
     FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     """Stage 1: one (head group, split, request) over its chunk of the paged cache.
 
@@ -422,7 +409,7 @@ def decode_split_kernel(
                 D1,
                 0,
             ).to(pv_dtype)
-        acc = tl.dot(p.to(pv_dtype), v, _rescale(acc, alpha, m_new, m_i, LAZY_RESCALE))
+        acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     # ---- epilogue -----------------------------------------------------------------

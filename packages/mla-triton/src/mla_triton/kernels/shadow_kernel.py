@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from mla_triton import qdq_device as dev
-from mla_triton.kernels.decode_kernel import _chunk, _qdq_latent, _qdq_p, _rescale
+from mla_triton.kernels.decode_kernel import _chunk, _qdq_latent, _qdq_p
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -500,7 +500,6 @@ def _shadow_tile(
     STORE: tl.constexpr,
     FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` tokens from ``start`` (a multiple of ``BLOCK_N``).
 
@@ -576,7 +575,7 @@ def _shadow_tile(
     else:
         vrow = page * stride_vh_page + slot * stride_vh_row
         v = _load_v_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N, FULL).to(pv_dtype)
-    acc = tl.dot(p.to(pv_dtype), v, _rescale(acc, alpha, m_new, m_i, LAZY_RESCALE))
+    acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
 
@@ -645,7 +644,6 @@ def shadow_decode_split_kernel(
     STORE: tl.constexpr,
     FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
 ):
     """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``.
 
@@ -701,7 +699,6 @@ def shadow_decode_split_kernel(
             stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
             v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
             V_FMT, V_SRC, V_EXACT, True, False, P_FMT, PV_F16, STORE, FAST, HW_FP8,
-                LAZY_RESCALE,
         )  # fmt: skip
     if TAIL_LOOP:  # the tile holding the sequence's end: a loop of 0 or 1 tiles
         for tail in range(full_hi, hi, BLOCK_N):
@@ -711,7 +708,6 @@ def shadow_decode_split_kernel(
                 stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
                 v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
                 V_FMT, V_SRC, V_EXACT, False, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
-                LAZY_RESCALE,
             )  # fmt: skip
     elif full_hi < hi:  # the tile holding the sequence's end, peeled off the loop
         m_i, l_i, acc = _shadow_tile(
@@ -720,7 +716,6 @@ def shadow_decode_split_kernel(
             stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
             v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
             V_FMT, V_SRC, V_EXACT, False, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
-                LAZY_RESCALE,
         )  # fmt: skip
 
     if NUM_SPLITS == 1:
