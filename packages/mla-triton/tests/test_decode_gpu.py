@@ -1,7 +1,7 @@
 """GPU suite of ``mla_triton.decode``: bf16 at real sizes against ``mla_reference.decode``.
 
 Skipped without a CUDA GPU (CI runs on CPUs; the results of running it on an
-H200 are recorded in docs/benchmarks-decode.md). Same checks as test_decode.py,
+H200 are recorded in docs/benchmarks.md). Same checks as test_decode.py,
 with the bounds of bf16 (module test_decode's docstring explains the metric):
 
 - P not quantized: P is cast to bf16 for the dot (2^-8 relative): rows 1.5e-2.
