@@ -65,6 +65,11 @@ from mla_triton import qdq_device as dev
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
+# The axis along which ``_qdq_latent`` blocks latent rows: K along the features, V
+# along the tokens.
+AXIS_FEATURES: tl.constexpr = tl.constexpr(1)
+AXIS_TOKENS: tl.constexpr = tl.constexpr(0)
+
 SPLIT_ALIGN = 64
 """Split bounds are multiples of this many tokens (a multiple of every ``BLOCK_N``)."""
 
@@ -124,8 +129,8 @@ def _qdq_latent(
     COLS: tl.constexpr,
     AXIS: tl.constexpr,
 ):
-    """Factored QDQ of latent rows, float32 ``[ROWS, COLS]``: as K (``AXIS`` 1, blocks
-    along the features) or as V (``AXIS`` 0, blocks along the tokens).
+    """Factored QDQ of latent rows, float32 ``[ROWS, COLS]``: as K (``AXIS_FEATURES``,
+    blocks along the features) or as V (``AXIS_TOKENS``, blocks along the tokens).
 
     ``gs``, ``inv_gs = 1 / gs``, ``inv_6gs = 1 / (6 gs)``: scalars, or ``[ROWS, 1]``
     along the features. A power-of-two ``gs`` (``EXACT`` false) multiplies by
@@ -140,7 +145,7 @@ def _qdq_latent(
             y = dev.e4m3_round_hw(tl.math.div_rn(x, gs), HW_FP8)
         else:
             y = _fp8_values(x, inv_gs, HW_FP8)
-    elif AXIS == 1:
+    elif AXIS == AXIS_FEATURES:
         if EXACT:
             y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS, True)
         elif FAST:
@@ -369,10 +374,30 @@ def decode_split_kernel(
                 inv_gs_k = k_inv_gs
                 inv_6gs_k = k_inv_6gs
             k1 = _qdq_latent(
-                kvf, gs_k, inv_gs_k, inv_6gs_k, K_FMT, K_EXACT, FAST, HW_FP8, BLOCK_N, D1, 1
+                kvf,
+                gs_k,
+                inv_gs_k,
+                inv_6gs_k,
+                K_FMT,
+                K_EXACT,
+                FAST,
+                HW_FP8,
+                BLOCK_N,
+                D1,
+                AXIS_FEATURES,
             ).to(qk_dtype)
             k2 = _qdq_latent(
-                kpf, gs_k, inv_gs_k, inv_6gs_k, K_FMT, K_EXACT, FAST, HW_FP8, BLOCK_N, D2, 1
+                kpf,
+                gs_k,
+                inv_gs_k,
+                inv_6gs_k,
+                K_FMT,
+                K_EXACT,
+                FAST,
+                HW_FP8,
+                BLOCK_N,
+                D2,
+                AXIS_FEATURES,
             ).to(qk_dtype)
 
         s = tl.dot(q1, tl.trans(k1))
@@ -407,7 +432,7 @@ def decode_split_kernel(
                 HW_FP8,
                 BLOCK_N,
                 D1,
-                0,
+                AXIS_TOKENS,
             ).to(pv_dtype)
         acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
         m_i = m_new

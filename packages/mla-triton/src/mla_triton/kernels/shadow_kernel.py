@@ -42,7 +42,13 @@ import triton
 import triton.language as tl
 
 from mla_triton import qdq_device as dev
-from mla_triton.kernels.decode_kernel import _chunk, _qdq_latent, _qdq_p
+from mla_triton.kernels.decode_kernel import (
+    AXIS_FEATURES,
+    AXIS_TOKENS,
+    _chunk,
+    _qdq_latent,
+    _qdq_p,
+)
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -154,7 +160,9 @@ def _store_k(
     offs = tl.arange(0, COLS)[None, :]
     ptrs = kh_ptr + rows[:, None]
     if STORE == 0:
-        y = _qdq_latent(x, gs, 1.0 / gs, 1.0 / (6.0 * gs), FMT, EXACT, False, HW_FP8, ROWS, COLS, 1)
+        y = _qdq_latent(
+            x, gs, 1.0 / gs, 1.0 / (6.0 * gs), FMT, EXACT, False, HW_FP8, ROWS, COLS, AXIS_FEATURES
+        )
         tl.store(ptrs + offs, y.to(tl.float16), mask=ok[:, None] & (offs >= 0))
     elif FMT == 1:
         y = dev.e4m3_round(tl.math.div_rn(x, gs) if EXACT else x * (1.0 / gs))
@@ -251,7 +259,9 @@ def shadow_update_kernel(
     if V_TOKEN:  # fp8 V: per element, fixed once written
         vrow = (page * stride_vh_page + off * stride_vh_row)[:, None]
         if STORE == 0:
-            y = _qdq_latent(x1f, v_gs, 1.0 / v_gs, 1.0, 1, V_EXACT, False, HW_FP8, BLOCK_T, D1, 0)
+            y = _qdq_latent(
+                x1f, v_gs, 1.0 / v_gs, 1.0, 1, V_EXACT, False, HW_FP8, BLOCK_T, D1, AXIS_TOKENS
+            )
             tl.store(vh_ptr + vrow + offs_d1, y.to(tl.float16), mask=m1)
         else:
             if V_EXACT:
@@ -302,7 +312,7 @@ def shadow_v_block_kernel(
     vrows = page * stride_vh_page + (first + r) * stride_vh_row
     if STORE == 0:
         y = _qdq_latent(
-            x, v_gs, 1.0 / v_gs, 1.0 / (6.0 * v_gs), 2, V_EXACT, False, HW_FP8, 16, D1, 0
+            x, v_gs, 1.0 / v_gs, 1.0 / (6.0 * v_gs), 2, V_EXACT, False, HW_FP8, 16, D1, AXIS_TOKENS
         )
         tl.store(vh_ptr + vrows[:, None] + offs_d1[None, :], y.to(tl.float16), mask=mask)
     else:
@@ -443,7 +453,17 @@ def _tail_v(
     omask = (ob + offs_o) < hi
     raw = tl.load(kv_ptr + orow[:, None] + offs_d1[None, :], mask=omask[:, None], other=0.0)
     vo = _qdq_latent(
-        raw.to(tl.float32), v_gs, v_inv_gs, v_inv_6gs, V_FMT, V_EXACT, FAST, HW_FP8, 16, D1, 0
+        raw.to(tl.float32),
+        v_gs,
+        v_inv_gs,
+        v_inv_6gs,
+        V_FMT,
+        V_EXACT,
+        FAST,
+        HW_FP8,
+        16,
+        D1,
+        AXIS_TOKENS,
     )
     # put the open block in its place among the tile's BLOCK_N // 16 blocks
     first = start + 16 * tl.arange(0, BLOCK_N // 16)
