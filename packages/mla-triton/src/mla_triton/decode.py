@@ -539,6 +539,90 @@ def _stage_q(
     return wacc, wml, q_nope, q_pe, q_scale
 
 
+def _prepare_outputs(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    out: object,
+    lse: object,
+    num_splits: object,
+    config: object,
+    check_values: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks both decode paths make before choosing tiles, and their outputs.
+
+    Validates ``num_splits`` and ``config``, checks a given ``out``/``lse`` (else
+    allocates them), and runs the data checks (``check_values``; None: only for
+    CPU tensors). Returns ``(out [B, H, kv_lora_rank], lse [B, H])``.
+    """
+    device = c.q_nope.device
+    if num_splits is not None:
+        _check_num_splits(num_splits)
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise ValueError(f"config: expected None or DecodeConfig, got {type(config).__name__}")
+    out_t = (
+        torch.empty(c.batch, c.heads, kv_lora_rank, dtype=c.q_nope.dtype, device=device)
+        if out is None
+        else _check_out(out, c.batch, c.heads, kv_lora_rank, c.q_nope.dtype, device)
+    )
+    lse_t = (
+        torch.empty(c.batch, c.heads, dtype=torch.float32, device=device)
+        if lse is None
+        else _check_lse(lse, c.batch, c.heads, device)
+    )
+    if check_values or (check_values is None and seq_lens.device.type == "cpu"):
+        _check_values(c, kv_cache, block_table, seq_lens)
+    return out_t, lse_t
+
+
+def _splits_for(
+    c: _Checked, cfg: DecodeConfig, num_splits: int | None, max_seq_len: int | None
+) -> int:
+    """``num_splits`` if given, else ``decode_num_splits`` for the batch and tiles."""
+    if num_splits is not None:
+        return num_splits
+    bound = c.capacity if max_seq_len is None else max_seq_len
+    return decode_num_splits(c.batch, c.heads, bound, device=c.q_nope.device, block_h=cfg.block_h)
+
+
+def _merge_splits(
+    c: _Checked,
+    wacc: torch.Tensor,
+    wml: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_t: torch.Tensor,
+    lse_t: torch.Tensor,
+    splits: int,
+    out_scale: float,
+    kv_lora_rank: int,
+) -> None:
+    """Stage 2 of both decode paths: merge the ``splits`` partials into out and lse."""
+    if splits == 1:
+        return
+    decode_merge_kernel[(-(-c.heads // _MERGE_BLOCK_H), c.batch)](
+        wacc,
+        wml,
+        seq_lens,
+        out_t,
+        lse_t,
+        seq_lens.stride(0),
+        out_t.stride(0),
+        out_t.stride(1),
+        lse_t.stride(0),
+        lse_t.stride(1),
+        c.heads,
+        c.capacity,
+        out_scale,
+        D1=kv_lora_rank,
+        BLOCK_H=_MERGE_BLOCK_H,
+        NUM_SPLITS=splits,
+        SPLIT_ALIGN_=SPLIT_ALIGN,
+        num_warps=4,
+    )
+
+
 def decode(
     q: torch.Tensor | Sequence[torch.Tensor],
     kv_cache: torch.Tensor,
@@ -611,35 +695,17 @@ def decode(
     """
     c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
     device = c.q_nope.device
-    dtype = c.q_nope.dtype
-    if num_splits is not None:
-        _check_num_splits(num_splits)
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise ValueError(f"config: expected None or DecodeConfig, got {type(config).__name__}")
-    out_t = (
-        torch.empty(c.batch, c.heads, kv_lora_rank, dtype=dtype, device=device)
-        if out is None
-        else _check_out(out, c.batch, c.heads, kv_lora_rank, dtype, device)
-    )
-    lse_t = (
-        torch.empty(c.batch, c.heads, dtype=torch.float32, device=device)
-        if lse is None
-        else _check_lse(lse, c.batch, c.heads, device)
-    )
-    if check_values or (check_values is None and seq_lens.device.type == "cpu"):
-        _check_values(c, kv_cache, block_table, seq_lens)
+    out_t, lse_t = _prepare_outputs(
+        c, kv_cache, block_table, seq_lens, kv_lora_rank, out, lse, num_splits, config,
+        check_values,
+    )  # fmt: skip
     if c.batch == 0:
         return out_t, lse_t
 
     recipe = quant if quant is not None else AttentionQuant()
     cfg = config if config is not None else decode_config(c.heads, recipe)
     head_groups = -(-c.heads // cfg.block_h)
-    bound = c.capacity if max_seq_len is None else max_seq_len
-    splits = (
-        num_splits
-        if num_splits is not None
-        else decode_num_splits(c.batch, c.heads, bound, device=device, block_h=cfg.block_h)
-    )
+    splits = _splits_for(c, cfg, num_splits, max_seq_len)
 
     qo, ko, vo, po = (_operand(op) for op in (recipe.q, recipe.k, recipe.v, recipe.p))
     kv_shared = ko.code == 1 and vo.code == 1 and ko.pow2 and ko.gs == vo.gs
@@ -709,26 +775,5 @@ def decode(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        merge_grid = (-(-c.heads // _MERGE_BLOCK_H), c.batch)
-        decode_merge_kernel[merge_grid](
-            wacc,
-            wml,
-            seq_lens,
-            out_t,
-            lse_t,
-            seq_lens.stride(0),
-            out_t.stride(0),
-            out_t.stride(1),
-            lse_t.stride(0),
-            lse_t.stride(1),
-            c.heads,
-            c.capacity,
-            po.gs * vo.gs,
-            D1=kv_lora_rank,
-            BLOCK_H=_MERGE_BLOCK_H,
-            NUM_SPLITS=splits,
-            SPLIT_ALIGN_=SPLIT_ALIGN,
-            num_warps=4,
-        )
+    _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)
     return out_t, lse_t

@@ -41,22 +41,19 @@ import torch
 
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import (
-    _MERGE_BLOCK_H,
     LOG2E,
     DecodeConfig,
     _block_h,
     _check,
-    _check_lse,
-    _check_num_splits,
-    _check_out,
-    _check_values,
     _hw_fp8,
+    _merge_splits,
     _operand,
+    _prepare_outputs,
+    _splits_for,
     _stage_q,
     _tensor,
-    decode_num_splits,
 )
-from mla_triton.kernels.decode_kernel import SPLIT_ALIGN, decode_merge_kernel
+from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
 from mla_triton.kernels.shadow_kernel import (
     shadow_decode_split_kernel,
     shadow_update_kernel,
@@ -562,34 +559,15 @@ def decode_shadow(
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
     device = c.q_nope.device
-    dtype = c.q_nope.dtype
-    if num_splits is not None:
-        _check_num_splits(num_splits)
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise ValueError(f"config: expected None or DecodeConfig, got {type(config).__name__}")
-    out_t = (
-        torch.empty(c.batch, c.heads, kv_lora_rank, dtype=dtype, device=device)
-        if out is None
-        else _check_out(out, c.batch, c.heads, kv_lora_rank, dtype, device)
+    out_t, lse_t = _prepare_outputs(
+        c, cache, block_table, seq_lens, kv_lora_rank, out, lse, num_splits, config, check_values
     )
-    lse_t = (
-        torch.empty(c.batch, c.heads, dtype=torch.float32, device=device)
-        if lse is None
-        else _check_lse(lse, c.batch, c.heads, device)
-    )
-    if check_values or (check_values is None and seq_lens.device.type == "cpu"):
-        _check_values(c, cache, block_table, seq_lens)
     if c.batch == 0:
         return out_t, lse_t
 
     cfg = config if config is not None else shadow_decode_config(c.heads, qq, st)
     head_groups = -(-c.heads // cfg.block_h)
-    bound = c.capacity if max_seq_len is None else max_seq_len
-    splits = (
-        num_splits
-        if num_splits is not None
-        else decode_num_splits(c.batch, c.heads, bound, device=device, block_h=cfg.block_h)
-    )
+    splits = _splits_for(c, cfg, num_splits, max_seq_len)
     qo, ko, vo, po = (_operand(op) for op in (qq.q, qq.k, qq.v, qq.p))
     qk_f16 = qo.code != 0 and ko.code != 0
     v_src = 0 if vo.code == 0 else (2 if lay.v_shared else 1)
@@ -663,25 +641,5 @@ def decode_shadow(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        decode_merge_kernel[(-(-c.heads // _MERGE_BLOCK_H), c.batch)](
-            wacc,
-            wml,
-            seq_lens,
-            out_t,
-            lse_t,
-            seq_lens.stride(0),
-            out_t.stride(0),
-            out_t.stride(1),
-            lse_t.stride(0),
-            lse_t.stride(1),
-            c.heads,
-            c.capacity,
-            po.gs * vo.gs,
-            D1=kv_lora_rank,
-            BLOCK_H=_MERGE_BLOCK_H,
-            NUM_SPLITS=splits,
-            SPLIT_ALIGN_=SPLIT_ALIGN,
-            num_warps=4,
-        )
+    _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)
     return out_t, lse_t

@@ -185,6 +185,90 @@ def _qdq_p(
 
 
 @triton.jit
+def _load_q(
+    qn_ptr,
+    qp_ptr,
+    qgs_ptr,
+    b,
+    offs_h,
+    h_mask,
+    stride_qn_b,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_h,
+    num_heads,
+    score_scale,
+    Q_SCALED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+):
+    """Stage 1's prologue: request ``b``'s q (or q̂, factored by ``decode_q_kernel``) for
+    heads ``offs_h``: ``(q1 [BLOCK_H, D1], q2 [BLOCK_H, D2], row_scale [BLOCK_H])``, the
+    row scale being ``score_scale`` times each row's q global scale when q is quantized."""
+    offs_d1 = tl.arange(0, D1)
+    offs_d2 = tl.arange(0, D2)
+    q1 = tl.load(
+        qn_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d1[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )
+    q2 = tl.load(
+        qp_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_d2[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )
+    row_scale = tl.zeros([BLOCK_H], tl.float32) + score_scale
+    if Q_SCALED:
+        row_scale *= tl.load(qgs_ptr + b * num_heads + offs_h, mask=h_mask, other=1.0)
+    return q1, q2, row_scale
+
+
+@triton.jit
+def _finish_split(
+    acc,
+    m_i,
+    l_i,
+    out_ptr,
+    lse_ptr,
+    wacc_ptr,
+    wml_ptr,
+    b,
+    split,
+    lo,
+    seq_len,
+    offs_h,
+    h_mask,
+    stride_o_b,
+    stride_o_h,
+    stride_lse_b,
+    stride_lse_h,
+    num_heads,
+    out_scale,
+    D1: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Stage 1's epilogue: with one split, out (``acc / l`` times ``out_scale``) and the
+    natural-log LSE; else the split's partial ``acc``, ``m``, ``l`` into the workspace."""
+    offs_d1 = tl.arange(0, D1)
+    if NUM_SPLITS == 1:
+        nonempty = seq_len > 0
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        inv_l = tl.where(nonempty, out_scale / l_safe, 0.0)
+        o = acc * inv_l[:, None]
+        lse = tl.where(nonempty, (tl.log2(l_safe) + m_i) * LN2, float("-inf"))
+        o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d1[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
+    else:
+        row = (b * NUM_SPLITS + split) * num_heads + offs_h  # int64 [BLOCK_H]
+        st_mask = h_mask & (lo < seq_len)
+        tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
+        tl.store(wml_ptr + row * 2, m_i, mask=st_mask)
+        tl.store(wml_ptr + row * 2 + 1, l_i, mask=st_mask)
+
+
+@triton.jit
 def _chunk(seq_len, NUM_SPLITS: tl.constexpr, ALIGN: tl.constexpr):
     """Tokens per split of a request: ``ceil(seq_len / NUM_SPLITS)`` rounded up to ``ALIGN``."""
     per = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
@@ -320,22 +404,13 @@ def decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
 
     # ---- prologue: q (or q̂, factored by decode_q_kernel) and the per-row factor ----
-    q1 = tl.load(
-        qn_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d1[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    )
-    q2 = tl.load(
-        qp_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_d2[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    )
+    q1, q2, row_scale = _load_q(
+        qn_ptr, qp_ptr, qgs_ptr, b, offs_h, h_mask, stride_qn_b, stride_qn_h, stride_qp_b,
+        stride_qp_h, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
+    )  # fmt: skip
     qk_dtype = q1.dtype
     in_dtype = kv_ptr.dtype.element_ty
     pv_dtype = tl.float16 if PV_F16 else in_dtype
-    row_scale = tl.zeros([BLOCK_H], tl.float32) + score_scale
-    if Q_SCALED:
-        row_scale *= tl.load(qgs_ptr + b * num_heads + offs_h, mask=h_mask, other=1.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -438,21 +513,11 @@ def decode_split_kernel(
         m_i = m_new
 
     # ---- epilogue -----------------------------------------------------------------
-    if NUM_SPLITS == 1:
-        nonempty = seq_len > 0
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        inv_l = tl.where(nonempty, out_scale / l_safe, 0.0)
-        o = acc * inv_l[:, None]
-        lse = tl.where(nonempty, (tl.log2(l_safe) + m_i) * LN2, float("-inf"))
-        o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d1[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-        tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
-    else:
-        row = (b * NUM_SPLITS + split) * num_heads + offs_h  # int64 [BLOCK_H]
-        st_mask = h_mask & (lo < seq_len)
-        tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
-        tl.store(wml_ptr + row * 2, m_i, mask=st_mask)
-        tl.store(wml_ptr + row * 2 + 1, l_i, mask=st_mask)
+    _finish_split(
+        acc, m_i, l_i, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
+        h_mask, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, out_scale, D1,
+        NUM_SPLITS,
+    )  # fmt: skip
 
 
 @triton.jit

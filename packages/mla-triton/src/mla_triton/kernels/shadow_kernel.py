@@ -46,6 +46,8 @@ from mla_triton.kernels.decode_kernel import (
     AXIS_FEATURES,
     AXIS_TOKENS,
     _chunk,
+    _finish_split,
+    _load_q,
     _qdq_latent,
     _qdq_p,
 )
@@ -353,6 +355,22 @@ def _load_elements(ptr, row, valid, STORE: tl.constexpr, COLS: tl.constexpr, FUL
 
 
 @triton.jit
+def _load_packed_nvfp4(
+    ptr, row, valid, COLS: tl.constexpr, BLOCK_N: tl.constexpr, FULL: tl.constexpr
+):
+    """A packed nvfp4 section of shadow rows: (E2M1 values ``[BLOCK_N, COLS]``, float32
+    scales ``[BLOCK_N, COLS // 16]`` decoded from the ``COLS // 16`` E4M3 bytes after the
+    ``COLS // 2`` code bytes). K̂ rows hold their own block scales; V̂ rows 1/16 of
+    their block's."""
+    half = tl.arange(0, COLS // 2)
+    b = _load_rows(ptr + row[:, None] + half[None, :], valid, 0, FULL)
+    nb = tl.arange(0, COLS // 16)
+    sc = _load_rows(ptr + row[:, None] + COLS // 2 + nb[None, :], valid, 0, FULL)
+    sb = e4m3_decode(sc.to(tl.int32))
+    return _unpack_nibbles(b, BLOCK_N, COLS), sb
+
+
+@triton.jit
 def _load_k_hat(
     kh_ptr,
     krow,
@@ -365,12 +383,8 @@ def _load_k_hat(
 ):
     """Factored K̂ ``[BLOCK_N, COLS]`` float32 (16-bit: float16 as stored) from shadow rows."""
     if STORE == 1 and FMT == 2:  # packed nvfp4: codes, then each row's block scales
-        half = tl.arange(0, COLS // 2)
-        b = _load_rows(kh_ptr + krow[:, None] + half[None, :], valid, 0, FULL)
-        nb = tl.arange(0, COLS // 16)
-        sc = _load_rows(kh_ptr + krow[:, None] + COLS // 2 + nb[None, :], valid, 0, FULL)
-        sb = e4m3_decode(sc.to(tl.int32))
-        codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, COLS), (BLOCK_N, COLS // 16, 16))
+        codes, sb = _load_packed_nvfp4(kh_ptr, krow, valid, COLS, BLOCK_N, FULL)
+        codes = tl.reshape(codes, (BLOCK_N, COLS // 16, 16))
         y = tl.reshape(codes * tl.expand_dims(sb, 2), (BLOCK_N, COLS))
     else:
         y = _load_elements(kh_ptr, krow, valid, STORE, COLS, FULL)
@@ -390,12 +404,9 @@ def _load_v_hat(
 ):
     """Factored V̂ ``[BLOCK_N, D1]`` of a tile starting at a multiple of 16 (complete blocks)."""
     if STORE == 1 and FMT == 2:  # packed nvfp4: codes, then 1/16 of the block's scales
-        half = tl.arange(0, D1 // 2)
-        b = _load_rows(vh_ptr + vrow[:, None] + half[None, :], valid, 0, FULL)
-        nb = tl.arange(0, D1 // 16)
-        sc = _load_rows(vh_ptr + vrow[:, None] + D1 // 2 + nb[None, :], valid, 0, FULL)
-        sb = tl.reshape(e4m3_decode(sc.to(tl.int32)), (BLOCK_N // 16, 1, D1))
-        codes = tl.reshape(_unpack_nibbles(b, BLOCK_N, D1), (BLOCK_N // 16, 16, D1))
+        codes, sb = _load_packed_nvfp4(vh_ptr, vrow, valid, D1, BLOCK_N, FULL)
+        sb = tl.reshape(sb, (BLOCK_N // 16, 1, D1))
+        codes = tl.reshape(codes, (BLOCK_N // 16, 16, D1))
         y = tl.reshape(codes * sb, (BLOCK_N, D1))
     else:
         y = _load_elements(vh_ptr, vrow, valid, STORE, D1, FULL)
@@ -690,22 +701,10 @@ def shadow_decode_split_kernel(
 
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
-    offs_d1 = tl.arange(0, D1)
-    offs_d2 = tl.arange(0, D2)
-
-    q1 = tl.load(
-        qn_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d1[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    )
-    q2 = tl.load(
-        qp_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_d2[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    )
-    row_scale = tl.zeros([BLOCK_H], tl.float32) + score_scale
-    if Q_SCALED:
-        row_scale *= tl.load(qgs_ptr + b * num_heads + offs_h, mask=h_mask, other=1.0)
+    q1, q2, row_scale = _load_q(
+        qn_ptr, qp_ptr, qgs_ptr, b, offs_h, h_mask, stride_qn_b, stride_qn_h, stride_qp_b,
+        stride_qp_h, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
+    )  # fmt: skip
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -738,18 +737,8 @@ def shadow_decode_split_kernel(
             V_FMT, V_SRC, V_EXACT, False, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
         )  # fmt: skip
 
-    if NUM_SPLITS == 1:
-        nonempty = seq_len > 0
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        inv_l = tl.where(nonempty, out_scale / l_safe, 0.0)
-        o = acc * inv_l[:, None]
-        lse = tl.where(nonempty, (tl.log2(l_safe) + m_i) * LN2, float("-inf"))
-        o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d1[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-        tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
-    else:
-        row = (b * NUM_SPLITS + split) * num_heads + offs_h
-        st_mask = h_mask & (lo < seq_len)
-        tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
-        tl.store(wml_ptr + row * 2, m_i, mask=st_mask)
-        tl.store(wml_ptr + row * 2 + 1, l_i, mask=st_mask)
+    _finish_split(
+        acc, m_i, l_i, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
+        h_mask, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, out_scale, D1,
+        NUM_SPLITS,
+    )  # fmt: skip
