@@ -1,6 +1,6 @@
 """CPU check: the e2e checkpoint loads through vLLM 0.33 and shards by construction.
 
-Writes ``run_e2e.py``'s seeded safetensors checkpoint, then builds the real
+Writes the e2e's seeded safetensors checkpoint, then builds the real
 ``DeepseekV2ForCausalLM`` with vLLM's own loader (``load_format="safetensors"``,
 attention backend ``MLA_QUANT``) on vLLM's CPU platform, once at tensor-parallel
 size 1 and once at size 2 (two processes over gloo). Checks that every parameter
@@ -111,7 +111,7 @@ def expected_shard(name: str, full: dict[str, Any], tp: int, rank: int) -> Any:
 def main() -> int:
     import torch
     import torch.multiprocessing as mp
-    from run_e2e import checkpoint_shapes, write_checkpoint
+    from mla_e2e.checkpoint import checkpoint_shapes, write_checkpoint
     from safetensors.torch import load_file
 
     work = Path(tempfile.mkdtemp(prefix="mla-ckpt-"))
