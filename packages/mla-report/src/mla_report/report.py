@@ -31,9 +31,11 @@ import torch
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 
 __all__ = [
+    "BUILTIN_NAMES",
     "RECIPES",
     "Case",
     "Recipe",
+    "check_recipe",
     "main",
     "parse_recipe",
     "run_report",
@@ -60,26 +62,56 @@ RECIPES: tuple[Recipe, ...] = (
 )
 
 
+BUILTIN_NAMES: tuple[str, ...] = tuple(r.name for r in RECIPES)
+_ROLES = ("q", "k", "p", "v")
+
+
+def _reason(err: ValueError, *arguments: str) -> str:
+    """``err``'s message without a leading ``"<argument>: "`` of one of ``arguments``."""
+    message = str(err)
+    for argument in arguments:
+        if message.startswith(f"{argument}: "):
+            return message[len(argument) + 2 :]
+    return message
+
+
 def parse_recipe(text: str) -> Recipe:
     """Parse ``name=q:fmt,k:fmt,p:fmt,v:fmt[,nm:N:M]`` (omitted operands are not quantized).
 
-    A format may carry a static amax after ``@``, e.g. ``k:nvfp4@12.5``.
+    A format may carry a static amax after ``@``, e.g. ``k:nvfp4@12.5``. The recipe's
+    ``mla_formats`` objects are built here, so anything they refuse raises now, as a
+    ``ValueError`` naming the recipe and the role (``recipe 'x', role k: ...``). A name
+    may not shadow a built-in recipe and a role may be given once.
     """
     name, sep, body = text.partition("=")
     if not sep or not name or not body:
         raise ValueError(f"--recipe: expected name=q:fmt,k:fmt,..., got {text!r}")
+    where = f"recipe {name!r}"
+    if name in BUILTIN_NAMES:
+        raise ValueError(
+            f"{where}: the name of a built-in recipe ({', '.join(BUILTIN_NAMES)}); "
+            "choose another name"
+        )
     operands: dict[str, OperandQuant] = {}
     sparsity = None
+    seen: set[str] = set()
     for item in body.split(","):
         role, _, spec = item.partition(":")
+        if role not in (*_ROLES, "nm") or not spec:
+            raise ValueError(f"{where}: bad operand {item!r} (roles q, k, p, v, nm)")
+        here = f"{where}, role {role}"
+        if role in seen:
+            raise ValueError(f"{here}: given twice")
+        seen.add(role)
         if role == "nm":
             n, _, m = spec.partition(":")
             if not (n.isdigit() and m.isdigit()):
-                raise ValueError(f"--recipe: N:M needs two integers, got {item!r}")
-            sparsity = NMSparsity(int(n), int(m))
+                raise ValueError(f"{here}: N:M needs two integers, got {item!r}")
+            try:
+                sparsity = NMSparsity(int(n), int(m))
+            except ValueError as err:
+                raise ValueError(f"{here}: {err}") from None
             continue
-        if role not in ("q", "k", "p", "v") or not spec:
-            raise ValueError(f"--recipe: bad operand {item!r} (roles q, k, p, v, nm)")
         fmt, _, amax = spec.partition("@")
         value: float | str | None = None
         if amax == "dynamic":
@@ -89,10 +121,19 @@ def parse_recipe(text: str) -> Recipe:
                 value = float(amax)
             except ValueError:
                 raise ValueError(
-                    f"--recipe: amax of {role} must be a number or 'dynamic', got {amax!r}"
+                    f"{here}: amax must be a number or 'dynamic', got {amax!r}"
                 ) from None
-        operands[role] = OperandQuant(fmt, value)  # type: ignore[arg-type]
-    return Recipe(name, AttentionQuant(**operands), sparsity)
+        try:
+            operand = OperandQuant(fmt, value)  # type: ignore[arg-type]
+            AttentionQuant(**{role: operand})  # the checks of the role alone
+        except ValueError as err:
+            raise ValueError(f"{here}: {_reason(err, 'fmt', 'amax', role)}") from None
+        operands[role] = operand
+    try:
+        quant = AttentionQuant(**operands)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    return Recipe(name, quant, sparsity)
 
 
 @dataclass(frozen=True)
@@ -114,7 +155,10 @@ class Case:
         return Case(16, 2, 80, 16, 1, 48, "float16")
 
 
-def _inputs(case: Case, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def _inputs(
+    case: Case, device: torch.device, seed: int, *, empty: bool = False
+) -> dict[str, torch.Tensor]:
+    """The report's seeded inputs; ``empty``: the same tensors with no request or token."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     dtype = getattr(torch, case.dtype)
 
@@ -125,21 +169,105 @@ def _inputs(case: Case, device: torch.device, seed: int) -> dict[str, torch.Tens
         return x.to(device=device, dtype=dtype)
 
     b, length, page = case.decode_batch, case.decode_len, case.page_size
-    pages_per_seq = math.ceil(length / page)
-    num_pages = b * pages_per_seq
-    block_table = torch.randperm(num_pages, generator=g).reshape(b, pages_per_seq)
-    t = case.prefill_batch * case.prefill_len
-    cu = torch.arange(case.prefill_batch + 1) * case.prefill_len
+    prefill_len = case.prefill_len
+    if empty:  # no decode request; one prefill request of no token
+        b = length = prefill_len = 0
+    pages_per_seq = max(1, math.ceil(length / page))
+    num_pages = max(1, b * pages_per_seq)
+    block_table = torch.randperm(num_pages, generator=g)[: b * pages_per_seq]
+    t = case.prefill_batch * prefill_len
+    cu = torch.arange(case.prefill_batch + 1) * prefill_len
     return {
         "q_decode": normal(b, case.heads, 576),
         "kv_cache": normal(num_pages, page, 576),
-        "block_table": block_table.to(device=device, dtype=torch.int32),
+        "block_table": block_table.reshape(b, pages_per_seq).to(device=device, dtype=torch.int32),
         "seq_lens": torch.full((b,), length, dtype=torch.int32, device=device),
         "q": normal(t, case.heads, 192),
         "k": normal(t, case.heads, 192),
         "v": normal(t, case.heads, 128),
         "cu": cu.to(device=device, dtype=torch.int32),
     }
+
+
+SCALE = 1.0 / math.sqrt(192.0)  # DeepSeek-V3 scales by the unabsorbed head dim
+
+
+def _decode(
+    data: dict[str, torch.Tensor], recipe: Recipe, *, oracle: torch.dtype | None = None
+) -> torch.Tensor:
+    """The decode kernel's output; with ``oracle`` (its compute dtype) the oracle's."""
+    import mla_reference
+    import mla_triton
+
+    args = (data["q_decode"], data["kv_cache"], data["block_table"], data["seq_lens"])
+    if oracle is None:
+        out, _ = mla_triton.decode(*args, softmax_scale=SCALE, quant=recipe.quant)
+    else:
+        out, _ = mla_reference.decode(
+            *args, softmax_scale=SCALE, quant=recipe.quant, compute_dtype=oracle
+        )
+    return out
+
+
+def _prefill(
+    data: dict[str, torch.Tensor], recipe: Recipe, case: Case, *, oracle: torch.dtype | None = None
+) -> torch.Tensor:
+    """The prefill kernel's output; with ``oracle`` (its compute dtype) the oracle's."""
+    import mla_reference
+    import mla_triton
+
+    args = (data["q"], data["k"], data["v"], data["cu"], data["cu"])
+    if oracle is None:
+        return mla_triton.prefill(
+            *args,
+            softmax_scale=SCALE,
+            causal=True,
+            quant=recipe.quant,
+            sparsity=recipe.sparsity,
+            max_seqlen_q=case.prefill_len,
+            max_seqlen_k=case.prefill_len,
+        )
+    return mla_reference.prefill(
+        *args,
+        softmax_scale=SCALE,
+        causal=True,
+        quant=recipe.quant,
+        sparsity=recipe.sparsity,
+        compute_dtype=oracle,
+    )
+
+
+def check_recipe(recipe: Recipe, device: torch.device, case: Case | None = None) -> None:
+    """Run the argument checks of the report's kernels and oracles on ``recipe``.
+
+    Each call gets the report's tensors with no request and no token, so nothing is
+    launched: only the kernels' own validation runs (for example prefill's N:M group
+    against its key tile on ``device``). Each quantized role and the sparsity are
+    checked alone first, so that a ``ValueError`` names the role
+    (``recipe 'x', role nm: ...``); then the whole recipe.
+    """
+    case = case or Case.for_device(device)
+    data = _inputs(case, device, 0, empty=True)
+    parts: list[tuple[str, Recipe]] = []
+    if recipe.quant is not None:
+        for role in _ROLES:
+            operand = getattr(recipe.quant, role)
+            if not operand.is_identity:
+                alone = Recipe(recipe.name, AttentionQuant(**{role: operand}))
+                parts.append((f", role {role}", alone))
+    if recipe.sparsity is not None:
+        parts.append((", role nm", Recipe(recipe.name, None, recipe.sparsity)))
+    parts.append(("", recipe))
+    for where, part in parts:
+        try:
+            for oracle in (None, torch.float64):
+                _decode(data, part, oracle=oracle)
+                _prefill(data, part, case, oracle=oracle)
+        except ValueError as err:
+            reason = _reason(err, "quant", "sparsity")
+            raise ValueError(
+                f"recipe {recipe.name!r}{where}: {reason} (the kernels on {device.type})"
+            ) from None
 
 
 def _errors(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -172,40 +300,16 @@ def run_report(
     """
     from rich.progress import Progress
 
-    import mla_reference
-    import mla_triton
-
     case = case or Case.for_device(device)
     data = _inputs(case, device, seed)
-    decode_scale = 1.0 / math.sqrt(192.0)  # DeepSeek-V3 scales by the unabsorbed head dim
-    prefill_scale = 1.0 / math.sqrt(192.0)
     timing = device.type == "cuda"
+    oracle_dtype = torch.float32 if timing else torch.float64
 
-    def run_decode(recipe: Recipe) -> torch.Tensor:
-        out, _ = mla_triton.decode(
-            data["q_decode"],
-            data["kv_cache"],
-            data["block_table"],
-            data["seq_lens"],
-            softmax_scale=decode_scale,
-            quant=recipe.quant,
-        )
-        return out
+    def run_decode(recipe: Recipe, oracle: torch.dtype | None = None) -> torch.Tensor:
+        return _decode(data, recipe, oracle=oracle)
 
-    def run_prefill(recipe: Recipe) -> torch.Tensor:
-        return mla_triton.prefill(
-            data["q"],
-            data["k"],
-            data["v"],
-            data["cu"],
-            data["cu"],
-            softmax_scale=prefill_scale,
-            causal=True,
-            quant=recipe.quant,
-            sparsity=recipe.sparsity,
-            max_seqlen_q=case.prefill_len,
-            max_seqlen_k=case.prefill_len,
-        )
+    def run_prefill(recipe: Recipe, oracle: torch.dtype | None = None) -> torch.Tensor:
+        return _prefill(data, recipe, case, oracle=oracle)
 
     rows: list[dict[str, Any]] = []
     baseline: dict[str, torch.Tensor] = {}
@@ -216,29 +320,7 @@ def run_report(
             for kind, kernel in (("decode", run_decode), ("prefill", run_prefill)):
                 bar.update(task, description=f"{recipe.name} {kind}")
                 out = kernel(recipe)
-                if kind == "decode":
-                    oracle, _ = mla_reference.decode(
-                        data["q_decode"],
-                        data["kv_cache"],
-                        data["block_table"],
-                        data["seq_lens"],
-                        softmax_scale=decode_scale,
-                        quant=recipe.quant,
-                        compute_dtype=torch.float32 if timing else torch.float64,
-                    )
-                else:
-                    oracle = mla_reference.prefill(
-                        data["q"],
-                        data["k"],
-                        data["v"],
-                        data["cu"],
-                        data["cu"],
-                        softmax_scale=prefill_scale,
-                        causal=True,
-                        quant=recipe.quant,
-                        sparsity=recipe.sparsity,
-                        compute_dtype=torch.float32 if timing else torch.float64,
-                    )
+                oracle = kernel(recipe, oracle_dtype)
                 if recipe.quant is None and recipe.sparsity is None:
                     baseline[kind] = out
                 row: dict[str, Any] = {"recipe": recipe.name, "kind": kind}
@@ -321,43 +403,93 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     _print_table(result)
 
 
+def _device(text: str) -> torch.device:
+    """``--device``: ``cpu``, ``cuda``, ``cuda:N`` or ``gpu`` (``cuda``); CUDA must exist."""
+    name = "cuda" + text[3:] if text.startswith("gpu") else text
+    expected = f"expected cpu, cuda, cuda:N or gpu, got {text!r}"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(expected) from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(expected)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no CUDA device here (torch.cuda.is_available() is False); "
+                "use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: only {torch.cuda.device_count()} CUDA devices here"
+            )
+    return device
+
+
+def _recipe(text: str) -> Recipe:
+    try:
+        return parse_recipe(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _use_interpreter(argv: list[str]) -> None:
+    """Switch Triton's CPU interpreter on before the kernels are defined."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when a kernel is defined
+    if "mla_triton" in sys.modules:  # its kernels exist already: start again
+        os.execv(sys.executable, [sys.executable, "-m", "mla_report", *argv])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point of ``mla-report``."""
+    """Console entry point of ``mla-report``.
+
+    Bad options are usage errors (exit code 2, one line, before any work): each
+    ``--recipe`` is built into its ``mla_formats`` objects and checked against the
+    kernels' own validation on the chosen device before the first kernel runs.
+    """
     parser = argparse.ArgumentParser(prog="mla-report", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--recipe",
         action="append",
         default=[],
+        type=_recipe,
         metavar="NAME=q:fmt,...",
         help="extra recipe, e.g. 'kfp8=k:fp8,v:fp8' or 'x=k:nvfp4@12,nm:2:4'",
     )
     parser.add_argument("--only", nargs="*", metavar="NAME", help="run only these recipes")
     parser.add_argument("--out", type=Path, default=Path("report"), help="output folder")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        help="cpu, cuda, cuda:N or gpu (= cuda); default: cuda if present",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    try:
-        recipes = RECIPES + tuple(parse_recipe(text) for text in args.recipe)
-    except ValueError as err:
-        parser.error(str(err))
+    extra: list[Recipe] = args.recipe
+    names = [r.name for r in extra]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        parser.error(f"--recipe: names given twice: {', '.join(twice)}")
+    recipes = RECIPES + tuple(extra)
     if args.only:
         unknown = set(args.only) - {r.name for r in recipes}
         if unknown:
             parser.error(f"--only: unknown recipes {sorted(unknown)}")
         recipes = tuple(r for r in recipes if r.name in args.only or r.name == "none")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        # Triton reads TRITON_INTERPRET when the kernels are defined (at import), so
-        # start again with the interpreter switched on.
-        os.environ["TRITON_INTERPRET"] = "1"
-        command = [
-            sys.executable,
-            "-m",
-            "mla_triton.report",
-            *(sys.argv[1:] if argv is None else argv),
-        ]
-        os.execv(sys.executable, command)
+    device: torch.device = args.device or torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    if device.type == "cpu":
+        _use_interpreter(sys.argv[1:] if argv is None else argv)
+    for recipe in extra:
+        try:
+            check_recipe(recipe, device)
+        except ValueError as err:
+            parser.error(f"--recipe: {err}")
     start = time.perf_counter()
     result = run_report(recipes, device, seed=args.seed, progress=not args.no_progress)
     result["seconds"] = round(time.perf_counter() - start, 1)
@@ -366,7 +498,3 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args.out / 'report.json'} and {args.out / 'report.png'} in {result['seconds']} s"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
