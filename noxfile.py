@@ -1,17 +1,26 @@
-"""Sessions for the workspace: tests per package, lint, typecheck, build, docs, ci.
+"""Sessions for the workspace: tests per package, lint, typecheck, build, docs, gpu, ci.
 
 Run ``nox -s ci`` for what CI runs. Virtual environments are made by uv.
 
+Versions: every install is constrained to ``uv.lock`` (``uv export --frozen`` of the
+whole workspace, tools included: the dependency groups of the root pyproject.toml),
+so CI, a developer and a user get the same versions. ``uv lock --check`` (in
+``lint``) keeps the lock in step with the pyproject files; ``uv lock
+--upgrade-package NAME`` moves one package.
+
 torch: where this machine image keeps a CPU wheel of torch (``/opt/wheels``, or the
-folder in ``MLA_TORCH_FIND_LINKS``), the sessions install ``MLA_TORCH_SPEC``
-(default ``torch==2.13.0+cpu``) from it, which avoids a multi-GB CUDA download on
-CPU-only machines; elsewhere they take torch from the index. Triton is pinned to
-the release that vLLM 0.33's torch pins (3.8), whose interpreter runs the kernels.
+folder in ``MLA_TORCH_FIND_LINKS``), the CPU sessions install ``MLA_TORCH_SPEC``
+(default ``torch==2.13.0+cpu``) from it instead of the lock's torch (the CUDA build
+that vLLM 0.33 pins), which avoids a multi-GB CUDA download on CPU-only machines;
+the one pin dropped from the constraints is then torch's. Elsewhere, and in the
+``vllm`` and ``gpu`` sessions, torch is the lock's. ``MLA_TRITON_SPEC`` and
+``MLA_VLLM_SPEC`` override the lock's triton and vllm the same way.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nox
@@ -22,31 +31,82 @@ nox.options.sessions = ["ci"]
 
 ROOT = Path(__file__).parent
 PACKAGES = ROOT / "packages"
-TRITON_SPEC = os.environ.get("MLA_TRITON_SPEC", "triton==3.8.0")
+PYPROJECT = ROOT / "pyproject.toml"
 TORCH_SPEC = os.environ.get("MLA_TORCH_SPEC", "torch==2.13.0+cpu")
 TORCH_FIND_LINKS = os.environ.get("MLA_TORCH_FIND_LINKS", "/opt/wheels")
-TEST_TOOLS = ["pytest>=8.0", "hypothesis>=6.100", "numpy>=1.24"]
-REPORT_TOOLS = ["matplotlib>=3.7", "rich>=13"]  # mla-triton's `report` extra
+TRITON_SPEC = os.environ.get("MLA_TRITON_SPEC")  # default: the lock's triton
+VLLM_SPEC = os.environ.get("MLA_VLLM_SPEC", "vllm==0.33.0")
 
 # short session name -> (distribution folder, needs triton, workspace packages its tests use)
 PACKAGE_SESSIONS: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "formats": ("mla-formats", False, ("mla-formats",)),
     "reference": ("mla-reference", False, ("mla-formats", "mla-reference")),
     "triton": ("mla-triton", True, ("mla-formats", "mla-reference", "mla-triton")),
+    "report_tests": (
+        "mla-report",
+        True,
+        ("mla-formats", "mla-reference", "mla-triton", "mla-report"),
+    ),
 }
 
 
-def _torch_args() -> list[str]:
+def _cpu_torch() -> bool:
+    """True where the CPU wheel of torch is at hand (see the module docstring)."""
     links = Path(TORCH_FIND_LINKS)
-    if links.is_dir() and any(links.glob("torch-*.whl")):
-        return ["--find-links", str(links), TORCH_SPEC]
-    return ["torch>=2.4"]
+    return links.is_dir() and any(links.glob("torch-*.whl"))
+
+
+def _name(spec: str) -> str:
+    """The normalized distribution name of a requirement such as ``torch==2.13.0+cpu``."""
+    match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
+    return re.sub(r"[-_.]+", "-", match.group(0) if match else spec).lower()
+
+
+def _use_lock(session: nox.Session, *, lock_torch: bool = False) -> None:
+    """Constrain every install of ``session`` to uv.lock (``UV_CONSTRAINT``).
+
+    The lock's pins of whatever this session installs from elsewhere (the CPU torch
+    wheel, unless ``lock_torch``; an ``MLA_TRITON_SPEC`` or ``MLA_VLLM_SPEC``
+    override) are left out. ``UV_CONSTRAINT`` reaches uv wherever the session calls
+    it: ``session.install``, ``uv pip install`` into other venvs and ``python -m
+    build --installer uv``'s build environments.
+    """
+    exported = session.run(
+        "uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--all-packages",
+        "--all-groups", "--all-extras", "--no-header", "--no-annotate", "--quiet",
+        "--project", str(ROOT), silent=True, external=True,
+    )  # fmt: skip
+    assert isinstance(exported, str)
+    drop = set()
+    if _cpu_torch() and not lock_torch:
+        drop.add("torch")
+    if TRITON_SPEC:
+        drop.add(_name(TRITON_SPEC))
+    if VLLM_SPEC != "vllm==0.33.0":
+        drop.add("vllm")
+    lines = [line for line in exported.splitlines() if _name(line) not in drop]
+    path = Path(session.create_tmp()) / "constraints.txt"
+    path.write_text("\n".join(lines) + "\n")
+    session.env["UV_CONSTRAINT"] = str(path)
+
+
+def _torch_args() -> list[str]:
+    if _cpu_torch():
+        return ["--find-links", TORCH_FIND_LINKS, TORCH_SPEC]
+    return ["torch"]
 
 
 def _install_base(session: nox.Session, *, triton: bool = False) -> None:
+    """The lock's constraints, then torch (and, given ``MLA_TRITON_SPEC``, triton)."""
+    _use_lock(session)
     session.install(*_torch_args())
-    if triton:
+    if triton and TRITON_SPEC:
         session.install(TRITON_SPEC)
+
+
+def _group(name: str) -> list[str]:
+    """``session.install`` arguments of a dependency group of the root pyproject.toml."""
+    return ["--group", f"{PYPROJECT}:{name}"]
 
 
 def _local(dist: str) -> str:
@@ -70,8 +130,7 @@ def _editable_args(packages: tuple[str, ...] | None = None) -> list[str]:
 def _make_test_session(short: str, dist: str, triton: bool, uses: tuple[str, ...]) -> None:
     def run_tests(session: nox.Session) -> None:
         _install_base(session, triton=triton)
-        extra = REPORT_TOOLS if dist == "mla-triton" else []
-        session.install(*TEST_TOOLS, *extra, *_editable_args(uses))
+        session.install(*_group("test"), *_editable_args(uses))
         env = {"TRITON_INTERPRET": "1"} if triton else {}
         session.run("pytest", _local(dist) + "/tests", *session.posargs, env=env)
 
@@ -90,7 +149,7 @@ if (ROOT / "tests-integration").is_dir():
     def integration(session: nox.Session) -> None:
         """Cross-package tests: kernels against oracles, prefill against decode."""
         _install_base(session, triton=True)
-        session.install(*TEST_TOOLS, *_editable_args())
+        session.install(*_group("test"), *_editable_args())
         session.run("pytest", "tests-integration", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
@@ -98,47 +157,81 @@ if (ROOT / "tests-integration").is_dir():
 def report(session: nox.Session) -> None:
     """The main job: the accuracy (and, on a GPU, speed) report of every recipe.
 
-    On a CPU it runs a small default through the Triton interpreter; arguments after
-    ``--`` go to ``mla-report`` (``nox -s report -- --help``).
+    Installs ``mla-report``. On a CPU it runs a small default through the Triton
+    interpreter; arguments after ``--`` go to ``mla-report`` (``nox -s report -- --help``).
     """
     _install_base(session, triton=True)
-    session.install(
-        "-e",
-        _local("mla-formats"),
-        "-e",
-        _local("mla-reference"),
-        "-e",
-        f"{_local('mla-triton')}[report]",
-    )
+    session.install(*_editable_args(("mla-formats", "mla-reference", "mla-triton", "mla-report")))
     session.run("mla-report", *(session.posargs or ["--out", str(ROOT / "report")]))
 
 
 @nox.session
+def gpu(session: nox.Session) -> None:
+    """Every GPU suite (``test_*_gpu.py``) on a CUDA machine, compiled kernels (not in CI).
+
+    Runs with ``MLA_REQUIRE_GPU=1``, under which a GPU test that skips fails instead
+    (packages/mla-triton/tests/conftest.py), and fails at once without a CUDA device.
+    Torch is the lock's CUDA build. Arguments after ``--`` go to pytest.
+    """
+    _use_lock(session, lock_torch=True)
+    session.install("torch")
+    if TRITON_SPEC:
+        session.install(TRITON_SPEC)
+    session.install(*_group("test"), *_editable_args())
+    session.run(
+        "python",
+        "-c",
+        "import sys, torch; sys.exit(None if torch.cuda.is_available() else "
+        "'nox -s gpu: no CUDA device (torch.cuda.is_available() is False)')",
+    )
+    env = {"MLA_REQUIRE_GPU": "1", "TRITON_INTERPRET": "0"}
+    folders = [PACKAGES / p / "tests" for p in _existing_packages() if p != "mla-vllm"]
+    folders.append(ROOT / "tests-integration")
+    for files in (sorted(folder.glob("test_*_gpu.py")) for folder in folders):
+        if files:  # one run per folder: test files of two folders may share a name
+            session.run("pytest", *map(str, files), *session.posargs, env=env)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff>=0.6")
+    """uv lock --check (the lock matches every pyproject.toml); ruff check and format."""
+    session.run("uv", "lock", "--check", "--project", str(ROOT), external=True)
+    _use_lock(session)
+    session.install(*_group("lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over every package's src."""
+    """mypy --strict over every package's src (mla-vllm's: in the vllm session)."""
     _install_base(session, triton=True)
-    session.install("mypy>=1.11", "numpy>=1.24", *REPORT_TOOLS)
-    sources = []
-    for package in _existing_packages():
-        if package == "mla-vllm":
-            continue  # needs vllm; checked in the vllm session
-        session.install("--no-deps", "-e", _local(package))
-        sources.append(str(PACKAGES / package / "src"))
+    session.install(*_group("typecheck"), *_editable_args())
+    sources = [str(PACKAGES / p / "src") for p in _existing_packages() if p != "mla-vllm"]
     session.run("mypy", *sources)
+
+
+# Packages that may not be installed beside a wheel installed alone (its declared
+# dependencies only): proves a package needs no more than it declares.
+ABSENT_BESIDE = {
+    "mla_formats": ("triton", "mla_reference", "mla_triton", "rich", "matplotlib"),
+    "mla_reference": ("mla_triton", "mla_report", "rich", "matplotlib"),
+    "mla_triton": ("mla_reference", "mla_report", "rich", "matplotlib"),
+}
 
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build every sdist and wheel, twine check, then install each wheel alone and import it."""
-    session.install("build>=1.2", "twine>=5.1")
+    """Build every sdist and wheel, twine check, then install each wheel alone and smoke it.
+
+    Each wheel goes into its own venv with torch and nothing but its declared
+    dependencies (the other workspace wheels from dist/); tests-smoke/smoke.py then
+    imports it, makes one real call and checks that the packages it must not need
+    are absent (mla-triton: torch, triton and mla-formats only; no mla-reference,
+    rich or matplotlib).
+    """
+    _use_lock(session)
+    session.install(*_group("build"))
     dist = ROOT / "dist"
     if dist.exists():
         for old in dist.iterdir():
@@ -156,28 +249,21 @@ def build(session: nox.Session) -> None:
         venv = tmp / f"alone-{module}"
         session.run("uv", "venv", "--quiet", "--clear", str(venv), external=True)
         python = str(venv / "bin" / "python")
+        pip = ["uv", "pip", "install", "--quiet", "--python", python]
+        session.run(*pip, *_torch_args(), external=True)
+        session.run(*pip, "--find-links", str(dist), str(wheel), external=True)
+        absent = ",".join(ABSENT_BESIDE.get(module, ()))
+        smoke = str(ROOT / "tests-smoke" / "smoke.py")
         session.run(
-            "uv", "pip", "install", "--quiet", "--python", python, *_torch_args(), external=True
+            python, smoke, module, *([f"--absent={absent}"] if absent else []), external=True
         )
-        session.run(
-            "uv",
-            "pip",
-            "install",
-            "--quiet",
-            "--python",
-            python,
-            "--find-links",
-            str(dist),
-            str(wheel),
-            external=True,
-        )
-        session.run(python, str(ROOT / "tests-smoke" / "smoke.py"), module, external=True)
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the mkdocs-material site in strict mode; lint the release workflow."""
-    session.install("mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "check-jsonschema>=0.29")
+    _use_lock(session)
+    session.install(*_group("docs"))
     session.run(
         "mkdocs",
         "build",
@@ -211,13 +297,16 @@ def ci(session: nox.Session) -> None:
 # the sessions above: vLLM pins its own torch (2.14.0, CUDA build), so these sessions
 # install it from the index rather than the CPU wheel.
 
-VLLM_SPEC = os.environ.get("MLA_VLLM_SPEC", "vllm==0.33.0")
 VLLM_PACKAGES = ("mla-formats", "mla-reference", "mla-triton", "mla-vllm")
 
 
 def _install_vllm(session: nox.Session) -> None:
-    """vLLM (and its torch and triton), then the workspace packages without deps."""
-    session.install(VLLM_SPEC, *TEST_TOOLS, "mypy>=1.11")
+    """vLLM (and its torch and triton), then the workspace packages without deps.
+
+    Constrained to the lock, torch included (the lock's torch is vLLM's pin).
+    """
+    _use_lock(session, lock_torch=True)
+    session.install(VLLM_SPEC, *_group("test"), *_group("typecheck"))
     # cuda-python 12.6 (a flashinfer dependency) and cuda-bindings 13 both write
     # cuda/bindings/; whichever lands last wins. vLLM's CUTLASS DSL import needs the
     # 13.x files, so reinstall cuda-bindings alone to make its files win.

@@ -1,0 +1,45 @@
+"""pytest hooks of mla-triton's tests: ``MLA_REQUIRE_GPU=1`` turns GPU skips into failures.
+
+The GPU suites (``test_*_gpu.py``) skip without a CUDA GPU, which is right on a CPU
+machine and wrong on the GPU machine that is meant to run them (``nox -s gpu``
+sets ``MLA_REQUIRE_GPU=1``): there a skip would read as a pass. With the variable
+set to ``1``, a skipped test fails when it belongs to a ``*_gpu.py`` file or its
+skip reason names a GPU or CUDA; the failure carries the skip reason (a skip by a
+``skipif`` mark happens at setup, so pytest counts it as an error). Expected
+failures (xfail) are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Generator
+
+import pytest
+
+_GPU_REASON = re.compile(r"\b(gpu|cuda)\b", re.IGNORECASE)
+
+
+def _gpu_skip(item: pytest.Item, report: pytest.TestReport) -> str | None:
+    """The skip reason when ``report`` is a skip of a GPU test, else None."""
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return None
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if item.path.name.endswith("_gpu.py") or _GPU_REASON.search(reason):
+        return reason
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if os.environ.get("MLA_REQUIRE_GPU") == "1":
+        reason = _gpu_skip(item, report)
+        if reason is not None:
+            report.outcome = "failed"
+            report.longrepr = f"MLA_REQUIRE_GPU=1 and this GPU test was skipped: {reason}"
+    return report
