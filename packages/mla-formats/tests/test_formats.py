@@ -41,6 +41,18 @@ def test_attention_quant_rejects_bad_operands() -> None:
         AttentionQuant(q=3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("amax", [0.999, 0.5, 1e-3])
+def test_attention_quant_refuses_a_static_p_amax_below_one(fmt: str, amax: float) -> None:
+    with pytest.raises(ValueError, match=r"^p: a static amax below 1 is refused.*split counts"):
+        AttentionQuant(p=OperandQuant(fmt, amax))
+    assert AttentionQuant(p=OperandQuant(fmt, 1.0)).p.static_amax() == 1.0
+    assert AttentionQuant(p=OperandQuant(fmt, 1.5)).p.static_amax() == 1.5
+    assert AttentionQuant(p=OperandQuant("none", amax)).p.is_identity  # none has no scale
+    # k and v may take any positive static amax
+    assert AttentionQuant(k=OperandQuant(fmt, amax), v=OperandQuant(fmt, amax)).v.amax == amax
+
+
 def test_static_amax_of_dynamic_operand_raises() -> None:
     with pytest.raises(ValueError, match="dynamic amax"):
         AttentionQuant.uniform("fp8").q.static_amax()

@@ -30,18 +30,22 @@ def _e2m1_nearest(y: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4_row(row: torch.Tensor, amax: float) -> torch.Tensor:
-    """One 1-D float32 row, blocks of 16 from index 0, one global amax."""
+    """One 1-D float32 row, blocks of 16 from index 0, one global amax; a block holding
+    a non-finite value is all NaN."""
     gs = torch.tensor(amax, dtype=F32) / torch.tensor(2688.0, dtype=F32)
     out = torch.empty_like(row)
     for start in range(0, row.numel(), 16):
         block = row[start : start + 16]
+        if not bool(block.isfinite().all()):
+            out[start : start + 16] = torch.nan
+            continue
         bmax = block.abs().max()
         sb = _fp8_cast(torch.clamp(bmax / (gs * 6.0), max=448.0))
         if sb.item() == 0.0:
             out[start : start + 16] = 0.0
             continue
         out[start : start + 16] = _e2m1_nearest(block / (sb * gs)) * sb * gs
-    return torch.where(torch.isinf(row), torch.nan, out)
+    return out
 
 
 def _nvfp4_straightforward(x: torch.Tensor, axis: int, amax: float | str) -> torch.Tensor:
@@ -49,17 +53,25 @@ def _nvfp4_straightforward(x: torch.Tensor, axis: int, amax: float | str) -> tor
     rows = moved.reshape(-1, moved.shape[-1])
     out = torch.empty_like(rows)
     for i, row in enumerate(rows):
-        row_amax = row.abs().max().item() if amax == "dynamic" else amax
+        if amax == "dynamic" and not bool(row.isfinite().all()):
+            out[i] = torch.nan  # the row's global scale is NaN
+            continue
+        row_amax = row.abs().max().item() if isinstance(amax, str) else amax
         out[i] = _nvfp4_row(row, row_amax) if row_amax != 0 else 0.0
     return out.reshape(moved.shape).movedim(-1, axis)
 
 
 def _fp8_straightforward(x: torch.Tensor, axis: int, amax: float | str) -> torch.Tensor:
     xf = x.float()
-    a = xf.abs().amax(axis, keepdim=True) if amax == "dynamic" else torch.tensor(amax)
+    bad = ~xf.isfinite()
+    if amax == "dynamic":
+        a = xf.abs().amax(axis, keepdim=True)
+        bad = bad | bad.any(axis, keepdim=True)  # the row's global scale is NaN
+    else:
+        a = torch.tensor(amax)
     s = a.to(F32) / 448.0
     out = _fp8_cast(torch.clamp(xf / s, -448.0, 448.0)) * s
-    return torch.where(torch.isinf(xf), torch.nan, out)
+    return torch.where(bad, torch.nan, out)
 
 
 def _adversarial_blocks() -> torch.Tensor:
@@ -89,14 +101,80 @@ def test_nvfp4_adversarial_blocks(amax: float | str) -> None:
     assert _same(got, _nvfp4_straightforward(x, -1, amax))
 
 
-def test_nvfp4_nan_and_inf() -> None:
-    x = torch.randn(2, 32)
-    x[0, 3] = float("nan")
-    x[1, 20] = float("inf")
+NON_FINITE = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+def test_nvfp4_non_finite_poisons_exactly_its_block(bad: float) -> None:
+    x = torch.randn(3, 48) * 100
+    x[0, 3] = bad
+    x[1, 40] = bad
     y = qdq(x, "nvfp4")
-    assert y[0, :16].isnan().all() and not y[0, 16:].isnan().any()  # NaN poisons its block
-    assert y[1, 20].isnan() and not y[1, :16].isnan().any()  # inf becomes NaN, not 6 * sb
+    want = torch.zeros(3, 48, dtype=torch.bool)
+    want[0, :16] = True
+    want[1, 32:48] = True
+    assert torch.equal(y.isnan(), want)  # the rest of the block is not saturated: NaN
     assert _same(y, _nvfp4_straightforward(x, -1, 2688.0))
+    # the rest of each poisoned row, and the clean row, are the values without the bad one
+    clean = qdq(torch.where(x.isfinite(), x, 0.0), "nvfp4")
+    assert torch.equal(y[~want], clean[~want])
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_dynamic_amax_non_finite_poisons_exactly_its_row(bad: float, fmt: str, axis: int) -> None:
+    x = torch.randn(32, 32)
+    x[5, 7] = bad
+    y = qdq(x, fmt, axis=axis, amax="dynamic")
+    want = torch.zeros(32, 32, dtype=torch.bool)
+    if axis == 1:
+        want[5] = True
+    else:
+        want[:, 7] = True
+    assert torch.equal(y.isnan(), want)
+    values, scale = qdq_factored(x, fmt, axis=axis, amax="dynamic")
+    assert torch.equal(values.isnan(), want)
+    assert int(scale.isnan().sum()) == 1  # the poisoned row's global scale is NaN
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+@pytest.mark.parametrize("amax", [448.0, 3.0, "tensor"])
+def test_fp8_static_non_finite_is_nan_alone(bad: float, amax: float | str) -> None:
+    x = torch.randn(4, 32) * 10
+    x[2, 9] = bad
+    x[3, 0] = 1e9  # a finite value beyond the range still saturates
+    top = 5.0 if isinstance(amax, str) else amax
+    scales = torch.full((4, 1), top) if isinstance(amax, str) else top
+    y = qdq(x, "fp8", amax=scales)
+    want = torch.zeros(4, 32, dtype=torch.bool)
+    want[2, 9] = True
+    assert torch.equal(y.isnan(), want)
+    assert y[3, 0].item() == top  # E4M3 448 times the global scale amax / 448
+
+
+@pytest.mark.parametrize("bad", NON_FINITE)
+def test_nvfp4_non_finite_block_at_absolute_positions(bad: float) -> None:
+    """With ``offset`` the poisoned block is the one at absolute positions, the padded
+    positions outside the slice not counted."""
+    x = torch.randn(2, 40, 4)
+    x[1, 12, 2] = bad  # absolute position 5 + 12 = 17: block [16, 32) = slice rows 11..26
+    y = qdq(x, "nvfp4", axis=1, offset=5, pad=True)
+    want = torch.zeros(2, 40, 4, dtype=torch.bool)
+    want[1, 11:27, 2] = True
+    assert torch.equal(y.isnan(), want)
+
+
+def test_none_passes_non_finite_values_through() -> None:
+    x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan")] * 4)
+    assert _same(qdq(x, "none"), x) and torch.isinf(qdq(x, "none")[1])
+    values, scale = qdq_factored(x, "none", amax="dynamic")
+    assert _same(values, x) and torch.equal(scale, torch.ones(1))
+
+
+def test_nvfp4_finite_beyond_range_still_saturates() -> None:
+    x = torch.full((16,), 1e30)
+    assert torch.equal(qdq(x, "nvfp4"), torch.full((16,), 448.0 * 6.0))
 
 
 @pytest.mark.parametrize("dims", [(32, 48), (3, 16, 32), (2, 16, 3, 32)])
@@ -197,6 +275,12 @@ def test_factored_values_are_exact_in_16_bit(fmt: str, amax: float | str | None)
         ({"axis": 2}, "axis: 2 is out of range"),
         ({"axis": -3}, "axis: -3 is out of range"),
         ({"offset": -1}, "offset: expected a non-negative int"),
+        ({"pad": 1}, "pad: expected a bool"),
+        ({"out_dtype": "float32"}, "out_dtype: expected None or one of"),
+        ({"out_dtype": "cpu"}, "out_dtype: expected None or one of"),
+        ({"out_dtype": torch.int32}, "out_dtype: expected None or one of"),
+        ({"out_dtype": torch.float8_e4m3fn}, "out_dtype: expected None or one of"),
+        ({"out_dtype": 5}, "out_dtype: expected None or one of"),
     ],
 )
 def test_bad_input_raises_value_error(kwargs: dict[str, object], message: str) -> None:
@@ -204,8 +288,15 @@ def test_bad_input_raises_value_error(kwargs: dict[str, object], message: str) -
     args.update(kwargs)
     x = args.pop("x")
     fmt = args.pop("fmt")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=f"^{message}"):
         qdq(x, fmt, **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_out_dtype_accepts_the_floating_dtypes(out_dtype: torch.dtype) -> None:
+    x = torch.randn(2, 32)
+    assert qdq(x, "nvfp4", out_dtype=out_dtype).dtype == out_dtype
+    assert torch.equal(qdq(x, "nvfp4", out_dtype=out_dtype), qdq(x, "nvfp4").to(out_dtype))
 
 
 def test_amax_validation_applies_to_fp8_too() -> None:

@@ -158,6 +158,14 @@ def _resolve_operand(value: OperandLike, role: str) -> OperandQuant:
             f"{role}: a dynamic amax is only defined for operands blocked along the feature "
             "axis (q, k); p and v take a static amax"
         )
+    if role == "p" and isinstance(amax, float) and amax < 1.0:
+        raise ValueError(
+            f"p: a static amax below 1 is refused, got {amax!r}: P = 2^(t - m) lies in "
+            "(0, 1] only relative to the row's final reference point m; a kernel's online "
+            "softmax quantizes P against its running maximum, so with an amax below 1 "
+            "whether a P value saturates would depend on the tile and split counts "
+            "(use an amax >= 1; the default is 1.0)"
+        )
     return OperandQuant(operand.format, amax)
 
 
@@ -170,6 +178,10 @@ class AttentionQuant:
     (not quantized). After construction every field is an ``OperandQuant`` whose
     amax is resolved: q dynamic, k and v static at the format's unit amax, p
     static 1.0, unless given.
+
+    Refused with a ``ValueError`` naming the role: a dynamic amax for p or v, and
+    a static p amax below 1 (whether a P value saturates would then depend on the
+    online softmax's running maximum, hence on tile and split counts).
     """
 
     q: OperandQuant = field(default_factory=lambda: OperandQuant("none"))

@@ -14,8 +14,12 @@ either end of a slice are completed with zeros (elements outside the slice count
 as 0 for the block maximum), which is how an open tail block of a sequence is
 quantized. Without ``pad`` the slice must cover whole blocks.
 
-Non-finite input: NaN propagates (a NaN poisons its nvfp4 block, or its row for
-a dynamic amax); ±inf gives NaN rather than a silently saturated value.
+Non-finite input (every format but ``none``; docs/numerics.md "Non-finite input"):
++inf, -inf and NaN alike become NaN, and the NaN spreads over everything that
+shares its scale: its nvfp4 block of 16 (the block scale is NaN) and, under a
+dynamic amax, its whole row (the global scale is NaN). A finite value beyond the
+format's range still saturates. No non-finite input ever becomes a finite value.
+``none`` passes every value through unchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def resolve_amax(x: torch.Tensor, fmt: Format, amax: AmaxArg, axis: int) -> torc
     """The amax as a float32 tensor shaped like ``x`` with ``axis`` reduced to 1.
 
     ``None`` gives ``fmt.unit_amax`` (global scale 1); ``"dynamic"`` the max of
-    |x| over ``axis`` (per row); a float or tensor must be positive and finite.
+    |x| over ``axis`` (per row), NaN for a row holding a NaN or an infinity; a float
+    or tensor must be positive and finite.
     """
     axis = _normalize_axis(x, axis)
     shape = list(x.shape)
@@ -56,7 +61,8 @@ def resolve_amax(x: torch.Tensor, fmt: Format, amax: AmaxArg, axis: int) -> torc
             raise ValueError(f"amax: expected a number, a tensor, None or 'dynamic', got {amax!r}")
         if x.shape[axis] == 0:  # an empty row has amax 0, like an all-zero one
             return torch.zeros(shape, dtype=torch.float32, device=x.device)
-        return x.detach().float().abs().amax(dim=axis, keepdim=True)
+        row_max = x.detach().float().abs().amax(dim=axis, keepdim=True)  # NaN propagates
+        return _nan_if_not_finite(row_max)
     if isinstance(amax, torch.Tensor):
         if not amax.is_floating_point():
             raise ValueError(f"amax: expected a floating tensor, got {amax.dtype}")
@@ -75,6 +81,11 @@ def resolve_amax(x: torch.Tensor, fmt: Format, amax: AmaxArg, axis: int) -> torc
     if not (float(amax) > 0.0 and float(amax) != float("inf")):
         raise ValueError(f"amax: must be positive and finite, got {amax!r}")
     return torch.full(shape, float(amax), dtype=torch.float32, device=x.device)
+
+
+def _nan_if_not_finite(a: torch.Tensor) -> torch.Tensor:
+    """``a`` with ±inf replaced by NaN (``a - a`` is NaN exactly where a is not finite)."""
+    return a + (a - a)
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -109,13 +120,15 @@ def qdq_factored(
     axis = _normalize_axis(x, axis)
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
-    xf = x.float()
+    if not isinstance(pad, bool):
+        raise ValueError(f"pad: expected a bool, got {pad!r}")
     if fmt.is_identity:
         shape = list(x.shape)
         shape[axis] = 1
-        return xf, torch.ones(shape, dtype=torch.float32, device=x.device)
+        return x.float(), torch.ones(shape, dtype=torch.float32, device=x.device)
 
     amax_t = resolve_amax(x, fmt, amax, axis)
+    xf = _nan_if_not_finite(x.float())  # ±inf is quantized as NaN, never saturated
     # An all-zero row under a dynamic amax has amax 0: any scale gives zeros.
     amax_t = torch.where(amax_t == 0, torch.full_like(amax_t, fmt.unit_amax), amax_t)
     # Divide by a tensor: CUDA turns division by a Python scalar into a reciprocal multiply.
@@ -125,7 +138,6 @@ def qdq_factored(
         values = e4m3_round(torch.clamp(xf / gscale, -E4M3_MAX, E4M3_MAX))
     else:
         values = _nvfp4_values(xf, gscale, axis, fmt.block_size, offset, pad)
-    values = torch.where(torch.isinf(xf), torch.full_like(values, float("nan")), values)
     return values, gscale
 
 
@@ -145,7 +157,7 @@ def _nvfp4_values(
     # [..., n_blocks, 16]; the block count is explicit so empty tensors reshape too
     blocks = rows.reshape(*rows.shape[:-1], rows.shape[-1] // block, block)
     gs = gscale.movedim(axis, -1).unsqueeze(-1)  # [..., 1, 1]
-    block_max = blocks.abs().amax(dim=-1, keepdim=True)
+    block_max = blocks.abs().amax(dim=-1, keepdim=True)  # NaN propagates: the block is NaN
     block_scale = e4m3_round(torch.clamp(block_max / (gs * 6.0), max=E4M3_MAX))
     codes = e2m1_round(blocks / (block_scale * gs))
     values = torch.where(block_scale == 0, blocks * 0.0, codes * block_scale)
@@ -174,7 +186,12 @@ def qdq(
             (per-row scales), or ``"dynamic"`` (max |x| of each row along ``axis``).
         offset: absolute index of x's first element along ``axis`` (nvfp4 blocks).
         pad: complete partial nvfp4 blocks at either end with zeros.
-        out_dtype: the returned dtype; x's dtype by default.
+        out_dtype: the returned dtype, one of float16, bfloat16, float32 and float64;
+            x's dtype by default.
     """
+    if out_dtype is not None and (
+        not isinstance(out_dtype, torch.dtype) or out_dtype not in _FLOAT_DTYPES
+    ):
+        raise ValueError(f"out_dtype: expected None or one of {_FLOAT_DTYPES}, got {out_dtype!r}")
     values, gscale = qdq_factored(x, fmt, axis=axis, amax=amax, offset=offset, pad=pad)
     return (values * gscale).to(out_dtype or x.dtype)

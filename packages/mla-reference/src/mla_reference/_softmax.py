@@ -5,6 +5,13 @@ Both oracles reduce to rows: one query token in one head against its visible key
 ``softmax_rows`` turns a row's scores into the quantized P, the denominator and
 the base-2 reference point (SPEC 4, docs/numerics.md "Scores, softmax and P");
 ``normalize`` turns ``P̂ V̂`` into the output and the natural-log LSE.
+
+Non-finite operands (docs/numerics.md "Non-finite input") poison by row, never by
+arithmetic accident: ``split_non_finite`` flags the rows of an operand that hold a
+NaN or an infinity and zeroes those elements, the attention is computed on the
+zeroed operands (so a key a row does not see cannot reach it through ``0 * NaN``),
+and ``softmax_rows`` (q̂ or k̂ of a seen key) and ``poison_v`` (v̂ of a seen key)
+write NaN into exactly the rows the rule names.
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ __all__ = [
     "LOG2E",
     "SoftmaxRows",
     "normalize",
+    "poison_v",
     "quantize_operand",
     "resolve_quant",
+    "seen_any",
     "softmax_rows",
+    "split_non_finite",
 ]
 
 LOG2E = math.log2(math.e)
@@ -58,6 +68,19 @@ def quantize_operand(
     return qdq(x, operand, axis=axis, pad=pad, out_dtype=torch.float32).to(compute_dtype)
 
 
+def split_non_finite(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(finite, bad)``: ``x`` with its NaN and ±inf elements set to 0, and the bool
+    flags of the vectors along ``dim`` that held one (``dim`` reduced)."""
+    finite = torch.isfinite(x)
+    return torch.where(finite, x, torch.zeros_like(x)), ~finite.all(dim=dim)
+
+
+def seen_any(visible: torch.Tensor, bad_keys: torch.Tensor) -> torch.Tensor:
+    """Rows that see a flagged key: ``visible [..., R, L]`` and ``bad_keys [..., L]``
+    (broadcasting) give bool ``[..., R]``."""
+    return (visible & bad_keys.unsqueeze(-2)).any(dim=-1)
+
+
 @dataclass(frozen=True)
 class SoftmaxRows:
     """The softmax of a batch of rows ``[..., L]`` (keys on the last axis).
@@ -69,6 +92,9 @@ class SoftmaxRows:
         m: the base-2 reference point ``ceil(max_j t_j)`` (integer-valued); ``[...]``,
             ``-inf`` for an empty row.
         empty: rows without a visible (kept) key; ``[...]`` bool.
+
+    A row poisoned by q̂ or k̂ (``softmax_rows``' ``poisoned``) has ``p``, ``l`` and
+    ``m`` all NaN, so its output and LSE are NaN.
     """
 
     p: torch.Tensor
@@ -77,7 +103,12 @@ class SoftmaxRows:
     empty: torch.Tensor
 
 
-def softmax_rows(s: torch.Tensor, keep: torch.Tensor, p_quant: OperandQuant) -> SoftmaxRows:
+def softmax_rows(
+    s: torch.Tensor,
+    keep: torch.Tensor,
+    p_quant: OperandQuant,
+    poisoned: torch.Tensor | None = None,
+) -> SoftmaxRows:
     """Softmax numerator, denominator and quantized P of rows of scores.
 
     Args:
@@ -86,6 +117,9 @@ def softmax_rows(s: torch.Tensor, keep: torch.Tensor, p_quant: OperandQuant) -> 
         keep: bool ``[..., L]`` (broadcasting to ``s``): keys the row sees (visible
             and, with N:M, kept).
         p_quant: P's format and static amax.
+        poisoned: bool ``[...]`` or None: rows whose q̂, or the k̂ of a key they see,
+            holds a non-finite value; their ``p``, ``l`` and ``m`` are NaN. A row
+            without a visible key is not poisoned (it reads no operand pair).
 
     With ``t = s * LOG2E``: ``m = ceil(max over kept keys of t)``,
     ``P_j = 2^(t_j - m)`` at kept keys and 0 elsewhere, ``l = sum_j P_j``, and
@@ -109,6 +143,11 @@ def softmax_rows(s: torch.Tensor, keep: torch.Tensor, p_quant: OperandQuant) -> 
     p = torch.where(keep, torch.exp2(t - m_safe.unsqueeze(-1)), torch.zeros_like(t))
     l = p.sum(dim=-1)  # noqa: E741
     p_hat = quantize_operand(p, p_quant, axis=-1, compute_dtype=s.dtype, pad=True)
+    if poisoned is not None:
+        poisoned = poisoned & ~empty
+        p_hat = torch.where(poisoned.unsqueeze(-1), math.nan, p_hat)
+        l = torch.where(poisoned, math.nan, l)  # noqa: E741
+        m = torch.where(poisoned, math.nan, m)
     return SoftmaxRows(p=p_hat, l=l, m=m, empty=empty)
 
 
@@ -123,3 +162,9 @@ def normalize(acc: torch.Tensor, rows: SoftmaxRows) -> tuple[torch.Tensor, torch
     out = torch.where(empty.unsqueeze(-1), torch.zeros_like(acc), acc / l_safe.unsqueeze(-1))
     lse = torch.where(empty, torch.full_like(rows.l, -math.inf), torch.log(l_safe) + rows.m * LN2)
     return out, lse
+
+
+def poison_v(out: torch.Tensor, sees_bad_v: torch.Tensor) -> torch.Tensor:
+    """``out [..., Dv]`` with every feature of the rows in ``sees_bad_v [...]`` (rows
+    that see a key whose v̂ holds a non-finite value) set to NaN; the LSE keeps its value."""
+    return torch.where(sees_bad_v.unsqueeze(-1), math.nan, out)

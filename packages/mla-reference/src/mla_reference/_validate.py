@@ -105,8 +105,8 @@ def _cu_seqlens(
     t = _index_tensor(cu, name, 1)
     _same(t, q, name, "q")
     total = tokens.shape[0]
-    if t.numel() < 2:
-        raise ValueError(f"{name}: expected batch + 1 >= 2 entries, got {t.numel()}")
+    if t.numel() < 1:  # [0] is a batch of zero sequences
+        raise ValueError(f"{name}: expected batch + 1 >= 1 entries, got {t.numel()}")
     values = [int(x) for x in t.tolist()]
     if values[0] != 0:
         raise ValueError(f"{name}: expected to start at 0, got {values[0]}")

@@ -4,6 +4,7 @@ One request at a time: gather its latent rows token by token through the block
 table, QDQ them as K (along the features) and as V (the first ``kv_lora_rank``
 features, along the tokens), form every score, softmax with the power-of-two
 reference point, QDQ P, multiply by V̂ and divide by the unquantized denominator.
+Non-finite operands poison by row (docs/numerics.md "Non-finite input").
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from typing import Any
 import torch
 
 from mla_formats import AttentionQuant
-from mla_reference._softmax import normalize, quantize_operand, resolve_quant, softmax_rows
+from mla_reference._softmax import (
+    normalize,
+    poison_v,
+    quantize_operand,
+    resolve_quant,
+    softmax_rows,
+    split_non_finite,
+)
 from mla_reference._validate import check_decode
 
 __all__ = ["decode", "gather_latent"]
@@ -68,10 +76,18 @@ def decode(
         debug: when a dict, it is filled in compute_dtype with ``"q"`` q̂ ``[B, H, D]``
             and lists with one entry per request: ``"k"`` k̂ ``[L, D]``, ``"v"`` V̂
             ``[L, kv_lora_rank]``, ``"p"`` P̂ ``[H, L]``, ``"m"`` the base-2 reference
-            point ``[H]`` (integers, -inf when L = 0), ``"l"`` the denominator ``[H]``.
+            point ``[H]`` (integers, -inf when L = 0), ``"l"`` the denominator ``[H]``;
+            ``p``, ``m`` and ``l`` are NaN in a row poisoned by q̂ or k̂.
 
     Per row (one request, one head), with ``t_j = s_j log2(e)``: ``m = ceil(max t)``,
     ``P_j = 2^(t_j - m)``, ``l = sum P``, ``out = QDQ(P) · V̂ / l``, ``lse = ln(l) + m ln 2``.
+
+    Non-finite input (NaN or ±inf in an operand after QDQ; for ``none`` the raw
+    value): a row whose q̂, or the k̂ of one of its request's ``seq_lens[b]``
+    tokens, holds one has out and LSE all NaN; a row that reads a v̂ holding one has
+    out all NaN and its LSE unchanged. Cache rows past ``seq_lens[b]`` are never
+    read. A request with ``seq_lens[b] = 0`` gives out 0 and LSE -inf even with a
+    NaN query.
 
     Returns:
         ``(out [B, H, kv_lora_rank], lse [B, H])``, the LSE in natural log.
@@ -92,6 +108,7 @@ def decode(
     q_full = shapes.q
     batch, heads, _ = q_full.shape
     q_hat = quantize_operand(q_full, recipe.q, axis=-1, compute_dtype=compute_dtype)
+    q_use, q_bad = split_non_finite(q_hat, dim=-1)  # [B, H, D], [B, H]
     out = torch.zeros(batch, heads, kv_lora_rank, dtype=compute_dtype, device=q_full.device)
     lse = torch.full((batch, heads), float("-inf"), dtype=compute_dtype, device=q_full.device)
     lists: dict[str, list[torch.Tensor]] = {"k": [], "v": [], "p": [], "m": [], "l": []}
@@ -102,10 +119,13 @@ def decode(
         v_hat = quantize_operand(
             latent[:, :kv_lora_rank], recipe.v, axis=0, compute_dtype=compute_dtype, pad=True
         )
-        s = (q_hat[b] @ k_hat.T) * shapes.softmax_scale  # [H, L]
+        k_use, k_bad = split_non_finite(k_hat, dim=-1)  # [L, D], [L]
+        v_use, v_bad = split_non_finite(v_hat, dim=-1)  # every head sees all L tokens
+        s = (q_use[b] @ k_use.T) * shapes.softmax_scale  # [H, L]
         keep = torch.ones(1, length, dtype=torch.bool, device=s.device)
-        sm = softmax_rows(s, keep, recipe.p)
-        out[b], lse[b] = normalize(sm.p @ v_hat, sm)
+        sm = softmax_rows(s, keep, recipe.p, poisoned=q_bad[b] | k_bad.any())
+        out_b, lse[b] = normalize(sm.p @ v_use, sm)
+        out[b] = poison_v(out_b, v_bad.any().expand(heads))
         if debug is not None:
             for name, value in (("k", k_hat), ("v", v_hat), ("p", sm.p), ("m", sm.m), ("l", sm.l)):
                 lists[name].append(value)

@@ -5,7 +5,9 @@ score of a row, mask, softmax with the power-of-two reference point, QDQ P, mult
 by V̂ and divide by the unquantized denominator. No tiles, no splits, no online
 softmax. To bound memory the queries of a sequence are processed in chunks of rows;
 a row is always computed whole, over all of its sequence's keys, so the chunk size
-cannot change any result.
+cannot change any result. Non-finite operands poison by row (docs/numerics.md
+"Non-finite input"): flags per operand row, the attention on zeroed operands, NaN
+written into the rows that see a flagged element.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant
-from mla_reference._softmax import normalize, quantize_operand, resolve_quant, softmax_rows
+from mla_reference._softmax import (
+    normalize,
+    poison_v,
+    quantize_operand,
+    resolve_quant,
+    seen_any,
+    softmax_rows,
+    split_non_finite,
+)
 from mla_reference._validate import check_prefill
 
 __all__ = ["nm_keep", "prefill"]
@@ -87,11 +97,17 @@ def _attend_sequence(
     sparsity: NMSparsity | None,
     want_debug: bool,
 ) -> _Sequence:
-    """One sequence: q̂ ``[Lq, H, D]``, k̂ ``[Lk, Hkv, D]``, V̂ ``[Lk, Hkv, Dv]``."""
+    """One sequence: q̂ ``[Lq, H, D]``, k̂ ``[Lk, Hkv, D]``, V̂ ``[Lk, Hkv, Dv]``, possibly
+    holding non-finite values."""
     lq, heads, dim = q.shape
     lk, kv_heads, _ = k.shape
     dv = v.shape[2]
     group = heads // kv_heads  # query head h reads kv head h // group
+    q, q_bad = split_non_finite(q, dim=-1)  # q_bad [Lq, H]
+    k, k_bad = split_non_finite(k, dim=-1)  # k_bad [Lk, Hkv]
+    v, v_bad = split_non_finite(v, dim=-1)
+    k_bad_h = k_bad.T.repeat_interleave(group, dim=0)  # [H, Lk]
+    v_bad_h = v_bad.T.repeat_interleave(group, dim=0)
     k_t = k.permute(1, 2, 0)  # [Hkv, D, Lk]
     v_h = v.permute(1, 0, 2)  # [Hkv, Lk, Dv]
     key_pos = torch.arange(lk, device=q.device)
@@ -116,9 +132,12 @@ def _attend_sequence(
             keep = nm_keep(s, visible, q_pos, nm)
         else:
             keep = visible.unsqueeze(0).expand(heads, rows, lk)
-        sm = softmax_rows(s, keep, p_quant)
+        # "sees" is visibility before N:M: a key that N:M drops still poisons the row
+        poisoned = q_bad[i0:i1].T | seen_any(visible, k_bad_h)  # [H, R]
+        sm = softmax_rows(s, keep, p_quant, poisoned=poisoned)
         acc = (sm.p.reshape(kv_heads, group * rows, lk) @ v_h).reshape(heads, rows, dv)
         o, lse_c = normalize(acc, sm)
+        o = poison_v(o, seen_any(visible, v_bad_h))
         out[i0:i1] = o.permute(1, 0, 2)
         lse[:, i0:i1] = lse_c
         if want_debug:
@@ -247,6 +266,17 @@ def prefill(
     Per row (one query, one head), with ``t_j = s_j log2(e)`` over kept keys:
     ``m = ceil(max t)``, ``P_j = 2^(t_j - m)``, ``l = sum P``, ``out = QDQ(P) · V̂ / l``,
     ``lse = ln(l) + m ln 2``; a row without keys gives ``out = 0`` and ``lse = -inf``.
+
+    Non-finite input (NaN or ±inf in an operand after QDQ; for ``none`` the raw
+    value) poisons by row: a row whose q̂, or the k̂ of a key it sees, holds one has
+    out and LSE all NaN; a row that sees a key whose v̂ holds one has out all NaN and
+    its LSE unchanged. "Sees" is the causal (or non-causal) visibility; a key that
+    N:M drops is still seen, a key past the row's causal limit never is. A row
+    without a visible key gives out 0 and LSE -inf even with a NaN query. In
+    ``debug``, ``p``, ``m`` and ``l`` are NaN in rows poisoned by q̂ or k̂.
+
+    ``cu_seqlens_q = cu_seqlens_k = [0]`` (a batch of no sequences, ``T = 0``) gives
+    ``out [0, H, Dv]`` and ``lse [H, 0]``.
 
     Returns:
         ``out [T, H, Dv]``, or ``(out, lse [H, T])`` when ``return_lse``.
