@@ -128,6 +128,22 @@ def test_empty_rows_give_zero_and_minus_inf() -> None:
     torch.testing.assert_close(lse[:, 5:9], expected_lse, **TIGHT)
 
 
+@pytest.mark.parametrize("quant", [None, AttentionQuant.uniform("nvfp4")])
+@pytest.mark.parametrize("dtype", [torch.float16, F64])
+def test_a_batch_of_no_sequences(quant: AttentionQuant | None, dtype: torch.dtype) -> None:
+    """cu_seqlens [0]: B = 0, T = 0; empty out [0, H, Dv] and lse [H, 0], as decode's B = 0."""
+    q, k, v, cq, ck = packed([], [], 4, 2, 64, 32, dtype=dtype)
+    assert cq.tolist() == [0] and q.shape == (0, 4, 64)
+    debug: dict[str, Any] = {}
+    out, lse = prefill(
+        q, k, v, cq, ck, softmax_scale=0.1, quant=quant, return_lse=True, debug=debug
+    )
+    assert out.shape == (0, 4, 32) and out.dtype == dtype
+    assert lse.shape == (4, 0) and lse.dtype == torch.promote_types(dtype, torch.float32)
+    assert debug["p"] == [] and debug["q"].shape == (0, 4, 64)
+    assert prefill(q, k, v, cq, ck, softmax_scale=0.1, causal=False).shape == (0, 4, 32)
+
+
 def test_all_none_recipe_is_no_quantization() -> None:
     q, k, v, cq, ck = packed([9, 20], [9, 31], 4, 2, 64, 32, seed=5)
     base = prefill(q, k, v, cq, ck, softmax_scale=0.125)

@@ -84,6 +84,11 @@ PREFILL_CASES: list[tuple[str, Edit, str]] = [
     ("cu_q total", _set("cu_seqlens_q", lambda a: torch.tensor([0, 5, 11])), "cu_seqlens_q"),
     ("cu_q device", _set("cu_seqlens_q", lambda a: a["cu_seqlens_q"].to(META)), "cu_seqlens_q"),
     ("cu_q single", _set("cu_seqlens_q", lambda a: torch.tensor([0])), "cu_seqlens_q"),
+    (
+        "cu_q empty",
+        _set("cu_seqlens_q", lambda a: torch.zeros(0, dtype=torch.int32)),
+        "cu_seqlens_q",
+    ),
     ("cu_k total", _set("cu_seqlens_k", lambda a: torch.tensor([0, 8, 21])), "cu_seqlens_k"),
     ("cu_k batch", _set("cu_seqlens_k", lambda a: torch.tensor([0, 8, 9, 20])), "cu_seqlens_k"),
     ("scale negative", _set("softmax_scale", lambda a: -0.1), "softmax_scale"),
