@@ -84,8 +84,8 @@ def resolve_amax(x: torch.Tensor, fmt: Format, amax: AmaxArg, axis: int) -> torc
 
 
 def _nan_if_not_finite(a: torch.Tensor) -> torch.Tensor:
-    """``a`` with ±inf replaced by NaN (``a - a`` is NaN exactly where a is not finite)."""
-    return a + (a - a)
+    """``a`` with ±inf replaced by NaN (the sign of zero kept)."""
+    return torch.where(torch.isfinite(a), a, torch.full_like(a, float("nan")))
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -93,6 +93,39 @@ def _check_x(x: torch.Tensor) -> None:
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x: expected a floating dtype {_FLOAT_DTYPES}, got {x.dtype}")
+
+
+def _checked(
+    x: torch.Tensor,
+    fmt: FormatLike | OperandQuant,
+    axis: int,
+    amax: AmaxArg,
+    offset: int,
+    pad: bool,
+) -> tuple[Format, int, AmaxArg]:
+    """Every check of ``qdq`` and ``qdq_factored``, before any work: the format, the
+    normalized axis and the amax (an ``OperandQuant``'s when ``amax`` is None)."""
+    _check_x(x)
+    if isinstance(fmt, OperandQuant):
+        if amax is None:
+            amax = fmt.amax
+        fmt = fmt.format
+    fmt = get_format(fmt)
+    axis = _normalize_axis(x, axis)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
+    if not isinstance(pad, bool):
+        raise ValueError(f"pad: expected a bool, got {pad!r}")
+    if amax != "dynamic":  # a static amax is checked (cheaply) whatever the format
+        resolve_amax(x, fmt, amax, axis)
+    block = fmt.block_size
+    if block is not None and not pad and (offset % block or x.shape[axis] % block):
+        raise ValueError(
+            f"x: nvfp4 blocks of {block} along axis {axis} need whole blocks, but the axis "
+            f"has length {x.shape[axis]} at offset {offset}; pass pad=True to complete "
+            "partial blocks with zeros"
+        )
+    return fmt, axis, amax
 
 
 def qdq_factored(
@@ -111,17 +144,7 @@ def qdq_factored(
     For ``none`` the values are ``x`` in float32 and the scale is 1. ``fmt`` may be
     an ``OperandQuant``, whose amax is used when ``amax`` is None.
     """
-    _check_x(x)
-    if isinstance(fmt, OperandQuant):
-        if amax is None:
-            amax = fmt.amax
-        fmt = fmt.format
-    fmt = get_format(fmt)
-    axis = _normalize_axis(x, axis)
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"offset: expected a non-negative int, got {offset!r}")
-    if not isinstance(pad, bool):
-        raise ValueError(f"pad: expected a bool, got {pad!r}")
+    fmt, axis, amax = _checked(x, fmt, axis, amax, offset, pad)
     if fmt.is_identity:
         shape = list(x.shape)
         shape[axis] = 1
@@ -146,13 +169,7 @@ def _nvfp4_values(
 ) -> torch.Tensor:
     length = xf.shape[axis]
     lead = offset % block
-    tail = (-(lead + length)) % block
-    if (lead or tail) and not pad:
-        raise ValueError(
-            f"x: nvfp4 blocks of {block} along axis {axis} need whole blocks, but the axis "
-            f"has length {length} at offset {offset}; pass pad=True to complete partial "
-            "blocks with zeros"
-        )
+    tail = (-(lead + length)) % block  # both 0 unless pad (checked in _checked)
     rows = F.pad(xf.movedim(axis, -1), (lead, tail))
     # [..., n_blocks, 16]; the block count is explicit so empty tensors reshape too
     blocks = rows.reshape(*rows.shape[:-1], rows.shape[-1] // block, block)
@@ -179,7 +196,8 @@ def qdq(
 
     Args:
         x: a floating tensor of any shape and device.
-        fmt: ``"none"``, ``"fp8"``, ``"nvfp4"``, a ``Format`` or an ``OperandQuant``.
+        fmt: ``"none"``, ``"fp8"``, ``"nvfp4"``, a ``Format`` or an ``OperandQuant``;
+            ``none`` returns ``x`` unchanged (only cast to ``out_dtype``).
         axis: the blocked (contraction) axis; also the axis a dynamic amax reduces.
         amax: ``None`` (the format's unit amax, global scale 1), a positive float
             (one static scale), a tensor broadcasting to x with ``axis`` reduced
@@ -193,5 +211,8 @@ def qdq(
         not isinstance(out_dtype, torch.dtype) or out_dtype not in _FLOAT_DTYPES
     ):
         raise ValueError(f"out_dtype: expected None or one of {_FLOAT_DTYPES}, got {out_dtype!r}")
+    checked, _, _ = _checked(x, fmt, axis, amax, offset, pad)
+    if checked.is_identity:  # no rounding at all, not even to float32
+        return x.to(out_dtype or x.dtype)
     values, gscale = qdq_factored(x, fmt, axis=axis, amax=amax, offset=offset, pad=pad)
     return (values * gscale).to(out_dtype or x.dtype)
