@@ -28,6 +28,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import pytest
 import torch
 
+import mla_reference
+
 DTYPE = torch.float16
 PAGE = 16
 
@@ -303,6 +305,115 @@ def fill_context(model: Model, batch: Batch, latents: dict[str, torch.Tensor]) -
         for r, (c, _) in enumerate(batch.requests):
             for pos in range(c):
                 cache[int(batch.block_table[r, pos // PAGE]), pos % PAGE] = latents[name][r, pos]
+
+
+def random_context(model: Model, batch: Batch, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded latent rows ``[R, max context + 1, L + rope]`` per layer, written as context."""
+    dims = model.dims
+    gen = torch.Generator().manual_seed(seed)
+    longest = max(c for c, _ in batch.requests) + 1
+    latents = {
+        name: (
+            torch.randn(len(batch.requests), longest, dims.kv_lora_rank + dims.rope, generator=gen)
+            * 0.5
+        ).to(DTYPE)
+        for name in model.layers
+    }
+    fill_context(model, batch, latents)
+    return latents
+
+
+def layer_inputs(
+    dims: Dims, tokens: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q [T, H, qk]``, ``kv_c [T, L]``, ``k_pe [T, 1, rope]`` of ``tokens`` new tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, dims.heads, dims.qk, generator=gen).to(DTYPE)
+    kv_c = (torch.randn(tokens, dims.kv_lora_rank, generator=gen) * 0.5).to(DTYPE)
+    k_pe = torch.randn(tokens, 1, dims.rope, generator=gen).to(DTYPE)
+    return q, kv_c, k_pe
+
+
+def up_project(layer: Any, latent: torch.Tensor, dims: Dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """K ``[S, H, qk]`` and V ``[S, H, v]`` of latent rows ``[S, L + rope]``."""
+    kv = (latent[:, : dims.kv_lora_rank].float() @ layer.kv_b_proj.weight.float().T).to(DTYPE)
+    kv = kv.view(-1, dims.heads, dims.nope + dims.v)
+    k_pe = latent[:, None, dims.kv_lora_rank :].expand(-1, dims.heads, -1)
+    k = torch.cat([kv[..., : dims.nope], k_pe], dim=-1)
+    return k, kv[..., dims.nope :]
+
+
+def expected_output(
+    model: Model,
+    batch: Any,
+    name: str,
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    latents: torch.Tensor,
+) -> torch.Tensor:
+    """The layer output from mla_reference: decode rows absorbed, prefill rows split
+    into the context part (non-causal) and the new tokens (causal), merged by LSE."""
+    dims = model.dims
+    layer = model.layers[name]
+    recipe = layer.impl.mla_layer.recipe
+    scale = layer.impl.scale
+    out = torch.empty(q.shape[0], dims.heads, dims.v, dtype=torch.float32)
+    for r, (c, n) in enumerate(batch.requests):
+        t0 = int(batch.query_start_loc[r])
+        rows = slice(t0, t0 + n)
+        new = torch.cat([kv_c[rows], k_pe[rows, 0]], dim=-1)
+        full = torch.cat([latents[r, :c], new])  # [c + n, 576]
+        if n <= model.builder.reorder_batch_threshold:  # decode rows: absorbed, causal
+            ql = torch.einsum(
+                "bhp,hpl->bhl", q[rows, :, : dims.nope].float(), layer.W_UK_T.float()
+            ).to(DTYPE)
+            cache = full[None]  # one page run holding the whole sequence
+            o, _ = mla_reference.decode(
+                (ql, q[rows, :, dims.nope :].contiguous()),
+                cache,
+                torch.zeros(n, 1, dtype=torch.int32),
+                torch.arange(c + 1, c + n + 1),
+                softmax_scale=scale,
+                kv_lora_rank=dims.kv_lora_rank,
+                quant=None if recipe.decode.is_identity else recipe.decode,
+            )
+            out[rows] = torch.einsum("bhl,hlv->bhv", o.float(), layer.W_UV.float())
+            continue
+        k, v = up_project(layer, full, dims)
+        quant = None if recipe.prefill.is_identity else recipe.prefill
+        cu_n = torch.tensor([0, n])
+        o_new, lse_new = mla_reference.prefill(
+            q[rows],
+            k[c:],
+            v[c:],
+            cu_n,
+            cu_n,
+            softmax_scale=scale,
+            causal=True,
+            quant=quant,
+            sparsity=recipe.sparsity,
+            return_lse=True,
+        )
+        if c == 0:
+            out[rows] = o_new.float()
+            continue
+        o_ctx, lse_ctx = mla_reference.prefill(
+            q[rows],
+            k[:c],
+            v[:c],
+            cu_n,
+            torch.tensor([0, c]),
+            softmax_scale=scale,
+            causal=False,
+            quant=quant,
+            return_lse=True,
+        )
+        m = torch.maximum(lse_new, lse_ctx).float()
+        w_new = torch.exp(lse_new.float() - m).T[..., None]
+        w_ctx = torch.exp(lse_ctx.float() - m).T[..., None]
+        out[rows] = (o_new.float() * w_new + o_ctx.float() * w_ctx) / (w_new + w_ctx)
+    return out.reshape(q.shape[0], -1)
 
 
 def forward(

@@ -14,26 +14,18 @@ from conftest import (
     Dims,
     Model,
     build_model,
-    fill_context,
+    expected_output,
     forward,
+    layer_inputs,
     make_batch,
     make_builder,
     make_vllm_config,
+    random_context,
 )
-
-import mla_reference
 
 pytestmark = pytest.mark.usefixtures("vllm_process")
 
 NVFP4 = {"recipe": "nvfp4"}
-
-
-def _inputs(dims: Dims, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(tokens, dims.heads, dims.qk, generator=gen).to(DTYPE)
-    kv_c = (torch.randn(tokens, dims.kv_lora_rank, generator=gen) * 0.5).to(DTYPE)
-    k_pe = torch.randn(tokens, 1, dims.rope, generator=gen).to(DTYPE)
-    return q, kv_c, k_pe
 
 
 def _quant_model(tmp_path: Path, mla_quant: object, dims: Dims = SMALL, **kw: Any) -> Model:
@@ -45,110 +37,15 @@ def _quant_model(tmp_path: Path, mla_quant: object, dims: Dims = SMALL, **kw: An
     return model
 
 
-def _up_project(layer: Any, latent: torch.Tensor, dims: Dims) -> tuple[torch.Tensor, torch.Tensor]:
-    """K ``[S, H, qk]`` and V ``[S, H, v]`` of latent rows ``[S, L + rope]``."""
-    kv = (latent[:, : dims.kv_lora_rank].float() @ layer.kv_b_proj.weight.float().T).to(DTYPE)
-    kv = kv.view(-1, dims.heads, dims.nope + dims.v)
-    k_pe = latent[:, None, dims.kv_lora_rank :].expand(-1, dims.heads, -1)
-    k = torch.cat([kv[..., : dims.nope], k_pe], dim=-1)
-    return k, kv[..., dims.nope :]
-
-
-def _expected(
-    model: Model,
-    batch: Any,
-    name: str,
-    q: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    latents: torch.Tensor,
-) -> torch.Tensor:
-    """The layer output from mla_reference: decode rows absorbed, prefill rows split
-    into the context part (non-causal) and the new tokens (causal), merged by LSE."""
-    dims = model.dims
-    layer = model.layers[name]
-    recipe = layer.impl.mla_layer.recipe
-    scale = layer.impl.scale
-    out = torch.empty(q.shape[0], dims.heads, dims.v, dtype=torch.float32)
-    for r, (c, n) in enumerate(batch.requests):
-        t0 = int(batch.query_start_loc[r])
-        rows = slice(t0, t0 + n)
-        new = torch.cat([kv_c[rows], k_pe[rows, 0]], dim=-1)
-        full = torch.cat([latents[r, :c], new])  # [c + n, 576]
-        if n <= model.builder.reorder_batch_threshold:  # decode rows: absorbed, causal
-            ql = torch.einsum(
-                "bhp,hpl->bhl", q[rows, :, : dims.nope].float(), layer.W_UK_T.float()
-            ).to(DTYPE)
-            cache = full[None]  # one page run holding the whole sequence
-            o, _ = mla_reference.decode(
-                (ql, q[rows, :, dims.nope :].contiguous()),
-                cache,
-                torch.zeros(n, 1, dtype=torch.int32),
-                torch.arange(c + 1, c + n + 1),
-                softmax_scale=scale,
-                kv_lora_rank=dims.kv_lora_rank,
-                quant=None if recipe.decode.is_identity else recipe.decode,
-            )
-            out[rows] = torch.einsum("bhl,hlv->bhv", o.float(), layer.W_UV.float())
-            continue
-        k, v = _up_project(layer, full, dims)
-        quant = None if recipe.prefill.is_identity else recipe.prefill
-        cu_n = torch.tensor([0, n])
-        o_new, lse_new = mla_reference.prefill(
-            q[rows],
-            k[c:],
-            v[c:],
-            cu_n,
-            cu_n,
-            softmax_scale=scale,
-            causal=True,
-            quant=quant,
-            sparsity=recipe.sparsity,
-            return_lse=True,
-        )
-        if c == 0:
-            out[rows] = o_new.float()
-            continue
-        o_ctx, lse_ctx = mla_reference.prefill(
-            q[rows],
-            k[:c],
-            v[:c],
-            cu_n,
-            torch.tensor([0, c]),
-            softmax_scale=scale,
-            causal=False,
-            quant=quant,
-            return_lse=True,
-        )
-        m = torch.maximum(lse_new, lse_ctx).float()
-        w_new = torch.exp(lse_new.float() - m).T[..., None]
-        w_ctx = torch.exp(lse_ctx.float() - m).T[..., None]
-        out[rows] = (o_new.float() * w_new + o_ctx.float() * w_ctx) / (w_new + w_ctx)
-    return out.reshape(q.shape[0], -1)
-
-
 def _run(model: Model, requests: list[tuple[int, int]], seed: int = 3) -> None:
     """One mixed step through both layers, each compared with the reference."""
     dims = model.dims
     batch = make_batch(model, requests, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    latents = {
-        name: (
-            torch.randn(
-                len(requests),
-                max(c for c, _ in requests) + 1,
-                dims.kv_lora_rank + dims.rope,
-                generator=gen,
-            )
-            * 0.5
-        ).to(DTYPE)
-        for name in model.layers
-    }
-    fill_context(model, batch, latents)
+    latents = random_context(model, batch, seed)
     for i, name in enumerate(model.layers):
-        q, kv_c, k_pe = _inputs(dims, batch.num_tokens, seed + 10 * i)
+        q, kv_c, k_pe = layer_inputs(dims, batch.num_tokens, seed + 10 * i)
         got = forward(model, batch, name, q, kv_c, k_pe)
-        want = _expected(model, batch, name, q, kv_c, k_pe, latents[name])
+        want = expected_output(model, batch, name, q, kv_c, k_pe, latents[name])
         torch.testing.assert_close(got.float(), want, atol=3e-3, rtol=3e-3)
         # the new latent rows went into the raw cache
         r, (c, _) = len(requests) - 1, requests[-1]
@@ -202,7 +99,8 @@ def test_decode_workspace_comes_from_vllm_manager(
     splits takes its scratch from it without growing it."""
     import vllm.v1.worker.workspace as workspace
 
-    from mla_vllm.backend import MLAQuantBackend, decode_workspace_bytes
+    from mla_vllm.backend import MLAQuantBackend
+    from mla_vllm.workspace import decode_workspace_bytes
 
     monkeypatch.setattr(workspace, "_manager", None)
     workspace.init_workspace_manager(torch.device("cpu"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +12,7 @@ from mla_formats import NMSparsity
 from mla_vllm.config import (
     CALIBRATION_FORMAT,
     MLAQuantConfigError,
+    config_from_vllm,
     load_calibration,
     load_config,
 )
@@ -172,7 +174,8 @@ def test_unmatched_pattern_is_named() -> None:
         config.check_patterns(["model.layers.0.self_attn.attn"], where="x")
 
 
-def test_prefill_p_amax_below_one_is_refused_naming_the_layer() -> None:
+def test_static_p_amax_below_one_is_refused_naming_the_key_and_layer() -> None:
+    """SPEC 4 (mla_formats refuses it too): P's static amax is at least 1, on both paths."""
     config = load_config(
         {
             "recipe": "nvfp4",
@@ -182,10 +185,49 @@ def test_prefill_p_amax_below_one_is_refused_naming_the_layer() -> None:
     assert not config.recipe_for("model.layers.0.self_attn.attn").is_identity
     with pytest.raises(
         MLAQuantConfigError,
-        match=r"mla_quant\.p\.amax: layer 'model\.layers\.1\.self_attn\.attn': prefill needs "
-        r"P's static amax to be at least 1, got 0\.5",
+        match=r"^mla_quant\.layers\[0\]\.p\.amax: layer 'model\.layers\.1\.self_attn\.attn': "
+        r"P's static amax must be at least 1 \(prefill path\), got 0\.5$",
     ):
         config.recipe_for("model.layers.1.self_attn.attn")
-    # decode alone may take it: the limit is the prefill kernel's
-    decode_only = load_config({"p": {"format": "nvfp4", "amax": {"decode": 0.5}}})
-    assert decode_only.recipe_for("x").decode.p.static_amax() == 0.5
+    refused = [
+        ({"p": {"format": "fp8", "amax": 0.25}}, r"mla_quant\.p\.amax", "prefill"),
+        (
+            {"p": {"format": "nvfp4", "amax": {"decode": 0.5}}},
+            r"mla_quant\.p\.amax\.decode",
+            "decode",
+        ),
+    ]
+    for obj, key, path in refused:
+        with pytest.raises(
+            MLAQuantConfigError,
+            match=rf"^{key}: P's static amax must be at least 1 \({path} path\)",
+        ):
+            load_config(obj)
+    with pytest.raises(MLAQuantConfigError, match=r"^additional_config\.mla_quant\.p\.amax: "):
+        config_from_vllm(SimpleNamespace(additional_config={"mla_quant": refused[0][0]}))
+    for amax in (1.0, {"prefill": 1.0, "decode": 4.0}):
+        recipe = load_config({"p": {"format": "nvfp4", "amax": amax}}).recipe_for("x")
+        assert recipe.prefill.p.static_amax() == 1.0
+    assert load_config({"p": "nvfp4"}).recipe_for("x").decode.p.static_amax() == 1.0
+
+
+def test_mla_formats_refusals_name_the_config_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``mla_formats`` ``ValueError`` (its message starts with the role) is raised as an
+    ``MLAQuantConfigError`` naming the key that set that role."""
+    import mla_vllm.config as config_module
+
+    real = config_module.AttentionQuant
+
+    def refuse_v(**roles: object) -> object:
+        if roles["v"] != "none":
+            raise ValueError("v: refused by mla_formats")
+        return real(**roles)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(config_module, "AttentionQuant", refuse_v)
+    config = load_config({"layers": [{"pattern": "*.1.*", "v": {"format": "fp8", "amax": 3.0}}]})
+    with pytest.raises(
+        MLAQuantConfigError, match=r"^mla_quant\.layers\[0\]\.v\.amax: layer 'm\.1\.a': refused"
+    ):
+        config.recipe_for("m.1.a")
+    with pytest.raises(MLAQuantConfigError, match=r"^mla_quant\.v: refused by mla_formats$"):
+        load_config({"recipe": "fp8"})

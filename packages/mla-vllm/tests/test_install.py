@@ -7,7 +7,18 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SMALL, Model, build_model, forward, make_batch, make_builder, make_vllm_config
+from conftest import (
+    SMALL,
+    Model,
+    build_model,
+    expected_output,
+    forward,
+    layer_inputs,
+    make_batch,
+    make_builder,
+    make_vllm_config,
+    random_context,
+)
 
 import mla_vllm.install as installer
 from mla_vllm.backend import MLAQuantImpl
@@ -28,17 +39,19 @@ def _native(tmp_path: Path) -> tuple[Model, torch.nn.ModuleDict]:
     return model, module
 
 
-def _step(model: Model, seed: int = 5) -> dict[str, torch.Tensor]:
-    """A decode row and a fresh prefill through every layer (same inputs every call)."""
-    batch = make_batch(model, [(0, 1), (0, 18)], seed=seed)
+def _step(model: Model, seed: int = 5, *, check: bool = False) -> dict[str, torch.Tensor]:
+    """A decode row over 21 cached tokens and a fresh prefill through every layer (the
+    same inputs every call). ``check``: each layer's output must be its recipe's, as
+    ``mla_reference`` computes it (every element of every request and head)."""
+    batch = make_batch(model, [(21, 1), (0, 18)], seed=seed)
+    latents = random_context(model, batch, seed)
     outs = {}
     for i, name in enumerate(model.layers):
-        gen = torch.Generator().manual_seed(seed + i)
-        t = batch.num_tokens
-        q = torch.randn(t, SMALL.heads, SMALL.qk, generator=gen).half()
-        kv_c = torch.randn(t, SMALL.kv_lora_rank, generator=gen).half() * 0.5
-        k_pe = torch.randn(t, 1, SMALL.rope, generator=gen).half()
+        q, kv_c, k_pe = layer_inputs(SMALL, batch.num_tokens, seed + i)
         outs[name] = forward(model, batch, name, q, kv_c, k_pe)
+        if check:
+            want = expected_output(model, batch, name, q, kv_c, k_pe, latents[name])
+            torch.testing.assert_close(outs[name].float(), want, atol=3e-3, rtol=3e-3)
     return outs
 
 
@@ -53,11 +66,9 @@ def test_install_quantizes_and_uninstall_restores_exactly(tmp_path: Path) -> Non
     names = installer.install(module, {"recipe": "nvfp4"})
     assert names == [list(model.layers)]
     assert all(isinstance(layer.impl, MLAQuantImpl) for layer in model.layers.values())
-    quantized = _step(model)
+    quantized = _step(model, check=True)  # the nvfp4 recipe's output, element by element
     for name in model.layers:
         assert not torch.equal(quantized[name], before[name])
-        diff = (quantized[name].float() - before[name].float()).norm()
-        assert 0 < float(diff / before[name].float().norm()) < 0.25  # nvfp4 noise, not garbage
     with pytest.raises(ValueError, match="already installed"):
         installer.install(module, {"recipe": "fp8"})
     assert installer.uninstall(module) == [list(model.layers)]

@@ -36,7 +36,8 @@ def test_attention_backend_argument(tmp_path: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from mla_vllm.backend import MLAQuantBackend, config_from_vllm
+    from mla_vllm.backend import MLAQuantBackend
+    from mla_vllm.config import config_from_vllm
 
     path = model_dir(tmp_path / "m", SMALL)
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())

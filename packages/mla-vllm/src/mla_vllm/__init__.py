@@ -3,11 +3,25 @@
 Serve with ``vllm serve <model> --attention-backend MLA_QUANT --additional-config
 '{"mla_quant": {"recipe": "nvfp4"}}'``; the ``vllm.general_plugins`` entry point
 registers the backend in every vLLM process. The vLLM-facing modules are imported
-lazily, so ``mla_vllm.config`` can validate a configuration without vLLM.
+on first use of their names (``_LAZY``), so ``mla_vllm.config`` can validate a
+configuration without vLLM.
+
+Modules, each importing only those above it:
+
+- ``plugin`` (entry point, backend names), ``config`` (the ``mla_quant`` schema),
+  ``gates`` (what cannot run quantized);
+- ``state`` (per-layer recipe, statistics, amaxes);
+- ``workspace`` (decode scratch), ``shadow`` (shadow bytes: layout and planning),
+  ``targets`` (a model or a ``vllm.LLM``; its MLA layers);
+- ``decode`` (the decode step, in named steps), ``prefill`` (the prefill backend);
+- ``backend`` (impl, metadata builder, attention backend);
+- ``install`` (in place, and back), ``stats`` (error statistics);
+- ``calibration`` (static amaxes).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from mla_vllm.config import (
@@ -18,10 +32,9 @@ from mla_vllm.config import (
     load_calibration,
     load_config,
 )
+from mla_vllm.plugin import BACKEND_NAME, register
 
 __version__ = "0.1.0"
-
-BACKEND_NAME = "MLA_QUANT"
 
 __all__ = [
     "BACKEND_NAME",
@@ -41,12 +54,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "calibrate": "mla_vllm.install",
-    "get_stats": "mla_vllm.install",
+    "calibrate": "mla_vllm.calibration",
+    "get_stats": "mla_vllm.stats",
     "install": "mla_vllm.install",
-    "reset_stats": "mla_vllm.install",
+    "reset_stats": "mla_vllm.stats",
     "uninstall": "mla_vllm.install",
-    "register": "mla_vllm.plugin",
 }
 
 
@@ -54,6 +66,4 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mla_vllm' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)

@@ -2,13 +2,18 @@
 
 - ``MLAQuantBackend(TritonMLABackend)``: refuses what the kernels cannot serve
   (quantized KV cache, sparse MLA, DCP) at backend selection.
-- ``MLAQuantImpl(TritonMLAImpl)``: decode (``forward_mqa``) through
-  ``mla_triton.decode`` with its workspace from vLLM's workspace manager; prefill
-  (``forward_mha``) through vLLM's own path with ``MLAQuantPrefillBackend``.
+- ``MLAQuantImpl(TritonMLAImpl)``: decode (``forward_mqa``) through the steps of
+  ``mla_vllm.decode`` (``mla_triton.decode`` or, on the shadow path,
+  ``mla_triton.decode_shadow``; scratch from ``mla_vllm.workspace``); prefill
+  (``forward_mha``) through vLLM's own path with ``MLAQuantPrefillBackend``; cache
+  writes raw, plus the shadow on the shadow path (``mla_vllm.shadow``).
 - ``MLAQuantMetadataBuilder(TritonMLAMetadataBuilder)``: at construction (after
   the model is loaded, before serving) gates every layer of its group, resolves
   each layer's recipe from ``mla_quant`` and binds it, and reserves the decode
   workspace.
+
+The in-place installer (``mla_vllm.install``) turns vLLM's own TRITON_MLA impls
+into ``MLAQuantImpl`` with ``quant_impl_from``.
 """
 
 from __future__ import annotations
@@ -19,18 +24,23 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.v1.attention.backend import max_decode_query_len
 from vllm.v1.attention.backends.mla.triton_mla import (
     TritonMLABackend,
     TritonMLAImpl,
     TritonMLAMetadataBuilder,
 )
-from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
-from mla_vllm.config import MLAQuantConfig, load_config
+from mla_triton.shadow import update_cache
+from mla_vllm.config import MLAQuantConfig, config_from_vllm
+from mla_vllm.decode import forward_decode
 from mla_vllm.gates import check_layers
+from mla_vllm.plugin import BACKEND_NAME
 from mla_vllm.prefill import MLAQuantPrefillBackend
-from mla_vllm.shadow import LayerShadow, layer_shadow, note_vllm_config, split_cache
-from mla_vllm.state import LayerState, capturing, layer_errors
+from mla_vllm.shadow import LayerShadow, layer_shadow, shadow_spec, split_cache
+from mla_vllm.state import LayerState, layer_errors
+from mla_vllm.workspace import reserve_decode_workspace
 
 __all__ = [
     "BACKEND_NAME",
@@ -38,81 +48,29 @@ __all__ = [
     "MLAQuantImpl",
     "MLAQuantMetadataBuilder",
     "bind_layers",
-    "config_from_vllm",
+    "mla_layers",
+    "quant_impl_from",
 ]
 
-BACKEND_NAME = "MLA_QUANT"
-_PRIVATE_WORKSPACE: dict[torch.device, torch.Tensor] = {}
+_NOTED: list[VllmConfig] = []  # the VllmConfig of the last MLAQuantImpl built here
 
 
-def config_from_vllm(vllm_config: VllmConfig | None) -> MLAQuantConfig:
-    """The ``mla_quant`` entry of ``--additional-config`` (a dict or a JSON file path)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    raw = extra.get("mla_quant") if isinstance(extra, Mapping) else None
-    return load_config(raw, where="additional_config.mla_quant")
+def _note_vllm_config(vllm_config: VllmConfig | None) -> None:
+    """Remember the config of an ``MLAQuantImpl`` being built (for ``customize_spec``)."""
+    if vllm_config is not None:
+        _NOTED[:] = [vllm_config]
 
 
-def _device_for_splits(device: torch.device) -> torch.device | None:
-    return device if device.type == "cuda" else None
+def _spec_config() -> VllmConfig | None:
+    """The config ``customize_spec`` plans for: vLLM's current one, else the noted one.
 
-
-def decode_workspace_bytes(
-    max_rows: int, num_heads: int, max_seq_len: int, kv_lora_rank: int, device: torch.device
-) -> int:
-    """Bytes ``mla_triton.decode`` needs for up to ``max_rows`` decode rows."""
-    from mla_triton.decode import decode_workspace_size
-
-    return decode_workspace_size(
-        max(1, max_rows),
-        num_heads,
-        max(1, max_seq_len),
-        kv_lora_rank=kv_lora_rank,
-        device=_device_for_splits(device),
-    )
-
-
-def _workspace(nbytes: int, device: torch.device) -> torch.Tensor | None:
-    """``nbytes`` of scratch: vLLM's shared workspace, else a private buffer."""
-    if nbytes <= 0:
-        return None
-    if is_workspace_manager_initialized():
-        manager = current_workspace_manager()
-        try:
-            (shared,) = manager.get_simultaneous(((nbytes,), torch.uint8))
-        except AssertionError:
-            pass  # locked and too small (in-place install after warm-up): private buffer
-        else:
-            if shared.device == device:
-                return shared
-    buffer = _PRIVATE_WORKSPACE.get(device)
-    if buffer is None or buffer.numel() < nbytes:
-        if capturing():
-            raise RuntimeError(
-                f"mla_vllm: decode workspace of {nbytes} bytes was not reserved before CUDA "
-                "graph capture"
-            )
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        _PRIVATE_WORKSPACE[device] = buffer
-    return buffer[:nbytes]
-
-
-def reserve_decode_workspace(
-    vllm_config: VllmConfig, max_rows: int, num_heads: int, kv_lora_rank: int
-) -> None:
-    """Grow vLLM's shared workspace to the decode worst case (max_model_len) now."""
-    if not is_workspace_manager_initialized():
-        return
-    manager = current_workspace_manager()
-    device = (
-        manager._device
-        if isinstance(getattr(manager, "_device", None), torch.device)
-        else torch.device("cpu")
-    )
-    nbytes = decode_workspace_bytes(
-        max_rows, num_heads, vllm_config.model_config.max_model_len, kv_lora_rank, device
-    )
-    if nbytes > 0:
-        manager.get_simultaneous(((nbytes,), torch.uint8))
+    vLLM asks for the KV-cache specs after the worker built its model, not always
+    under its config context; the impls of that model noted the config.
+    """
+    current = get_current_vllm_config_or_none()
+    if current is not None:
+        return current
+    return _NOTED[0] if _NOTED else None
 
 
 class MLAQuantImpl(TritonMLAImpl):
@@ -133,7 +91,7 @@ class MLAQuantImpl(TritonMLAImpl):
         super().__init__(*args, **kwargs)
         self._mla_init()
         config_from_vllm(self._vllm_config)  # validate mla_quant before weights load
-        note_vllm_config(self._vllm_config)  # MLAQuantBackend.customize_spec reads it
+        _note_vllm_config(self._vllm_config)  # MLAQuantBackend.customize_spec reads it
 
     def _mla_init(self) -> None:
         self.mla_layer = None
@@ -185,11 +143,7 @@ class MLAQuantImpl(TritonMLAImpl):
         """
         state = self.mla_layer
         if state is not None and state.calibrating:
-            state.record_amax(
-                "decode",
-                "k",
-                torch.cat([kv_c_normed.abs().amax().reshape(1), k_pe.abs().amax().reshape(1)]),
-            )
+            state.record_amax("decode", "k", kv_c_normed, k_pe)
             state.record_amax("decode", "v", kv_c_normed)
         if kv_cache.numel() == 0:
             return
@@ -200,8 +154,6 @@ class MLAQuantImpl(TritonMLAImpl):
             self._state()  # rows with shadow bytes: bind the recipe that says what they hold
         kv_cache, shadow = self._split(kv_cache)
         if shadow is not None:
-            from mla_triton.shadow import update_cache
-
             assert self.mla_shadow is not None
             with layer_errors(self._state().name):
                 update_cache(
@@ -232,8 +184,6 @@ class MLAQuantImpl(TritonMLAImpl):
     # ------------------------------------------------------------------ workspace
 
     def reserve_workspace(self) -> None:
-        from vllm.v1.attention.backend import max_decode_query_len
-
         config = self._vllm_config
         reserve_decode_workspace(
             config,
@@ -262,99 +212,26 @@ class MLAQuantImpl(TritonMLAImpl):
         attn_metadata: Any,
         layer: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward_mqa`` without the layer name on its errors."""
-        from mla_triton.decode import decode, decode_num_splits, decode_workspace_size
-
+        """``forward_mqa`` without the layer name on its errors (``mla_vllm.decode``)."""
         state = self._state(layer)
-        decode_md = attn_metadata.decode
-        if decode_md is None:
+        if attn_metadata.decode is None:
             raise ValueError("attn_metadata.decode: forward_mqa needs decode metadata")
         query = q if isinstance(q, torch.Tensor) else (q[0], q[1])
-        first = query if isinstance(query, torch.Tensor) else query[0]
-        rows, heads = first.shape[0], first.shape[1]
-        block_table = decode_md.block_table
-        seq_lens = decode_md.seq_lens
-        num_reqs = seq_lens.shape[0]
-        query_len, rest = divmod(rows, num_reqs) if num_reqs else (1, 0)
-        if rest:
-            raise ValueError(f"q: {rows} decode rows do not split evenly over {num_reqs} requests")
-        if query_len > 1:  # multi-token decode: one row per query token
-            block_table = block_table.repeat_interleave(query_len, dim=0)
-            if attn_metadata.causal:
-                shift = torch.arange(1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
-                seq_lens = (seq_lens.unsqueeze(1) + shift).flatten().clamp(min=0)
-            else:
-                seq_lens = seq_lens.repeat_interleave(query_len)
-        kv_c_and_k_pe_cache, shadow = self._split(kv_c_and_k_pe_cache)
-        page = kv_c_and_k_pe_cache.shape[1]
-        capacity = block_table.shape[1] * page
-        max_seq_len = max(1, min(int(attn_metadata.max_seq_len), capacity))
-        splits = decode_num_splits(
-            rows, heads, max_seq_len, device=_device_for_splits(first.device)
+        cache, shadow_bytes = self._split(kv_c_and_k_pe_cache)
+        shadow = None
+        if shadow_bytes is not None and self.mla_shadow is not None:
+            shadow = (self.mla_shadow, shadow_bytes)
+        return forward_decode(
+            state,
+            query,
+            cache,
+            shadow,
+            attn_metadata.decode,
+            causal=bool(attn_metadata.causal),
+            max_seq_len=int(attn_metadata.max_seq_len),
+            softmax_scale=self.scale,
+            kv_lora_rank=self.kv_lora_rank,
         )
-        nbytes = decode_workspace_size(
-            rows, heads, max_seq_len, kv_lora_rank=self.kv_lora_rank, num_splits=splits
-        )
-        workspace = _workspace(nbytes, first.device)
-        recipe = state.recipe.decode
-        quant = None if recipe.is_identity else recipe
-        if state.calibrating:
-            if isinstance(query, torch.Tensor):
-                state.record_amax("decode", "q", query)
-            else:
-                state.record_amax(
-                    "decode",
-                    "q",
-                    torch.cat([query[0].abs().amax().reshape(1), query[1].abs().amax().reshape(1)]),
-                )
-        if shadow is not None and self.mla_shadow is not None:
-            from mla_triton.shadow import decode_shadow
-
-            out, lse = decode_shadow(
-                query,
-                kv_c_and_k_pe_cache,
-                shadow,
-                block_table,
-                seq_lens,
-                softmax_scale=self.scale,
-                quant=self.mla_shadow.quant,
-                storage=self.mla_shadow.storage,
-                kv_lora_rank=self.kv_lora_rank,
-                num_splits=splits,
-                workspace=workspace,
-                max_seq_len=max_seq_len,
-                check_values=False,
-            )
-        else:
-            out, lse = decode(
-                query,
-                kv_c_and_k_pe_cache,
-                block_table,
-                seq_lens,
-                softmax_scale=self.scale,
-                kv_lora_rank=self.kv_lora_rank,
-                quant=quant,
-                num_splits=splits,
-                workspace=workspace,
-                max_seq_len=max_seq_len,
-                check_values=False,
-            )
-        if quant is not None and state.should_observe("decode"):
-            n = min(rows, state.observe.max_rows)
-            sub = query[:n] if isinstance(query, torch.Tensor) else (query[0][:n], query[1][:n])
-            reference, _ = decode(
-                sub,
-                kv_c_and_k_pe_cache,
-                block_table[:n],
-                seq_lens[:n],
-                softmax_scale=self.scale,
-                kv_lora_rank=self.kv_lora_rank,
-                num_splits=splits,
-                max_seq_len=max_seq_len,
-                check_values=False,
-            )
-            state.record_stats("decode", out[:n], reference)
-        return out, lse
 
     # ------------------------------------------------------------------ prefill
 
@@ -405,8 +282,6 @@ class MLAQuantImpl(TritonMLAImpl):
 
 def mla_layers(context: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, Any]:
     """The ``MLAAttention`` layers of a static forward context, by name."""
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
     keys = list(context) if names is None else list(names)
     return {name: context[name] for name in keys if isinstance(context.get(name), MLAAttention)}
 
@@ -473,10 +348,22 @@ class MLAQuantBackend(TritonMLABackend):
 
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:
-        """TRITON_MLA's spec; with ``kv_path: "shadow"`` each token also holds its shadow."""
-        from mla_vllm.shadow import customize_spec
+        """TRITON_MLA's spec; with ``kv_path: "shadow"`` each token also holds its shadow.
 
-        return customize_spec(super().customize_spec(spec))
+        ``customize_spec`` receives no config: it plans for ``_spec_config()`` and
+        the ``MLA_QUANT`` layers of that config's forward context.
+        """
+        spec = super().customize_spec(spec)
+        vllm_config = _spec_config()
+        if vllm_config is None:
+            return spec
+        context = vllm_config.compilation_config.static_forward_context
+        layers = {
+            name: layer
+            for name, layer in mla_layers(context).items()
+            if isinstance(layer.impl, MLAQuantImpl)
+        }
+        return shadow_spec(spec, config_from_vllm(vllm_config), layers)
 
     @classmethod
     def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
@@ -498,8 +385,3 @@ def quant_impl_from(native: TritonMLAImpl) -> MLAQuantImpl:
     assert isinstance(impl, MLAQuantImpl)
     impl._mla_init()
     return impl
-
-
-def current_config() -> VllmConfig | None:
-    """vLLM's current config, if one is set."""
-    return get_current_vllm_config_or_none()

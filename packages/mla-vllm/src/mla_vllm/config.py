@@ -31,10 +31,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mla_formats import FORMATS, AttentionQuant, NMSparsity, OperandQuant
 
@@ -48,6 +48,7 @@ __all__ = [
     "MLAQuantConfigError",
     "ObserveConfig",
     "OperandSpec",
+    "config_from_vllm",
     "load_calibration",
     "load_config",
 ]
@@ -123,6 +124,8 @@ class OperandSpec:
 
     format: str
     amax: Mapping[str, AmaxValue] = field(default_factory=dict)
+    amax_where: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """The dotted path of each path's amax in the configuration (for errors)."""
 
 
 def _amax(obj: object, role: str, where: str) -> AmaxValue:
@@ -146,6 +149,7 @@ def _operand(obj: object, role: str, where: str) -> OperandSpec:
         raise _fail(where, "missing key 'format'")
     fmt = _format_name(spec["format"], f"{where}.format")
     amax: dict[str, AmaxValue] = {}
+    amax_where: dict[str, str] = {}
     raw = spec.get("amax")
     if raw is None:
         pass
@@ -153,13 +157,15 @@ def _operand(obj: object, role: str, where: str) -> OperandSpec:
         amax_map = _mapping(raw, f"{where}.amax")
         _check_keys(amax_map, frozenset(PATHS), f"{where}.amax")
         for path, value in amax_map.items():
-            amax[path] = _amax(value, role, f"{where}.amax.{path}")
+            amax_where[path] = f"{where}.amax.{path}"
+            amax[path] = _amax(value, role, amax_where[path])
     else:
         value = _amax(raw, role, f"{where}.amax")
         amax = dict.fromkeys(PATHS, value)
+        amax_where = dict.fromkeys(PATHS, f"{where}.amax")
     if fmt == "none" and amax:
         raise _fail(f"{where}.amax", "format 'none' takes no amax")
-    return OperandSpec(fmt, amax)
+    return OperandSpec(fmt, amax, amax_where)
 
 
 def _sparsity(obj: object, where: str) -> NMSparsity | None:
@@ -313,6 +319,8 @@ class MLAQuantConfig:
     in the same KV-cache block as the raw latent; see ``mla_vllm.shadow``)."""
     shadow_storage: str = SHADOW_STORAGES[0]
     """Shadow storage (``mla_triton.shadow``): ``"fp16"`` (the faster) or ``"packed"``."""
+    where: str = "mla_quant"
+    """The dotted path of this configuration, which its errors start with."""
 
     @classmethod
     def from_obj(cls, obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
@@ -348,7 +356,7 @@ class MLAQuantConfig:
             calibration = load_calibration(spec["calibration"], f"{where}.calibration")
         observe = _observe(spec.get("observe"), f"{where}.observe")
         kv_path, storage = _kv_path(spec, where)
-        config = cls(base, tuple(overrides), calibration, observe, source, kv_path, storage)
+        config = cls(base, tuple(overrides), calibration, observe, source, kv_path, storage, where)
         config.recipe_for("")  # resolve once: format/amax combinations are checked here
         return config
 
@@ -377,33 +385,75 @@ class MLAQuantConfig:
         paths: dict[str, AttentionQuant] = {}
         for path in PATHS:
             resolved: dict[str, OperandQuant | str] = {}
+            wheres: dict[str, str] = {}
             for role in ROLES:
                 spec = operands[role]
                 amax = spec.amax.get(path)
+                wheres[role] = spec.amax_where.get(path, f"{self.where}.{role}")
                 if amax is None and role != "p":
                     amax = calibrated.get(path, {}).get(role)
+                    if amax is not None:
+                        wheres[role] = (
+                            f"{self.where}.calibration.layers[{layer_name!r}].{path}.{role}"
+                        )
                 if spec.format == "none" or amax is None:
                     resolved[role] = spec.format
+                elif role == "p" and isinstance(amax, float) and amax < 1.0:
+                    # SPEC 4 (mla_formats refuses it too): the kernels' P never exceeds 1,
+                    # and below 1 whether P saturates would depend on the online softmax's
+                    # running maximum. Raised when the layer is bound, so the message
+                    # names the layer (also from a tensor-parallel worker).
+                    raise _fail(
+                        wheres[role],
+                        f"{_layer(layer_name)}P's static amax must be at least 1 ({path} "
+                        f"path), got {amax}",
+                    )
                 else:
-                    resolved[role] = OperandQuant(spec.format, amax)  # type: ignore[arg-type]
-            paths[path] = AttentionQuant(**resolved)
-        p_prefill = paths["prefill"].p
-        if not p_prefill.is_identity and p_prefill.static_amax() < 1.0:
-            # mla_triton.prefill's limit (SPEC 4): below 1, whether P saturates would
-            # depend on the online softmax's running maximum. Raised here, when the
-            # layer is bound, so the message names the layer (also from a TP worker).
-            raise _fail(
-                "mla_quant.p.amax",
-                f"layer {layer_name!r}: prefill needs P's static amax to be at least 1, "
-                f"got {p_prefill.static_amax()}",
-            )
+                    keys = {"amax": wheres[role], role: wheres[role]}
+                    resolved[role] = _from_formats(
+                        keys, self.where, layer_name, OperandQuant, spec.format, amax
+                    )
+            paths[path] = _from_formats(wheres, self.where, layer_name, AttentionQuant, **resolved)
         if self.kv_path == "shadow" and paths["decode"].v.is_dynamic:
             # unreachable through the schema (v takes static amaxes); kept for direct use
             raise _fail(
-                "mla_quant.kv_path",
+                f"{self.where}.kv_path",
                 f"'shadow' needs a static V amax; layer {layer_name!r} has a dynamic one",
             )
         return LayerRecipe(paths["prefill"], paths["decode"], sparsity)
+
+
+_T = TypeVar("_T")
+
+
+def _from_formats(
+    keys: Mapping[str, str],
+    where: str,
+    layer_name: str,
+    build: Callable[..., _T],
+    *args: Any,
+    **kwargs: Any,
+) -> _T:
+    """``build(*args, **kwargs)``; an ``mla_formats`` ``ValueError`` is raised naming the key.
+
+    ``mla_formats`` starts its messages with the argument's name (``p: ...``,
+    ``amax: ...``); ``keys`` maps such names to the dotted path of the configuration
+    key that set them (an unknown name: ``where``).
+    """
+    try:
+        return build(*args, **kwargs)
+    except ValueError as exc:
+        name, sep, rest = str(exc).partition(": ")
+        if sep and name in keys:
+            key, message = keys[name], rest
+        else:
+            key, message = where, str(exc)
+        raise _fail(key, _layer(layer_name) + message) from None
+
+
+def _layer(name: str) -> str:
+    """``layer '<name>': `` for an error of one layer's recipe (nothing for the default)."""
+    return f"layer {name!r}: " if name else ""
 
 
 def _kv_path(spec: Mapping[str, Any], where: str) -> tuple[str, str]:
@@ -435,3 +485,14 @@ def load_config(obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
     if obj is None:
         return MLAQuantConfig.from_obj({}, where=where)
     return MLAQuantConfig.from_obj(obj, where=where)
+
+
+def config_from_vllm(vllm_config: object) -> MLAQuantConfig:
+    """The ``mla_quant`` entry of vLLM's ``--additional-config`` (a dict or a JSON file path).
+
+    ``vllm_config`` is a ``vllm.config.VllmConfig`` or None (no quantization); only
+    its ``additional_config`` is read, so this needs no vLLM import.
+    """
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get("mla_quant") if isinstance(extra, Mapping) else None
+    return load_config(raw, where="additional_config.mla_quant")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
+
 __all__ = ["MLAQuantGateError", "check_layers", "layer_problems"]
 
 _FP8_CACHE_PREFIXES = ("fp8", "nvfp4")
@@ -69,8 +71,6 @@ def layer_problems(layer: Any, *, in_place: bool = False) -> list[str]:
         if pow2:
             problems.append(f"decode needs powers of two: {', '.join(pow2)}")
     if in_place:
-        from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
-
         backend = getattr(layer, "attn_backend", None)
         name = backend.get_name() if backend is not None else None
         if name != "TRITON_MLA":

@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 
+from mla_vllm.plugin import PREFILL_BACKEND_NAME
 from mla_vllm.state import LayerState, layer_errors
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["PREFILL_BACKEND_NAME", "MLAQuantPrefillBackend"]
-
-PREFILL_BACKEND_NAME = "MLA_QUANT"
 
 
 class MLAQuantPrefillBackend(MLAPrefillBackend):

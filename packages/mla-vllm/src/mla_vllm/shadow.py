@@ -22,38 +22,27 @@ cache. Here the shadow lives in the *same row* as the raw latent:
   decode recipes. A layer whose own layout is smaller uses the first bytes of
   the region; a layer with neither K nor V quantized leaves it unused.
 
-``customize_spec`` receives no config: it reads vLLM's current config, else the
-config of the last ``MLAQuantImpl`` built in this process (the worker builds its
-model before vLLM asks for the KV-cache specs). The impl checks the width of the
-rows it gets against its own layout and raises if the bytes are missing.
+This module plans the bytes (``layer_shadow``, ``shadow_token_bytes``,
+``shadow_spec``) and splits the rows (``split_cache``); ``mla_vllm.backend`` finds
+the config and the layers that ``customize_spec`` plans for, and the impl checks
+the width of the rows it gets against its own layout and raises if the bytes are
+missing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from vllm.v1.kv_cache_interface import KVQuantMode, MLAAttentionSpec
 
 from mla_formats import AttentionQuant
+from mla_triton.shadow import ShadowLayout, shadow_layout
 from mla_vllm.config import MLAQuantConfig
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
-    from mla_triton.shadow import ShadowLayout
-
-__all__ = [
-    "LayerShadow",
-    "customize_spec",
-    "layer_shadow",
-    "note_vllm_config",
-    "shadow_token_bytes",
-    "split_cache",
-]
-
-_NOTED: list[Any] = []  # the VllmConfig of the last MLAQuantImpl built here
+__all__ = ["LayerShadow", "layer_shadow", "shadow_spec", "shadow_token_bytes", "split_cache"]
 
 
 @dataclass(frozen=True)
@@ -76,8 +65,6 @@ def layer_shadow(
     """
     if config.kv_path != "shadow":
         return None
-    from mla_triton.shadow import shadow_layout
-
     layout = shadow_layout(
         quant, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, storage=config.shadow_storage
     )
@@ -94,8 +81,6 @@ def shadow_token_bytes(config: MLAQuantConfig, layers: Mapping[str, Any]) -> int
     """
     if config.kv_path != "shadow":
         return 0
-    from mla_triton.shadow import shadow_layout
-
     nbytes = 0
     for name, layer in layers.items():
         layout = shadow_layout(
@@ -108,57 +93,20 @@ def shadow_token_bytes(config: MLAQuantConfig, layers: Mapping[str, Any]) -> int
     return nbytes
 
 
-def note_vllm_config(vllm_config: VllmConfig | None) -> None:
-    """Remember the config of an ``MLAQuantImpl`` being built (for ``customize_spec``)."""
-    if vllm_config is not None:
-        _NOTED[:] = [vllm_config]
-
-
-def _spec_config() -> VllmConfig | None:
-    from vllm.config import get_current_vllm_config_or_none
-
-    current = get_current_vllm_config_or_none()
-    if current is not None:
-        return current
-    return _NOTED[0] if _NOTED else None
-
-
-def _quant_layers(vllm_config: VllmConfig) -> dict[str, Any]:
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-    from mla_vllm.backend import MLAQuantImpl
-
-    context = vllm_config.compilation_config.static_forward_context
-    return {
-        name: layer
-        for name, layer in context.items()
-        if isinstance(layer, MLAAttention) and isinstance(layer.impl, MLAQuantImpl)
-    }
-
-
-def customize_spec(spec: Any) -> Any:
+def shadow_spec(spec: Any, config: MLAQuantConfig, layers: Mapping[str, Any]) -> Any:
     """``spec`` with the shadow bytes added to each token's state (MLA specs, shadow path).
 
-    Leaves every other spec alone: non-MLA specs, quantized KV caches (refused
-    elsewhere), specs that already declare packed bytes, and the on-read path.
+    ``layers`` are the model's ``MLA_QUANT`` layers by name. Leaves every other spec
+    alone: non-MLA specs, quantized KV caches (refused elsewhere), specs that
+    already declare packed bytes, and the on-read path.
     """
-    from vllm.v1.kv_cache_interface import KVQuantMode, MLAAttentionSpec
-
-    from mla_vllm.backend import config_from_vllm
-
     if (
         not isinstance(spec, MLAAttentionSpec)
         or spec.kv_quant_mode != KVQuantMode.NONE
         or spec.state_content_bytes is not None
+        or config.kv_path != "shadow"
     ):
         return spec
-    vllm_config = _spec_config()
-    if vllm_config is None:
-        return spec
-    config = config_from_vllm(vllm_config)
-    if config.kv_path != "shadow":
-        return spec
-    layers = _quant_layers(vllm_config)
     if not layers:
         raise RuntimeError(
             "mla_quant.kv_path 'shadow': no MLA_QUANT layer is registered in the model's "

@@ -99,11 +99,17 @@ class LayerState:
         """Accumulate the error statistics of one observed call."""
         self.stats.setdefault(path, _Running()).add(error_stats(quantized, reference))
 
-    def record_amax(self, path: str, role: str, x: torch.Tensor) -> None:
-        """Running max |x| of operand ``role`` on ``path`` while calibrating."""
-        if not self.calibrating or x.numel() == 0 or capturing():
+    def record_amax(self, path: str, role: str, *parts: torch.Tensor) -> None:
+        """Running max |x| of operand ``role`` on ``path`` while calibrating.
+
+        The operand is given whole or in ``parts`` (e.g. ``q_nope`` and ``q_pe``,
+        or the latent and rope features of K): the max is over all of them.
+        """
+        parts = tuple(x for x in parts if x.numel())
+        if not self.calibrating or not parts or capturing():
             return
-        value = x.detach().abs().amax().float()
+        maxima = [x.detach().abs().amax().float() for x in parts]
+        value = maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
         key = (path, role)
         old = self.amax.get(key)
         self.amax[key] = value if old is None else torch.maximum(old, value)

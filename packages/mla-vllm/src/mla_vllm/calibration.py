@@ -1,0 +1,95 @@
+"""Calibration: the static amax of q, k and v per layer and path, as a JSON document.
+
+``calibrate(llm, prompts)`` installs quantized impls that record ``max |x|``
+(``start_calibration``, in each worker), generates, collects and removes them
+(``finish_calibration``), and merges the workers' maxima
+(``calibration_document``). Load the document with ``"calibration": path``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.sampling_params import SamplingParams
+
+from mla_vllm.config import CALIBRATION_FORMAT
+from mla_vllm.install import install_model, uninstall_model
+from mla_vllm.targets import is_llm, layer_states
+
+__all__ = ["calibrate", "calibration_document", "finish_calibration", "start_calibration"]
+
+_CALIB_ATTR = "_mla_quant_calibration_installed"
+
+
+def start_calibration(model: torch.nn.Module) -> list[str]:
+    """Record amax of q, k, v on every MLA layer from now on (installs if needed)."""
+    states = layer_states(model)
+    if not states:
+        install_model(model, {})
+        setattr(model, _CALIB_ATTR, True)
+        states = layer_states(model)
+    for state in states.values():
+        state.amax.clear()
+        state.calibrating = True
+    return sorted(states)
+
+
+def finish_calibration(model: torch.nn.Module) -> dict[str, dict[str, dict[str, float]]]:
+    """Stop recording; ``{layer: {"prefill"|"decode": {"q"|"k"|"v": amax}}}``."""
+    states = layer_states(model)
+    result = {name: state.amax_snapshot() for name, state in states.items()}
+    for state in states.values():
+        state.calibrating = False
+        state.amax.clear()
+    if getattr(model, _CALIB_ATTR, False):
+        uninstall_model(model)
+        delattr(model, _CALIB_ATTR)
+    return result
+
+
+def calibration_document(
+    per_worker: Sequence[dict[str, dict[str, dict[str, float]]]],
+) -> dict[str, Any]:
+    """Merge workers' amaxes (max over ranks) into a calibration JSON document."""
+    layers: dict[str, dict[str, dict[str, float]]] = {}
+    for amaxes in per_worker:
+        for name, paths in amaxes.items():
+            for path, roles in paths.items():
+                slot = layers.setdefault(name, {}).setdefault(path, {})
+                for role, value in roles.items():
+                    slot[role] = max(value, slot.get(role, 0.0))
+    return {"format": CALIBRATION_FORMAT, "version": 1, "layers": layers}
+
+
+def calibrate(
+    llm: Any,
+    prompts: Sequence[Sequence[int]] | Sequence[Any],
+    *,
+    output: str | Path | None = None,
+    max_tokens: int = 8,
+) -> dict[str, Any]:
+    """Static amax per layer for q, k and v over ``prompts`` (token-id lists or prompts).
+
+    Runs ``llm.generate`` with greedy sampling and ``max_tokens`` new tokens, so both
+    prefill and decode operands are seen; records ``max |x|`` over every token. Run
+    the engine with ``enforce_eager=True`` (decode replayed from a captured CUDA
+    graph is not observed). Writes the JSON to ``output`` when given and returns it.
+    """
+    if not is_llm(llm):
+        raise ValueError(f"llm: expected a vllm.LLM, got {type(llm).__name__}")
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt")
+    inputs = [{"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else p for p in prompts]
+    llm.apply_model(start_calibration)
+    try:
+        llm.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    finally:
+        amaxes = llm.apply_model(finish_calibration)
+    document = calibration_document(amaxes)
+    if output is not None:
+        Path(output).write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    return document
