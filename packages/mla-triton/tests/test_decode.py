@@ -183,7 +183,7 @@ AMAX_RECIPES = {
         q=OperandQuant("nvfp4", 12.0),
         k=OperandQuant("nvfp4", 100.0),
         v=OperandQuant("fp8", 5.0),
-        p=OperandQuant("fp8", 0.75),
+        p=OperandQuant("fp8", 1.5),
     ),
     "fp8_calibrated": AttentionQuant(
         q=OperandQuant("fp8", 3.0), k=OperandQuant("fp8", 5.0), v=OperandQuant("fp8", 5.0)

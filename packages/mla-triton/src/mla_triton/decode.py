@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -160,12 +160,18 @@ class _Layout:
 
 
 def _layout(
-    batch: int, heads: int, splits: int, kv_lora_rank: int, rope: int, with_q: bool
+    batch: int,
+    heads: int,
+    splits: int,
+    kv_lora_rank: int,
+    rope: int,
+    with_q: bool,
+    q_bytes: int = 2,
 ) -> _Layout:
     acc = ml = 0 if splits <= 1 else batch * splits * heads
     acc_b, ml_b = _aligned(acc * kv_lora_rank * 4), _aligned(ml * 2 * 4)
     qs_b = _aligned(batch * heads * 4) if with_q else 0
-    qh_b = _aligned(batch * heads * (kv_lora_rank + rope) * 2) if with_q else 0
+    qh_b = _aligned(batch * heads * (kv_lora_rank + rope) * q_bytes) if with_q else 0
     return _Layout(0, acc_b, acc_b + ml_b, acc_b + ml_b + qs_b, acc_b + ml_b + qs_b + qh_b)
 
 
@@ -477,6 +483,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def interpreted_bf16(dtype: torch.dtype) -> bool:
+    """Whether a bfloat16 call runs under Triton's interpreter, which computes bf16 wrongly.
+
+    Such calls run their kernels on float32 copies of the 16-bit inputs (exact) and
+    round the output to bfloat16 once: correct, slower, for tests on a CPU.
+    """
+    return dtype == torch.bfloat16 and _interpreting()
+
+
 def _hw_fp8(device: torch.device) -> bool:
     if _interpreting() or device.type != "cuda":
         return False
@@ -503,7 +518,9 @@ def _stage_q(
     """
     device = c.q_nope.device
     dtype = c.q_nope.dtype
-    wl = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0)
+    q_dtype = torch.float16 if qk_f16 else dtype
+    q_bytes = q_dtype.itemsize
+    wl = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0, q_bytes)
     if wl.total == 0:
         ws = torch.empty(0, dtype=torch.uint8, device=device)
     elif workspace is None:
@@ -516,7 +533,7 @@ def _stage_q(
     if qo.code != 0:
         width = kv_lora_rank + c.rope
         q_scale = ws[wl.q_scale : wl.q_hat].view(torch.float32)
-        q_hat = ws[wl.q_hat : wl.total].view(torch.float16 if qk_f16 else dtype)
+        q_hat = ws[wl.q_hat : wl.total].view(q_dtype)
         q_hat = q_hat[: c.batch * c.heads * width].view(c.batch, c.heads, width)
         decode_q_kernel[(c.heads, c.batch)](
             c.q_nope,
@@ -694,15 +711,41 @@ def decode(
     slots past a sequence's end) is never read.
     """
     c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
-    device = c.q_nope.device
     out_t, lse_t = _prepare_outputs(
         c, kv_cache, block_table, seq_lens, kv_lora_rank, out, lse, num_splits, config,
         check_values,
     )  # fmt: skip
     if c.batch == 0:
         return out_t, lse_t
-
     recipe = quant if quant is not None else AttentionQuant()
+    if interpreted_bf16(c.q_nope.dtype):
+        o32 = torch.empty(out_t.shape, dtype=torch.float32)
+        c32 = replace(c, q_nope=c.q_nope.float(), q_pe=c.q_pe.float())
+        _launch(c32, kv_cache.float(), block_table, seq_lens, recipe, num_splits, None, o32,
+                lse_t, max_seq_len, config, kv_lora_rank)  # fmt: skip
+        out_t.copy_(o32)
+        return out_t, lse_t
+    _launch(c, kv_cache, block_table, seq_lens, recipe, num_splits, workspace, out_t, lse_t,
+            max_seq_len, config, kv_lora_rank)  # fmt: skip
+    return out_t, lse_t
+
+
+def _launch(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    recipe: AttentionQuant,
+    num_splits: int | None,
+    workspace: torch.Tensor | None,
+    out_t: torch.Tensor,
+    lse_t: torch.Tensor,
+    max_seq_len: int | None,
+    config: DecodeConfig | None,
+    kv_lora_rank: int,
+) -> None:
+    """The launches of ``decode`` on checked inputs: q̂, the split kernel, the merge."""
+    device = c.q_nope.device
     cfg = config if config is not None else decode_config(c.heads, recipe)
     head_groups = -(-c.heads // cfg.block_h)
     splits = _splits_for(c, cfg, num_splits, max_seq_len)
@@ -742,6 +785,7 @@ def decode(
         lse_t.stride(1),
         c.heads,
         c.capacity,
+        kv_cache.shape[0],
         c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
         ko.gs,
         1.0 / ko.gs,
@@ -776,4 +820,3 @@ def decode(
         num_stages=cfg.num_stages,
     )
     _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)
-    return out_t, lse_t

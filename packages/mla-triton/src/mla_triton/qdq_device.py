@@ -8,6 +8,13 @@ Every function returns the *factored* value (the QDQ'd value divided by its
 global scale: ``E2M1(..) * sb`` for nvfp4, ``E4M3(..)`` for fp8), exact in fp16
 and bf16; callers apply global scales to float32 accumulators.
 
+Non-finite input (docs/numerics.md, the NaN rule): NaN and ±inf become NaN and
+poison what shares their scale: block maxima propagate NaN (``nan_max``), an
+infinite maximum turns its scale into NaN (``poison``), and the element roundings
+keep NaN and turn ±inf into NaN. A finite value beyond the range still saturates.
+``a - a`` is 0 for a finite ``a`` and NaN otherwise, so ``y + (a - a)`` poisons
+``y`` in two instructions (a zero result loses its sign, which no dot sees).
+
 E2M1 without a division: ``E2M1(a / scale)`` only depends on which of the grid's
 midpoints ``a / scale`` passes, so ``a`` is compared with ``midpoint * scale``.
 Midpoints have two significant bits and ``scale = sb * gs`` is an E4M3 value times
@@ -28,8 +35,40 @@ FORMAT_CODES = {"none": 0, "fp8": 1, "nvfp4": 2}
 
 
 @triton.jit
+def _maximum_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_max(x, axis: tl.constexpr):
+    """``max`` along ``axis`` that returns NaN when any element is NaN (``tl.max`` skips it)."""
+    return tl.reduce(x, axis, _maximum_nan)
+
+
+@triton.jit
+def poison(y, a):
+    """``y`` where ``a`` is finite, else NaN (``a`` broadcasts against ``y``)."""
+    return y + (a - a)
+
+
+@triton.jit
+def dynamic_global_scale(x1, x2, FMT: tl.constexpr, AXIS: tl.constexpr):
+    """Global scale of a dynamic amax over the rows of ``x1`` and ``x2`` together (float32).
+
+    ``amax / unit_amax`` (448 fp8, 2688 nvfp4; the reference's rounded division) with
+    the amax reduced along ``AXIS`` of both tiles; an all-zero row takes the unit
+    amax (its values quantize to zeros); a row with a non-finite element gets NaN.
+    """
+    amax = _maximum_nan(nan_max(tl.abs(x1), AXIS), nan_max(tl.abs(x2), AXIS))
+    unit = 448.0 if FMT == 1 else 2688.0
+    return poison(tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit), amax)
+
+
+@triton.jit
 def e4m3_round(x):
-    """Round float32 ``x`` to E4M3FN, ties to even, saturating at ±448; NaN kept."""
+    """Round float32 ``x`` to E4M3FN, ties to even, saturating finite values at ±448.
+
+    NaN stays NaN and ±inf becomes NaN."""
     a = tl.minimum(tl.abs(x), 448.0)
     bits = a.to(tl.int32, bitcast=True)
     binade = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormal step stays 2^-9
@@ -42,7 +81,7 @@ def e4m3_round(x):
     up = (frac > 0.5) | ((frac == 0.5) & (odd == 1.0))
     r = (whole + tl.where(up, 1.0, 0.0)) * quantum
     r = tl.where(x < 0, -r, r)
-    return tl.where(x != x, x, r)
+    return poison(r, x)
 
 
 @triton.jit
@@ -63,8 +102,10 @@ def e2m1_magnitude(a, scale):
 
 @triton.jit
 def nvfp4_block_scale(block_max, gs):
-    """E4M3 block scale ``E4M3(min(block_max / (6 gs), 448))``, with the reference's division."""
-    return e4m3_round(tl.minimum(tl.math.div_rn(block_max, gs * 6.0), 448.0))
+    """E4M3 block scale ``E4M3(min(block_max / (6 gs), 448))``, with the reference's division.
+
+    NaN when ``block_max`` is not finite (the whole block becomes NaN)."""
+    return poison(e4m3_round(tl.minimum(tl.math.div_rn(block_max, gs * 6.0), 448.0)), block_max)
 
 
 @triton.jit
@@ -119,7 +160,7 @@ def nvfp4_qdq_rows(
     not a power of two).
     """
     xb = tl.reshape(x, (ROWS, COLS // 16, 16))
-    sb = nvfp4_block_scale(tl.max(tl.abs(xb), axis=2), gs)  # [ROWS, COLS // 16]
+    sb = nvfp4_block_scale(nan_max(tl.abs(xb), 2), gs)  # [ROWS, COLS // 16]
     sb3 = tl.expand_dims(sb, 2)
     scale3 = tl.expand_dims(sb * gs, 2)  # (gs may be [ROWS, 1]: broadcast before expanding)
     mag = e2m1_scaled(tl.abs(xb), scale3, EXACT, FMA) * sb3
@@ -142,7 +183,7 @@ def nvfp4_qdq_cols(
     scalar. Returns the factored value. ``EXACT``, ``FMA``: see ``e2m1_scaled``.
     """
     xb = tl.reshape(x, (ROWS // 16, 16, COLS))
-    sb = nvfp4_block_scale(tl.max(tl.abs(xb), axis=1), gs)  # [ROWS // 16, COLS]
+    sb = nvfp4_block_scale(nan_max(tl.abs(xb), 1), gs)  # [ROWS // 16, COLS]
     sb3 = tl.expand_dims(sb, 1)
     mag = e2m1_scaled(tl.abs(xb), sb3 * gs, EXACT, FMA) * sb3
     return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))
@@ -228,8 +269,8 @@ def fp8_qdq_p(p, inv_scale, HW: tl.constexpr):
 # one (relative), so rounding the product to 13 significant bits restores exact
 # ties and moves nothing else across a midpoint: the result equals ``mla_formats``
 # bit for bit. Without ``SNAP`` (global scales that are not powers of two) it may
-# differ by one code within 2^-21 of a midpoint. NaN saturates, ±inf saturates:
-# callers document non-finite input.
+# differ by one code within 2^-21 of a midpoint. A non-finite element makes its
+# block scale NaN, hence its whole block.
 
 
 @triton.jit
@@ -240,11 +281,13 @@ def snap_ties(y):
 
 @triton.jit
 def _nvfp4_fast_blocks(a, bmax, gs, inv_6gs, HW: tl.constexpr, SNAP: tl.constexpr):
-    """Codes times block scales for magnitudes ``a`` whose block maxima ``bmax`` are given."""
+    """Codes times block scales for magnitudes ``a`` whose block maxima ``bmax`` are given.
+
+    A non-finite ``bmax`` gives a NaN block scale (the block's codes times it: NaN)."""
     v = bmax * inv_6gs
     if SNAP:
         v = snap_ties(v)
-    sb = e4m3_round_hw(v, HW)  # both roundings saturate at 448
+    sb = poison(e4m3_round_hw(v, HW), bmax)  # both roundings saturate finite values at 448
     inv = 1.0 / tl.maximum(sb * gs, 1e-30)  # sb = 0: finite codes times 0 give 0
     return sb, inv
 
@@ -260,7 +303,7 @@ def nvfp4_qdq_rows_fast(
     """
     xb = tl.reshape(x, (ROWS, COLS // 16, 16))
     a = tl.abs(xb)
-    sb, inv = _nvfp4_fast_blocks(a, tl.max(a, axis=2), gs, inv_6gs, HW, SNAP)
+    sb, inv = _nvfp4_fast_blocks(a, nan_max(a, 2), gs, inv_6gs, HW, SNAP)
     y = a * tl.expand_dims(inv, 2)
     if SNAP:
         y = snap_ties(y)
@@ -279,7 +322,7 @@ def nvfp4_qdq_cols_fast(
     """
     xb = tl.reshape(x, (ROWS // 16, 16, COLS))
     a = tl.abs(xb)
-    sb, inv = _nvfp4_fast_blocks(a, tl.max(a, axis=1), gs, inv_6gs, HW, SNAP)
+    sb, inv = _nvfp4_fast_blocks(a, nan_max(a, 1), gs, inv_6gs, HW, SNAP)
     y = a * tl.expand_dims(inv, 1)
     if SNAP:
         y = snap_ties(y)

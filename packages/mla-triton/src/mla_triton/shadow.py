@@ -34,7 +34,7 @@ sequence's ``j``-th page is position ``j * page_size + i``), as paged engines do
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -45,6 +45,7 @@ from mla_triton.decode import (
     DecodeConfig,
     _block_h,
     _check,
+    _Checked,
     _hw_fp8,
     _merge_splits,
     _operand,
@@ -52,6 +53,7 @@ from mla_triton.decode import (
     _splits_for,
     _stage_q,
     _tensor,
+    interpreted_bf16,
 )
 from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
 from mla_triton.kernels.shadow_kernel import (
@@ -112,7 +114,10 @@ class ShadowLayout:
       fp8 K and V with one static scale: V̂ is K̂'s first ``kv_lora_rank`` values).
 
     Factored values are the QDQ'd values divided by their global scale (SPEC 2),
-    exact in float16 and bfloat16; global scales stay out of the shadow.
+    exact in float16 and bfloat16; global scales stay out of the shadow, so the
+    layout records the K and V recipes (``k_quant``, ``v_quant``, amax included)
+    it was made for: two layouts are equal only when their shadows hold the same
+    values.
     """
 
     storage: str
@@ -132,6 +137,10 @@ class ShadowLayout:
     """Bytes of the sections without padding."""
     token_bytes: int
     """Bytes per token (the shadow's last dim): the sections, each 16-byte aligned."""
+    k_quant: OperandQuant
+    """The K recipe the shadow's K̂ is written with."""
+    v_quant: OperandQuant
+    """The V recipe the shadow's V̂ is written with."""
 
     def shape(self, num_blocks: int, page_size: int) -> tuple[int, int, int]:
         """The shadow tensor's shape ``(num_blocks, page_size, token_bytes)`` (uint8)."""
@@ -219,6 +228,8 @@ def _make_layout(
         v_bytes=v_bytes,
         payload_bytes=k_bytes + s_bytes + v_bytes,
         token_bytes=total,
+        k_quant=k,
+        v_quant=v,
     )
 
 
@@ -274,7 +285,31 @@ def allocate_shadow(
     if page_size % 16:
         raise ValueError(f"page_size: expected a multiple of 16, got {page_size}")
     lay = shadow_layout(quant, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, storage=storage)
-    return torch.zeros(lay.shape(num_blocks, page_size), dtype=torch.uint8, device=device)
+    shadow = torch.zeros(lay.shape(num_blocks, page_size), dtype=torch.uint8, device=device)
+    _stamp(shadow, lay, "quant")
+    return shadow
+
+
+_STAMP = "_mla_shadow_layout"
+
+
+def _stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
+    """Record on the tensor object which layout (recipe) its contents follow.
+
+    A Python attribute of this tensor object (views made from it do not carry it):
+    no device sync. A tensor stamped with another layout is refused, naming
+    ``argument`` (the recipe or storage the caller passed).
+    """
+    held = getattr(shadow, _STAMP, None)
+    if held is None:
+        setattr(shadow, _STAMP, lay)
+    elif held != lay:
+        raise ValueError(
+            f"{argument}: this shadow holds K̂/V̂ written for k={held.k_quant}, "
+            f"v={held.v_quant}, storage {held.storage!r}; got k={lay.k_quant}, "
+            f"v={lay.v_quant}, storage {lay.storage!r} (the shadow must be read with "
+            "the recipe it was written with)"
+        )
 
 
 # ---------------------------------------------------------------------------- checks
@@ -284,6 +319,7 @@ def _check_shadow(
     shadow: object, kv_cache: torch.Tensor, lay: ShadowLayout
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     t = _tensor(shadow, "shadow", 3)
+    _stamp(t, lay, "quant")
     want = lay.shape(kv_cache.shape[0], kv_cache.shape[1])
     if t.dtype != torch.uint8 or tuple(t.shape) != want:
         raise ValueError(
@@ -356,14 +392,19 @@ def update_cache(
             ``concat_and_cache_mla`` (``kv_cache_dtype="auto"``) writes it.
         slot_mapping: int32/int64 ``[T']`` with ``T' <= T`` (tokens past ``T'`` are
             padding and ignored): token ``t`` goes to page ``slot // page_size``,
-            slot ``slot % page_size``; ``-1`` skips the token.
+            slot ``slot % page_size``; ``-1`` skips the token, and so does (on the
+            device, unchecked) any slot outside the cache. A slot may appear once per
+            call: duplicates are refused when values are checked; unchecked, which
+            of the tokens lands (raw row and shadow alike) is undefined.
         shadow: uint8 ``shadow_layout(quant, storage=storage).shape(num_blocks,
             page_size)``, same device (a strided view works, see ``allocate_shadow``).
+            The tensor object is stamped with the layout (recipe) written; a later
+            call or ``decode_shadow`` with another recipe on it raises ``ValueError``.
         quant: the recipe; only ``quant.k`` and ``quant.v`` are used, and they must
             be the ones decode passes.
         storage: ``"fp16"`` (16-bit factored values) or ``"packed"`` (4/8-bit codes).
-        check_values: check slot_mapping against the cache's capacity on the host
-            (a device sync). None: only when it is a CPU tensor.
+        check_values: check slot_mapping against the cache's capacity, and for
+            duplicates, on the host (a device sync). None: only when it is a CPU tensor.
 
     Writes, per token, the raw row, K̂ (and its dynamic scale) and fp8 V̂; then, in
     a second launch, the nvfp4 V̂ of every 16-token block whose last slot
@@ -372,7 +413,8 @@ def update_cache(
     block's last slot is written after, or with, its other 15). Two launches, no
     host sync, no allocation: CUDA-graph capturable.
 
-    Non-finite input is written as is; its K̂/V̂ follow ``decode``'s note.
+    Non-finite input is written as is; its K̂ and V̂ are NaN (with the token's nvfp4
+    block, or its row for a dynamic K scale), never saturated (docs/numerics.md).
     """
     q = _check_quant(quant)
     st = _check_storage(storage)
@@ -415,8 +457,41 @@ def update_cache(
                 f"slot_mapping: entry {i} is {int(s[i])}, outside [-1, {cap}) (the cache's "
                 f"{cache.shape[0]} blocks x {page_size} slots)"
             )
+        used = s[s >= 0].sort().values
+        repeated = used[1:][used[1:] == used[:-1]]
+        if repeated.numel():
+            twice = int(repeated[0])
+            raise ValueError(
+                f"slot_mapping: slot {twice} appears more than once (one call writes each "
+                "slot at most once)"
+            )
     if n == 0:
         return
+    if interpreted_bf16(cache.dtype):  # the interpreter's bf16 casts are wrong: float32 copy
+        wide = cache.float()
+        r1, r2 = (x.to(cache.dtype).float() for x in (x1, x2))  # the values the cache holds
+        _write_cache(r1, r2, wide, slots, kh, ks, vh, q, lay, n)
+        cache.copy_(wide)  # every value came from a bf16 rounding: exact
+        return
+    _write_cache(x1, x2, cache, slots, kh, ks, vh, q, lay, n)
+
+
+def _write_cache(
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    kh: torch.Tensor | None,
+    ks: torch.Tensor | None,
+    vh: torch.Tensor | None,
+    q: AttentionQuant,
+    lay: ShadowLayout,
+    n: int,
+) -> None:
+    """``update_cache``'s two launches on checked inputs (``n`` tokens)."""
+    d1, d2 = x1.shape[1], x2.shape[1]
+    page_size = cache.shape[1]
+    st = lay.storage
     ko, vo = _operand(q.k), _operand(q.v)
     hw = _hw_fp8(cache.device)
     dummy = cache
@@ -438,6 +513,7 @@ def update_cache(
         *_strides(kh),
         *_strides(ks),
         *_strides(vh),
+        cache.shape[0] * page_size,
         ko.gs,
         vo.gs,
         D1=d1,
@@ -464,6 +540,7 @@ def update_cache(
             cache.stride(1),
             vh.stride(0),
             vh.stride(1),
+            cache.shape[0] * page_size,
             vo.gs,
             D1=d1,
             PAGE=page_size,
@@ -558,13 +635,44 @@ def decode_shadow(
     cache = _check_cache(kv_cache, kv_lora_rank + c.rope)
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
-    device = c.q_nope.device
     out_t, lse_t = _prepare_outputs(
         c, cache, block_table, seq_lens, kv_lora_rank, out, lse, num_splits, config, check_values
     )
     if c.batch == 0:
         return out_t, lse_t
+    views = (kh, ks, vh)
+    if interpreted_bf16(cache.dtype):
+        o32 = torch.empty(out_t.shape, dtype=torch.float32)
+        c32 = replace(c, q_nope=c.q_nope.float(), q_pe=c.q_pe.float())
+        _launch_shadow(c32, cache.float(), views, lay, block_table, seq_lens, qq, num_splits,
+                       None, o32, lse_t, max_seq_len, config, kv_lora_rank)  # fmt: skip
+        out_t.copy_(o32)
+        return out_t, lse_t
+    _launch_shadow(c, cache, views, lay, block_table, seq_lens, qq, num_splits, workspace,
+                   out_t, lse_t, max_seq_len, config, kv_lora_rank)  # fmt: skip
+    return out_t, lse_t
 
+
+def _launch_shadow(
+    c: _Checked,
+    cache: torch.Tensor,
+    views: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    lay: ShadowLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qq: AttentionQuant,
+    num_splits: int | None,
+    workspace: torch.Tensor | None,
+    out_t: torch.Tensor,
+    lse_t: torch.Tensor,
+    max_seq_len: int | None,
+    config: DecodeConfig | None,
+    kv_lora_rank: int,
+) -> None:
+    """The launches of ``decode_shadow`` on checked inputs: q̂, the split kernel, the merge."""
+    kh, ks, vh = views
+    st = lay.storage
+    device = c.q_nope.device
     cfg = config if config is not None else shadow_decode_config(c.heads, qq, st)
     head_groups = -(-c.heads // cfg.block_h)
     splits = _splits_for(c, cfg, num_splits, max_seq_len)
@@ -609,6 +717,7 @@ def decode_shadow(
         lse_t.stride(1),
         c.heads,
         c.capacity,
+        cache.shape[0],
         c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
         vo.gs,
         1.0 / vo.gs,
@@ -642,4 +751,3 @@ def decode_shadow(
         num_stages=cfg.num_stages,
     )
     _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)
-    return out_t, lse_t

@@ -90,13 +90,11 @@ def _row_global_scale(
 ):
     """Global scale ``[ROWS]`` of rows whose features are split over ``x1`` and ``x2``.
 
-    Dynamic: ``amax / unit_amax`` over the whole row, divided as the reference does;
-    an all-zero row takes the unit amax. Static: ``gs_static`` for every row.
+    Dynamic: ``qdq_device.dynamic_global_scale`` over the whole row. Static:
+    ``gs_static`` for every row.
     """
     if DYNAMIC:
-        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
-        unit = 448.0 if FMT == 1 else 2688.0
-        gs = tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit)
+        gs = dev.dynamic_global_scale(x1, x2, FMT, 1)
     else:
         gs = tl.zeros([ROWS], tl.float32) + gs_static
     return gs
@@ -145,6 +143,8 @@ def _qdq_latent(
             y = dev.e4m3_round_hw(tl.math.div_rn(x, gs), HW_FP8)
         else:
             y = _fp8_values(x, inv_gs, HW_FP8)
+        if HW_FP8:  # the conversion saturates ±inf: make it NaN (the software rounding does)
+            y = dev.poison(y, x)
     elif AXIS == AXIS_FEATURES:
         if EXACT:
             y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS, True)
@@ -225,10 +225,76 @@ def _load_q(
 
 
 @triton.jit
+def _normalize(acc, m_i, l_i, nonempty, poisoned, out_scale):
+    """``(out, lse)`` of finished rows: ``acc / l`` times ``out_scale`` and ``(log2 l + m) ln 2``.
+
+    The NaN rule (docs/numerics.md): a row whose accumulator holds a non-finite value
+    is NaN in every feature; a NaN denominator (a non-finite score) makes out and LSE
+    NaN; ``poisoned`` (a request that addressed memory outside the cache, a scalar)
+    makes every row NaN. Rows of an empty request (``nonempty`` false): 0 and -inf.
+    """
+    l_i = tl.where(poisoned, float("nan"), l_i)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    keep = nonempty | poisoned
+    inv_l = tl.where(keep, out_scale / l_safe, 0.0)
+    o = dev.poison(acc * inv_l[:, None], tl.sum(acc, axis=1)[:, None])
+    lse = tl.where(keep, (tl.log2(l_safe) + m_i) * LN2, float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def _request_len(seq_lens_ptr, b, stride_sl, capacity):
+    """``(seq_len, poisoned)``: request ``b``'s length within ``[0, capacity]`` and whether
+    the given one lay outside it (the request's rows are then NaN)."""
+    raw = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
+    poisoned = (raw < 0) | (raw > capacity)
+    return tl.minimum(tl.maximum(raw, 0), capacity), poisoned
+
+
+@triton.jit
+def tile_pages(
+    bt_row,
+    start,
+    tok,
+    valid,
+    stride_bt_p,
+    num_blocks,
+    poisoned,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FULL: tl.constexpr,
+):
+    """The pages of a tile's tokens and the updated ``poisoned`` flag.
+
+    ``(page, slot)``: one page (a scalar) and the slots ``[BLOCK_N]`` when a page holds
+    whole tiles (``PAGE % BLOCK_N == 0``), else a page and a slot per token ``tok``
+    (masked by ``valid`` unless ``FULL``). A page id outside ``[0, num_blocks)`` is
+    replaced by page 0, so no load leaves the cache, and sets ``poisoned`` (the
+    request's rows are then NaN).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGE % BLOCK_N == 0:
+        page = tl.load(bt_row + (start // PAGE) * stride_bt_p).to(tl.int64)
+        slot = ((start % PAGE) + offs_n).to(tl.int64)
+        bad = (page < 0) | (page >= num_blocks)
+        poisoned = poisoned | bad
+    else:
+        if FULL:
+            page = tl.load(bt_row + (tok // PAGE) * stride_bt_p).to(tl.int64)
+        else:
+            page = tl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(tl.int64)
+        slot = (tok % PAGE).to(tl.int64)
+        bad = (page < 0) | (page >= num_blocks)
+        poisoned = poisoned | (tl.max(bad.to(tl.int32), axis=0) > 0)
+    return tl.where(bad, 0, page), slot, poisoned
+
+
+@triton.jit
 def _finish_split(
     acc,
     m_i,
     l_i,
+    poisoned,
     out_ptr,
     lse_ptr,
     wacc_ptr,
@@ -248,15 +314,11 @@ def _finish_split(
     D1: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    """Stage 1's epilogue: with one split, out (``acc / l`` times ``out_scale``) and the
-    natural-log LSE; else the split's partial ``acc``, ``m``, ``l`` into the workspace."""
+    """Stage 1's epilogue: with one split, out and LSE (``_normalize``); else the split's
+    partial ``acc``, ``m``, ``l`` into the workspace (``l`` NaN when ``poisoned``)."""
     offs_d1 = tl.arange(0, D1)
     if NUM_SPLITS == 1:
-        nonempty = seq_len > 0
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        inv_l = tl.where(nonempty, out_scale / l_safe, 0.0)
-        o = acc * inv_l[:, None]
-        lse = tl.where(nonempty, (tl.log2(l_safe) + m_i) * LN2, float("-inf"))
+        o, lse = _normalize(acc, m_i, l_i, seq_len > 0, poisoned, out_scale)
         o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d1[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
         tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
@@ -265,7 +327,7 @@ def _finish_split(
         st_mask = h_mask & (lo < seq_len)
         tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
         tl.store(wml_ptr + row * 2, m_i, mask=st_mask)
-        tl.store(wml_ptr + row * 2 + 1, l_i, mask=st_mask)
+        tl.store(wml_ptr + row * 2 + 1, tl.where(poisoned, float("nan"), l_i), mask=st_mask)
 
 
 @triton.jit
@@ -307,12 +369,7 @@ def decode_q_kernel(
     offs_d2 = tl.arange(0, D2)[None, :]
     qn = tl.load(qn_ptr + b * stride_qn_b + h * stride_qn_h + offs_d1).to(tl.float32)
     qp = tl.load(qp_ptr + b * stride_qp_b + h * stride_qp_h + offs_d2).to(tl.float32)
-    if Q_DYN:
-        amax = tl.maximum(tl.max(tl.abs(qn)), tl.max(tl.abs(qp)))
-        unit = 448.0 if Q_FMT == 1 else 2688.0
-        gs = tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit)
-    else:
-        gs = q_gs
+    gs = dev.dynamic_global_scale(qn, qp, Q_FMT, None) if Q_DYN else q_gs
     row = (b * num_heads + h) * (D1 + D2)
     dtype = qhat_ptr.dtype.element_ty
     tl.store(qhat_ptr + row + offs_d1, _qdq_q(qn, gs, Q_FMT, 1, D1).to(dtype))
@@ -347,6 +404,7 @@ def decode_split_kernel(
     stride_lse_h,
     num_heads,
     capacity,
+    num_blocks,
     score_scale,  # softmax_scale * log2(e), times K's global scale when it is static
     k_gs,
     k_inv_gs,
@@ -392,7 +450,7 @@ def decode_split_kernel(
     split = (pid // HEAD_GROUPS) % NUM_SPLITS
     b = (pid // HEAD_GROUPS // NUM_SPLITS).to(tl.int64)
 
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32), capacity)
+    seq_len, poisoned = _request_len(seq_lens_ptr, b, stride_sl, capacity)
     chunk = _chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
@@ -421,12 +479,10 @@ def decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n
         valid = tok < hi
-        if PAGE % BLOCK_N == 0:  # the tile lies in one page: one lookup
-            page = tl.load(bt_row + (start // PAGE) * stride_bt_p).to(tl.int64)
-            rows = page * stride_kv_page + ((start % PAGE) + offs_n).to(tl.int64) * stride_kv_row
-        else:
-            page = tl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(tl.int64)
-            rows = page * stride_kv_page + (tok % PAGE).to(tl.int64) * stride_kv_row
+        page, slot, poisoned = tile_pages(
+            bt_row, start, tok, valid, stride_bt_p, num_blocks, poisoned, PAGE, BLOCK_N, False
+        )
+        rows = page * stride_kv_page + slot * stride_kv_row
         kv = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
         kpe = tl.load(
             kv_ptr + rows[:, None] + D1 + offs_d2[None, :], mask=valid[:, None], other=0.0
@@ -480,6 +536,8 @@ def decode_split_kernel(
         t = s * row_scale[:, None]
         if K_DYN:
             t = t * gs_tok[None, :]
+        if K_FMT == 0 or not Q_SCALED:  # a raw infinite operand: a -inf score is NaN
+            t = tl.where(t == float("-inf"), float("nan"), t)
         t = tl.where(valid[None, :], t, float("-inf"))
 
         # Online softmax in base 2 with an integer running maximum: exact rescales.
@@ -514,7 +572,7 @@ def decode_split_kernel(
 
     # ---- epilogue -----------------------------------------------------------------
     _finish_split(
-        acc, m_i, l_i, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
+        acc, m_i, l_i, poisoned, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
         h_mask, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, out_scale, D1,
         NUM_SPLITS,
     )  # fmt: skip
@@ -546,7 +604,7 @@ def decode_merge_kernel(
     """
     hb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32), capacity)
+    seq_len, poisoned = _request_len(seq_lens_ptr, b, stride_sl, capacity)
     chunk = _chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
     n_active = (seq_len + chunk - 1) // chunk
 
@@ -570,10 +628,7 @@ def decode_merge_kernel(
         l = l * alpha + l_s * beta  # noqa: E741
         m = m_new
 
-    nonempty = seq_len > 0
-    l_safe = tl.where(l > 0.0, l, 1.0)
-    inv_l = tl.where(nonempty, out_scale / l_safe, 0.0)
-    lse = tl.where(nonempty, (tl.log2(l_safe) + m) * LN2, float("-inf"))
+    o, lse = _normalize(acc, m, l, seq_len > 0, poisoned, out_scale)
     o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o_ptrs, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)

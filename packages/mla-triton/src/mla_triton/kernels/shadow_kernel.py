@@ -50,6 +50,8 @@ from mla_triton.kernels.decode_kernel import (
     _load_q,
     _qdq_latent,
     _qdq_p,
+    _request_len,
+    tile_pages,
 )
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -65,16 +67,20 @@ def e4m3_encode(y):
     normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
     sub = (a * 512.0).to(tl.int32)  # subnormals: multiples of 2^-9 below 2^-6
     code = tl.where(a >= 0.015625, normal, sub)
+    code = tl.where(y != y, 0x7F, code)  # NaN (E4M3FN has one NaN code, 0x7F, and its negative)
     return tl.where(y < 0, code | 0x80, code)
 
 
 @triton.jit
 def e4m3_decode(code):
-    """float32 value of an E4M3FN byte (int32 0..255); integer and float32 arithmetic."""
+    """float32 value of an E4M3FN byte (int32 0..255); integer and float32 arithmetic.
+
+    ``0x7F`` and ``0xFF`` are NaN."""
     e = (code >> 3) & 0xF
     m = code & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     a = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    a = tl.where((code & 0x7F) == 0x7F, float("nan"), a)
     return tl.where((code & 0x80) != 0, -a, a)
 
 
@@ -105,7 +111,7 @@ def _nvfp4_rows_codes(x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.c
     factored value); a zero block scale gives zero codes.
     """
     xb = tl.reshape(x, (ROWS, COLS // 16, 16))
-    sb = dev.nvfp4_block_scale(tl.max(tl.abs(xb), axis=2), gs)  # [ROWS, COLS // 16]
+    sb = dev.nvfp4_block_scale(dev.nan_max(tl.abs(xb), 2), gs)  # [ROWS, COLS // 16]
     scale3 = tl.expand_dims(sb * gs, 2)
     mag = dev.e2m1_scaled(tl.abs(xb), scale3, EXACT)
     mag = tl.where(tl.expand_dims(sb, 2) == 0.0, 0.0, mag)
@@ -116,7 +122,7 @@ def _nvfp4_rows_codes(x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.c
 def _nvfp4_cols_codes(x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
     """NVFP4 of float32 ``[ROWS, COLS]`` along axis 0 (blocks of 16 rows): (values, scales)."""
     xb = tl.reshape(x, (ROWS // 16, 16, COLS))
-    sb = dev.nvfp4_block_scale(tl.max(tl.abs(xb), axis=1), gs)  # [ROWS // 16, COLS]
+    sb = dev.nvfp4_block_scale(dev.nan_max(tl.abs(xb), 1), gs)  # [ROWS // 16, COLS]
     mag = dev.e2m1_scaled(tl.abs(xb), tl.expand_dims(sb, 1) * gs, EXACT)
     mag = tl.where(tl.expand_dims(sb, 1) == 0.0, 0.0, mag)
     return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS)), sb
@@ -199,6 +205,7 @@ def shadow_update_kernel(
     stride_ks_row,
     stride_vh_page,
     stride_vh_row,
+    capacity,
     k_gs,
     v_gs,
     D1: tl.constexpr,
@@ -215,8 +222,8 @@ def shadow_update_kernel(
 ):
     """``BLOCK_T`` new tokens: raw rows, K̂ (and dynamic scales), fp8 V̂ (``V_TOKEN``).
 
-    A token with ``slot < 0`` (or past ``num_tokens``) writes nothing. The raw row
-    is ``kv_c ++ k_pe`` cast to the cache's dtype; K̂ and V̂ are computed from
+    A token with ``slot`` outside ``[0, capacity)`` (or past ``num_tokens``) writes
+    nothing. The raw row is ``kv_c ++ k_pe`` cast to the cache's dtype; K̂ and V̂ are computed from
     those cast values, as the on-read decode computes them from the cache. Shadow
     rows: K̂ at ``page * stride_kh_page + slot * stride_kh_row`` (16-bit: D1 + D2
     float16; packed: see ``_store_k``, the rope part after the latent part), the K
@@ -224,7 +231,7 @@ def shadow_update_kernel(
     """
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     slot = tl.load(slot_ptr + t * stride_slot, mask=t < num_tokens, other=-1).to(tl.int64)
-    ok = slot >= 0
+    ok = (slot >= 0) & (slot < capacity)
     s = tl.where(ok, slot, 0)
     page = s // PAGE
     off = s % PAGE
@@ -245,9 +252,7 @@ def shadow_update_kernel(
 
     if K_FMT != 0:
         if K_DYN:  # amax over each token's D1 + D2 features, divided as the reference does
-            amax = tl.maximum(tl.max(tl.abs(x1f), axis=1), tl.max(tl.abs(x2f), axis=1))
-            unit = 448.0 if K_FMT == 1 else 2688.0
-            gs_row = tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit)
+            gs_row = dev.dynamic_global_scale(x1f, x2f, K_FMT, 1)
             tl.store(ks_ptr + page * stride_ks_page + off * stride_ks_row, gs_row, mask=ok)
             gs = gs_row[:, None]
         else:
@@ -283,6 +288,7 @@ def shadow_v_block_kernel(
     stride_kv_row,
     stride_vh_page,
     stride_vh_row,
+    capacity,
     v_gs,
     D1: tl.constexpr,
     PAGE: tl.constexpr,
@@ -300,7 +306,7 @@ def shadow_v_block_kernel(
     """
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
-    if (slot < 0) | (slot % 16 != 15):
+    if (slot < 0) | (slot >= capacity) | (slot % 16 != 15):
         return
     closes = slot >= 0
     s = slot
@@ -427,6 +433,7 @@ def _tail_v(
     stride_vh_page,
     stride_vh_row,
     stride_bt_p,
+    num_blocks,
     v_gs,
     v_inv_gs,
     v_inv_6gs,
@@ -460,6 +467,8 @@ def _tail_v(
         opage = page
     else:  # (hi - 1: the table may end at hi when no block is open)
         opage = tl.load(bt_row + (tl.minimum(ob, hi - 1) // PAGE) * stride_bt_p).to(tl.int64)
+        # an id outside the cache was flagged by tile_pages (a token of this tile has it)
+        opage = tl.where((opage < 0) | (opage >= num_blocks), 0, opage)
     orow = opage * stride_kv_page + ((ob % PAGE) + offs_o).to(tl.int64) * stride_kv_row
     omask = (ob + offs_o) < hi
     raw = tl.load(kv_ptr + orow[:, None] + offs_d1[None, :], mask=omask[:, None], other=0.0)
@@ -492,6 +501,7 @@ def _shadow_tile(
     m_i,
     l_i,
     acc,
+    poisoned,
     kv_ptr,
     kh_ptr,
     ks_ptr,
@@ -508,6 +518,7 @@ def _shadow_tile(
     stride_vh_page,
     stride_vh_row,
     stride_bt_p,
+    num_blocks,
     v_gs,
     v_inv_gs,
     v_inv_6gs,
@@ -526,6 +537,7 @@ def _shadow_tile(
     V_EXACT: tl.constexpr,
     FULL: tl.constexpr,
     V_ON_READ: tl.constexpr,
+    Q_SCALED: tl.constexpr,
     P_FMT: tl.constexpr,
     PV_F16: tl.constexpr,
     STORE: tl.constexpr,
@@ -539,22 +551,17 @@ def _shadow_tile(
     with one scale). ``FULL``: every token of the tile is below ``hi`` (no masks,
     no -inf scores: the main loop). Otherwise the tile holds the sequence's end
     (``hi`` is its length): masked loads, and with ``V_ON_READ`` (nvfp4 V) the
-    open block's V̂ is quantized on read (``_tail_v``). Returns ``(m_i, l_i, acc)``.
+    open block's V̂ is quantized on read (``_tail_v``). Returns ``(m_i, l_i, acc,
+    poisoned)`` (``poisoned``: see ``tile_pages``).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1)
     offs_d2 = tl.arange(0, D2)
     tok = start + offs_n
     valid = tok < hi
-    if PAGE % BLOCK_N == 0:
-        page = tl.load(bt_row + (start // PAGE) * stride_bt_p).to(tl.int64)
-        slot = ((start % PAGE) + offs_n).to(tl.int64)
-    elif FULL:
-        page = tl.load(bt_row + (tok // PAGE) * stride_bt_p).to(tl.int64)
-        slot = (tok % PAGE).to(tl.int64)
-    else:
-        page = tl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(tl.int64)
-        slot = (tok % PAGE).to(tl.int64)
+    page, slot, poisoned = tile_pages(
+        bt_row, start, tok, valid, stride_bt_p, num_blocks, poisoned, PAGE, BLOCK_N, FULL
+    )
     rows = page * stride_kv_page + slot * stride_kv_row
     qk_dtype = q1.dtype
     in_dtype = kv_ptr.dtype.element_ty
@@ -584,6 +591,8 @@ def _shadow_tile(
                 ks_ptr + page * stride_ks_page + slot * stride_ks_row, mask=valid, other=1.0
             )
         t = t * gs_tok[None, :]
+    if K_FMT == 0 or not Q_SCALED:  # a raw infinite operand: a -inf score is NaN
+        t = tl.where(t == float("-inf"), float("nan"), t)
     if not FULL:
         t = tl.where(valid[None, :], t, float("-inf"))
 
@@ -600,14 +609,14 @@ def _shadow_tile(
     elif V_ON_READ:
         v = _tail_v(
             vh_ptr, kv_ptr, bt_row, page, slot, start, hi, stride_kv_page, stride_kv_row,
-            stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs, v_inv_6gs, D1, PAGE,
-            BLOCK_N, V_FMT, V_EXACT, STORE, FAST, HW_FP8,
+            stride_vh_page, stride_vh_row, stride_bt_p, num_blocks, v_gs, v_inv_gs, v_inv_6gs,
+            D1, PAGE, BLOCK_N, V_FMT, V_EXACT, STORE, FAST, HW_FP8,
         ).to(pv_dtype)  # fmt: skip
     else:
         vrow = page * stride_vh_page + slot * stride_vh_row
         v = _load_v_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N, FULL).to(pv_dtype)
     acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
-    return m_new, l_i, acc
+    return m_new, l_i, acc, poisoned
 
 
 @triton.jit
@@ -646,6 +655,7 @@ def shadow_decode_split_kernel(
     stride_lse_h,
     num_heads,
     capacity,
+    num_blocks,
     score_scale,  # softmax_scale * log2(e), times K's global scale when it is static
     v_gs,
     v_inv_gs,
@@ -693,7 +703,7 @@ def shadow_decode_split_kernel(
     split = (pid // HEAD_GROUPS) % NUM_SPLITS
     b = (pid // HEAD_GROUPS // NUM_SPLITS).to(tl.int64)
 
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32), capacity)
+    seq_len, poisoned = _request_len(seq_lens_ptr, b, stride_sl, capacity)
     chunk = _chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
@@ -712,33 +722,35 @@ def shadow_decode_split_kernel(
     bt_row = bt_ptr + b * stride_bt_b
 
     for start in range(lo, full_hi, BLOCK_N):  # complete tiles: shadow only, no masks
-        m_i, l_i, acc = _shadow_tile(
-            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, start, hi,
-            stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
-            stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
+        m_i, l_i, acc, poisoned = _shadow_tile(
+            q1, q2, row_scale, m_i, l_i, acc, poisoned, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
+            start, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
+            stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, num_blocks, v_gs, v_inv_gs,
             v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
-            V_FMT, V_SRC, V_EXACT, True, False, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+            V_FMT, V_SRC, V_EXACT, True, False, Q_SCALED, P_FMT, PV_F16, STORE, FAST, HW_FP8,
         )  # fmt: skip
     if TAIL_LOOP:  # the tile holding the sequence's end: a loop of 0 or 1 tiles
         for tail in range(full_hi, hi, BLOCK_N):
-            m_i, l_i, acc = _shadow_tile(
-                q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, tail,
-                hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
-                stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
-                v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
-                V_FMT, V_SRC, V_EXACT, False, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+            m_i, l_i, acc, poisoned = _shadow_tile(
+                q1, q2, row_scale, m_i, l_i, acc, poisoned, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
+                tail, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row,
+                stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p,
+                num_blocks, v_gs, v_inv_gs, v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE,
+                BLOCK_H, BLOCK_N, K_FMT, K_DYN, V_FMT, V_SRC, V_EXACT, False, V_TAIL, Q_SCALED,
+                P_FMT, PV_F16, STORE, FAST, HW_FP8,
             )  # fmt: skip
     elif full_hi < hi:  # the tile holding the sequence's end, peeled off the loop
-        m_i, l_i, acc = _shadow_tile(
-            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row, full_hi,
-            hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
-            stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, v_gs, v_inv_gs,
-            v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
-            V_FMT, V_SRC, V_EXACT, False, V_TAIL, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+        m_i, l_i, acc, poisoned = _shadow_tile(
+            q1, q2, row_scale, m_i, l_i, acc, poisoned, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
+            full_hi, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row,
+            stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, num_blocks,
+            v_gs, v_inv_gs, v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N,
+            K_FMT, K_DYN, V_FMT, V_SRC, V_EXACT, False, V_TAIL, Q_SCALED, P_FMT, PV_F16, STORE,
+            FAST, HW_FP8,
         )  # fmt: skip
 
     _finish_split(
-        acc, m_i, l_i, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
+        acc, m_i, l_i, poisoned, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
         h_mask, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, out_scale, D1,
         NUM_SPLITS,
     )  # fmt: skip
