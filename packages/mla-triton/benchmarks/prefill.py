@@ -14,8 +14,12 @@ backend, V zero-padded to 192 (flash needs equal head dims), one call per
 sequence for the varlen batch. TFLOP/s count ``2 Lq Lk (192 + 128)`` per head,
 halved for causal, for every row (the baseline's padding is not credited).
 
-Also measured: where K/V QDQ runs (the separate pass vs fused into the attention
-kernel, and the pass alone), and a few tile configurations. Every time is the
+Also measured: the K/V QDQ pass alone, and a few tile configurations. With
+``--before SRC`` (a ``packages/mla-triton/src`` of another checkout, e.g. a git
+worktree of the previous commit) the main table is timed for both versions in
+this one process, interleaved, with the ratio after/before: that copy is imported
+as ``mla_triton_before`` (its own imports renamed), with this checkout's
+mla-formats. Every time is the
 median of ``triton.testing.do_bench`` (rep 200 ms) on random inputs; the main
 table is measured twice (``ms`` and ``ms_2``) to show the run-to-run spread.
 Kernels are compiled first in parallel worker processes (Triton's cache is shared).
@@ -24,13 +28,20 @@ Kernels are compiled first in parallel worker processes (Triton's cache is share
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import multiprocessing as mp
 import os
 import platform
+import re
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,21 +64,19 @@ RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
     "nvfp4-p-only": (AttentionQuant(p="nvfp4"), None),
     "nvfp4-qkv-only": (AttentionQuant(q="nvfp4", k="nvfp4", v="nvfp4"), None),
 }
-# (block_m, block_n, num_warps, num_stages, pipeline). default_config takes the first,
-# or the third when P is nvfp4 (chosen from this sweep; the main table of the recorded
-# run used the first for every recipe, see docs/benchmarks-prefill.md). The 64-row
+# (block_m, block_n, num_warps, num_stages). default_config takes the first, or the
+# second when P is nvfp4 (chosen from this sweep; see docs/benchmarks.md). The 64-row
 # tiles with 4 warps and 2 stages fit two programs per SM (106 KB of shared memory,
-# <= 255 registers), so one program's softmax can overlap the other's MMAs;
-# ``pipeline`` issues the next tile's Q K^T before the current softmax.
-CONFIGS = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, False)]
+# <= 255 registers), so one program's softmax can overlap the other's MMAs.
+CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 2)]
 SWEPT = ("none", "fp8", "nvfp4", "nvfp4+2:4")
 
 
 @dataclass(frozen=True)
 class Job:
     recipe: str
-    kv_qdq: str = "auto"
-    config: tuple[int, int, int, int, bool] | None = None
+    config: tuple[int, int, int, int] | None = None
+    before: bool = False  # the --before copy
 
 
 def _inputs(lens: list[int], heads: int, seed: int = 0) -> dict[str, Any]:
@@ -80,20 +89,37 @@ def _inputs(lens: list[int], heads: int, seed: int = 0) -> dict[str, Any]:
     return {"q": q, "k": k, "v": v, "cu": cu.cuda(), "lens": lens, "max": max(lens)}
 
 
-def _call(x: dict[str, Any], job: Job) -> Any:
-    from mla_triton.prefill import PrefillConfig, prefill
+def _prefill_module(before: bool) -> Any:
+    return importlib.import_module("mla_triton_before.prefill" if before else "mla_triton.prefill")
 
+
+def _call(x: dict[str, Any], job: Job) -> Any:
+    module = _prefill_module(job.before)
     quant, sparsity = RECIPES[job.recipe]
-    config = PrefillConfig(*job.config) if job.config else None
-    return lambda: prefill(
+    config = module.PrefillConfig(*job.config) if job.config else None
+    return lambda: module.prefill(
         x["q"], x["k"], x["v"], x["cu"], x["cu"], softmax_scale=DQK**-0.5, causal=True,
         quant=quant, sparsity=sparsity, max_seqlen_q=x["max"], max_seqlen_k=x["max"],
-        kv_qdq=job.kv_qdq, config=config,  # type: ignore[arg-type]
+        config=config,
     )  # fmt: skip
 
 
-def _warm(job: Job) -> str:
+def _install_before(src: str, into: str) -> None:
+    """Copy ``src/mla_triton`` to ``into/mla_triton_before`` with its imports renamed."""
+    dst = Path(into) / "mla_triton_before"
+    if not dst.exists():
+        shutil.copytree(Path(src) / "mla_triton", dst)
+        for path in dst.rglob("*.py"):
+            text = path.read_text()
+            path.write_text(re.sub(r"\bmla_triton\b", "mla_triton_before", text))
+    if into not in sys.path:
+        sys.path.insert(0, into)
+
+
+def _warm(job: Job, before_dir: str | None = None) -> str:
     """Compile one job's kernels in a worker (same specializations as the real run)."""
+    if before_dir is not None:
+        _install_before(before_dir, before_dir + "-copy")
     t0 = time.time()
     # 256 tokens (the real shapes' divisibility by 16), longest > BLOCK_M (K/V prepass)
     x = _inputs([200, 56], 16)
@@ -159,15 +185,21 @@ def main() -> None:
     parser.add_argument("--out", default=".", help="folder for prefill-h200.json / .txt")
     parser.add_argument("--workers", type=int, default=8, help="parallel compile workers")
     parser.add_argument("--quick", action="store_true", help="main table only")
+    parser.add_argument("--before", help="another checkout's packages/mla-triton/src: A/B")
     args = parser.parse_args()
 
     jobs = [Job(r) for r in RECIPES]
-    extra = [Job("nvfp4", kv_qdq="fused")]
-    if not args.quick:
-        extra += [Job(r, config=c) for r in SWEPT for c in CONFIGS[1:]]
+    extra = [] if args.quick else [Job(r, config=c) for r in SWEPT for c in CONFIGS[1:]]
+    before_dir = None
+    if args.before:
+        before_dir = tempfile.mkdtemp(prefix="prefill-before-")
+        shutil.copytree(Path(args.before) / "mla_triton", Path(before_dir) / "mla_triton")
+        _install_before(before_dir, before_dir + "-copy")
+        extra += [Job(r, before=True) for r in RECIPES]
     t0 = time.time()
     with mp.get_context("spawn").Pool(args.workers) as pool:
-        for line in pool.imap_unordered(_warm, jobs + extra):
+        warm = functools.partial(_warm, before_dir=before_dir)
+        for line in pool.imap_unordered(warm, jobs + extra):
             print(line, flush=True)
     print(f"compiled {len(jobs + extra)} jobs in {time.time() - t0:.0f}s", flush=True)
 
@@ -179,7 +211,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "device": gpu, "nvidia_smi": smi, "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "ceilings": _ceilings(), "rows": [], "placement": [], "configs": [],
+        "ceilings": _ceilings(), "rows": [], "kv_pass": [], "configs": [], "before": [],
     }  # fmt: skip
     lines = [f"{gpu}  torch {torch.__version__}  triton {result['triton']}  ({smi})"]
     lines.append(f"ceilings: {result['ceilings']}")
@@ -203,20 +235,23 @@ def main() -> None:
                 f"{shape:16s} {r:15s} {times[r]:8.3f} {times_2[r]:8.3f} "
                 f"{row['tflops']:8.1f} {row['slowdown_vs_none']:8.3f}"
             )
-        # K/V QDQ placement: the separate pass vs fused into the attention loop
-        for recipe in ("nvfp4",):
-            quant = RECIPES[recipe][0]
-            assert quant is not None
-            prepass_ms = min(times[recipe], times_2[recipe])
-            fused_ms = _bench(_call(x, Job(recipe, kv_qdq="fused")))
-            pass_ms = _bench(_kv_pass(x, quant))
-            entry = {"shape": shape, "recipe": recipe, "prepass_total_ms": prepass_ms,
-                     "kv_pass_ms": pass_ms, "fused_ms": fused_ms}  # fmt: skip
-            result["placement"].append(entry)
-            lines.append(
-                f"  placement {recipe}: prepass total {prepass_ms:.3f} ms (of which the K/V "
-                f"pass {pass_ms:.3f}), fused {fused_ms:.3f} ms"
-            )
+        # the K/V QDQ pass alone, within the nvfp4 total
+        quant = RECIPES["nvfp4"][0]
+        assert quant is not None
+        total_ms = min(times["nvfp4"], times_2["nvfp4"])
+        pass_ms = _bench(_kv_pass(x, quant))
+        result["kv_pass"].append({"shape": shape, "recipe": "nvfp4", "total_ms": total_ms,
+                                  "kv_pass_ms": pass_ms})  # fmt: skip
+        lines.append(f"  nvfp4: total {total_ms:.3f} ms, of which the K/V pass {pass_ms:.3f}")
+        if args.before:  # interleaved: before, after, before, after
+            for r in RECIPES:
+                fns_ab = (_call(x, Job(r, before=True)), fns[r])
+                ms_ab = [_bench(fns_ab[i % 2]) for i in range(4)]
+                old, new = min(ms_ab[0::2]), min(ms_ab[1::2])
+                result["before"].append({"shape": shape, "recipe": r, "before_ms": old,
+                                         "after_ms": new, "ratio": new / old})  # fmt: skip
+                lines.append(f"  before/after {r}: {old:.3f} -> {new:.3f} ms "
+                             f"({new / old:.3f}x)")  # fmt: skip
         if not args.quick:
             for recipe in SWEPT:
                 for c in CONFIGS:

@@ -18,6 +18,12 @@ and ``ptxas -v`` reports registers and spills. ``DIR`` gets ``report.txt`` and o
 information removed: equal PTX is equal machine code, so a refactor that keeps it
 needs no new timing. The Triton used is the one installed here (3.8 with torch
 2.14; the H200 machine has 3.6).
+
+``--prefill`` records ``prefill`` launches instead (cases ``RECIPE:DTYPE:CAUSAL``,
+default ``PREFILL_CASES``; DeepSeek's 192/128 head dims, the tiling
+``default_config`` picks on a GPU, bf16 kept as bf16). Every report line also
+counts the SASS instructions of the kernel (``cuobjdump -sass``), to compare the
+cost of a change without a GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 CASES = ("nvfp4:fp16:128", "fp8:fp16:128", "nvfp4:packed:128", "nvfp4:fp16:16", "fp8:fp16:16")
+PREFILL_CASES = ("none:bf16:causal", "fp8:bf16:causal", "nvfp4:bf16:causal",
+                 "nvfp4+2:4:bf16:causal", "nvfp4:bf16:full")  # fmt: skip
 TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32"}
 TYPES.update({"int64": "i64", "uint8": "u8"})
 
@@ -94,6 +102,10 @@ def record(path: Path, cases: list[str]) -> None:
         return run
 
     interpreter.InterpretedFunction.__getitem__ = getitem  # type: ignore[method-assign]
+    if cases and cases[0].count(":") >= 2 and cases[0].split(":")[-1] in ("causal", "full"):
+        _record_prefill(cases)
+        path.write_text(json.dumps(launches, indent=1, default=str))
+        return
     g = torch.Generator().manual_seed(0)
     length, page, blocks = 70, 64, 2
     for case in cases:
@@ -111,6 +123,55 @@ def record(path: Path, cases: list[str]) -> None:
         decode_shadow(q, cache, shadow, table, seq, storage=storage, **kw)
         decode(q, cache, table, seq, **kw)
     path.write_text(json.dumps(launches, indent=1, default=str))
+
+
+def _record_prefill(cases: list[str]) -> None:
+    """Small ``prefill`` calls per ``RECIPE[+N:M]:DTYPE:CAUSAL`` case, with the tiling and
+    dtype a GPU would use (the interpreter's bf16-in-float32 path is switched off: the
+    launches are recorded, their outputs not used)."""
+    import importlib
+
+    import torch
+
+    from mla_formats import AttentionQuant, NMSparsity
+
+    module = importlib.import_module("mla_triton.prefill")
+    if hasattr(module, "_bf16_in_float32"):
+        module._bf16_in_float32 = lambda dtype: False
+    g = torch.Generator().manual_seed(0)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for case in cases:
+        recipe_nm, dtype_name, causal = case.rsplit(":", 2)
+        recipe, _, nm = recipe_nm.partition("+")
+        quant = None if recipe == "none" else AttentionQuant.uniform(recipe)
+        sparsity = NMSparsity(*map(int, nm.split(":"))) if nm else None
+        dtype = dtypes[dtype_name]
+        lens, heads = [200, 56], 16  # more than one query tile: the K/V pass runs
+        cu = torch.tensor([0, 200, 256], dtype=torch.int32)
+        q = torch.randn(256, heads, 192, generator=g).to(dtype)
+        k = torch.randn(256, heads, 192, generator=g).to(dtype)
+        v = torch.randn(256, heads, 128, generator=g).to(dtype)
+        config = module.default_config(192, 128, dtype, torch.device("cuda"), quant)
+        module.prefill(
+            q, k, v, cu, cu, softmax_scale=0.07, causal=causal == "causal", quant=quant,
+            sparsity=sparsity, max_seqlen_q=max(lens), max_seqlen_k=max(lens), config=config,
+        )  # fmt: skip
+
+
+def _sass_count(ptxas: str, ptx: Path) -> str:
+    """SASS instructions of the compiled PTX (``cuobjdump`` beside ``ptxas``), or '?'."""
+    cuobjdump = Path(ptxas).with_name("cuobjdump")
+    cubin = ptx.with_suffix(".cubin")
+    try:
+        subprocess.run([ptxas, "-arch=sm_90a", str(ptx), "-o", str(cubin)], check=True)
+        sass = subprocess.run(
+            [str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    finally:
+        cubin.unlink(missing_ok=True)
+    return str(len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M)))
 
 
 def compile_all(launches: list[dict[str, Any]], out: Path) -> list[str]:
@@ -155,13 +216,13 @@ def compile_all(launches: list[dict[str, Any]], out: Path) -> list[str]:
         spills = re.findall(r"(\d+) bytes spill stores", log)
         tiles = ",".join(
             f"{k}={constexprs[k]}"
-            for k in ("BLOCK_H", "BLOCK_N", "K_FMT", "V_FMT", "STORE")
+            for k in ("BLOCK_H", "BLOCK_M", "BLOCK_N", "K_FMT", "V_FMT", "STORE", "CAUSAL")
             if k in constexprs
         )
         line = (
             f"{name:32s} {tiles:46s} warps {launch['num_warps']} stages {launch['num_stages']}"
             f"  smem {compiled.metadata.shared:6d} B  regs {regs[0] if regs else '?':>3s}"
-            f"  spills {spills[0] if spills else '?'} B"
+            f"  spills {spills[0] if spills else '?'} B  sass {_sass_count(ptxas, ptx)}"
         )
         print(line, flush=True)
         lines.append(line)
@@ -193,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="folder for report.txt and the PTX")
     parser.add_argument("--case", action="append", help="RECIPE:STORAGE:HEADS (repeatable)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("DIR_A", "DIR_B"))
+    parser.add_argument("--prefill", action="store_true", help="prefill launches instead")
     parser.add_argument("--_record", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    cases = args.case or list(CASES)
+    cases = args.case or list(PREFILL_CASES if args.prefill else CASES)
     if args._record is not None:
         record(args._record, cases)
         return 0

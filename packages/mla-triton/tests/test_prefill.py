@@ -1,7 +1,8 @@
 """``mla_triton.prefill`` against the oracle ``mla_reference.prefill`` (CPU, interpreter).
 
-Run with ``TRITON_INTERPRET=1``; inputs are float32 or float16 (the interpreter
-computes bf16 wrongly). Comparisons are elementwise with tight tolerances; where
+Run with ``TRITON_INTERPRET=1``; inputs are float32 or float16, and bfloat16
+(which ``prefill`` computes in float32 under the interpreter, whose bf16
+arithmetic is wrong). Comparisons are elementwise with tight tolerances; where
 quantized P can legitimately differ from the oracle by one code (a value within
 an ulp of an E2M1/E4M3 rounding midpoint, since exp2 rounds differently), a small
 fraction of elements may exceed them, each by a bounded amount ("flips"). A
@@ -10,19 +11,27 @@ wrong axis, block origin or scale moves most elements and fails.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 import mla_reference
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant, e2m1_round, qdq, qdq_factored
 from mla_triton import prefill
 from mla_triton import qdq_device as dev
 from mla_triton.prefill import PrefillConfig
+
+# the module (``mla_triton.prefill`` the attribute is the function)
+prefill_module = importlib.import_module("mla_triton.prefill")
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -98,6 +107,8 @@ def assert_matches(
     fraction ``flips`` of elements, each within ``flip_err * max|ref|``."""
     assert out.shape == ref.shape, what
     assert not torch.isnan(out).any(), f"{what}: NaN in the output"
+    if not out.numel():
+        return
     o, r = out.double(), ref.double()
     scale = max(r.abs().max().item(), 1e-30)
     err = (o - r).abs()
@@ -114,6 +125,8 @@ def tolerance(quant: AttentionQuant | None, dtype: torch.dtype) -> dict[str, flo
     p_quantized = quant is not None and not quant.p.is_identity
     if dtype == torch.float32:
         tol = {"rtol": 2e-5, "atol": 2e-5}
+    elif dtype == torch.bfloat16:  # bf16 output rounding (8 significant bits)
+        tol = {"rtol": 1e-2, "atol": 5e-3}
     else:  # fp16 output rounding; unquantized P rounds to fp16 for the PV dot
         tol = {"rtol": 4e-3, "atol": 2e-3}
     if p_quantized:  # one code of P̂ moves one row's output by at most ~ V / 3
@@ -172,10 +185,9 @@ def test_quant_matrix_64_32(name: str, causal: bool) -> None:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("name", ["none", "fp8", "nvfp4", "nvfp4-amax"])
 def test_deepseek_dims_192_128(name: str, causal: bool) -> None:
-    """Also the pipelined loop (next tile's Q K^T before this tile's softmax)."""
     quant = QUANTS[name]
     q, k, v, cu_q, cu_k, scale = make_batch([1, 17, 40], [1, 20, 70], 2, 1, 192, 128, seed=2)
-    config = PrefillConfig(block_m=16, block_n=16, pipeline=True)
+    config = PrefillConfig(block_m=16, block_n=16)
     out, lse, ref, ref_lse = run_both(
         q, k, v, cu_q, cu_k, scale, causal=causal, quant=quant, config=config
     )
@@ -202,16 +214,23 @@ def test_padded_head_dims(dims: tuple[int, int]) -> None:
     assert_lse(lse, ref_lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("name", ["none", "nvfp4", "fp8"])
-def test_float16_inputs(name: str) -> None:
+def test_16_bit_inputs(name: str, dtype: torch.dtype) -> None:
+    """bf16: computed in float32 under the interpreter, the output rounded to bf16."""
     quant = QUANTS[name]
-    q, k, v, cu_q, cu_k, scale = make_batch(
-        [7, 16, 70], [7, 30, 70], 4, 1, 64, 32, dtype=torch.float16, seed=5
-    )
-    out, lse, ref, ref_lse = run_both(q, k, v, cu_q, cu_k, scale, causal=True, quant=quant)
-    assert out.dtype == torch.float16
-    assert_matches(out, ref, **tolerance(quant, q.dtype), what=name)
-    assert_lse(lse, ref_lse, atol=2e-3)
+    q, k, v, cu_q, cu_k, scale = make_batch([7, 16, 70], [7, 30, 70], 4, 1, 64, 32, dtype=dtype)
+    for causal in (True, False):
+        out, lse, ref, ref_lse = run_both(q, k, v, cu_q, cu_k, scale, causal=causal, quant=quant)
+        assert out.dtype == dtype
+        assert_matches(out, ref, **tolerance(quant, q.dtype), what=f"{name} causal={causal}")
+        assert_lse(lse, ref_lse, atol=2e-3)
+    # into a strided buffer
+    big = torch.zeros(q.shape[0], 6, 40, dtype=dtype)
+    got = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant, out=big[:, 1:5, 4:36])
+    assert got.data_ptr() == big[:, 1:5, 4:36].data_ptr()
+    assert torch.equal(got, prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant))
+    assert bool((big[:, 0] == 0).all()) and bool((big[:, :, :4] == 0).all())
 
 
 def test_tolerances_reject_common_mistakes() -> None:
@@ -254,7 +273,7 @@ def test_nm_sparsity(sparsity_name: str, quant_name: str, causal: bool) -> None:
     quant = QUANTS[quant_name]
     # a single-query sequence (never sparsified) and suffix-aligned queries
     q, k, v, cu_q, cu_k, scale = make_batch([1, 19, 64], [9, 40, 100], 2, 1, 64, 32, seed=6)
-    config = PrefillConfig(block_m=32, block_n=32, pipeline=quant is not None)
+    config = PrefillConfig(block_m=32, block_n=32)
     out, lse, ref, ref_lse = run_both(
         q, k, v, cu_q, cu_k, scale, causal=causal, quant=quant,
         sparsity=SPARSITIES[sparsity_name], config=config,
@@ -328,11 +347,16 @@ def test_out_buffer_slice_and_max_seqlen() -> None:
 
 
 def test_kv_prepass_and_fused_give_the_same_numbers() -> None:
+    """One query tile per sequence and no GQA: K/V QDQ fused into the attention kernel;
+    an overstated max_seqlen_q (more query tiles, the extra ones idle) takes the pass."""
     q, k, v, cu_q, cu_k, scale = make_batch([5, 30], [9, 40], 2, 2, 64, 32, seed=10)
     for name in ("nvfp4", "nvfp4-amax", "fp8-amax"):
-        a = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS[name], kv_qdq="prepass")
-        b = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS[name], kv_qdq="fused")
-        assert torch.equal(a, b), name
+        kw = {"softmax_scale": scale, "quant": QUANTS[name], "max_seqlen_k": 40}
+        fused = prefill(q, k, v, cu_q, cu_k, **kw, max_seqlen_q=30)  # type: ignore[arg-type]
+        pass_ = prefill(q, k, v, cu_q, cu_k, **kw, max_seqlen_q=100)  # type: ignore[arg-type]
+        assert torch.equal(fused, pass_), name
+        ref = mla_reference.prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS[name])
+        assert_matches(fused, ref, **tolerance(QUANTS[name], q.dtype), what=name)
 
 
 @pytest.mark.parametrize("sparsity", [None, NMSparsity(2, 4, dense_sink_tokens=4)])
@@ -341,33 +365,13 @@ def test_tile_invariance(sparsity: NMSparsity | None) -> None:
     quant = QUANTS["nvfp4"]
     q, k, v, cu_q, cu_k, scale = make_batch([17, 100], [40, 100], 2, 1, 64, 32, seed=11)
     outs = []
-    for bm, bn, pipeline in ((16, 16, False), (64, 32, True)):
-        config = PrefillConfig(block_m=bm, block_n=bn, pipeline=pipeline)
+    for bm, bn in ((16, 16), (64, 32)):
+        config = PrefillConfig(block_m=bm, block_n=bn)
         outs.append(
             prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant, sparsity=sparsity,
                     config=config)
         )  # fmt: skip
     assert_matches(outs[0], outs[1], rtol=1e-5, atol=1e-6, flips=0.005, flip_err=0.35)
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter
-def test_non_finite_inputs_poison_the_rows_that_see_them() -> None:
-    q, k, v, cu_q, cu_k, scale = make_batch([48], [48], 1, 1, 32, 16, seed=12)
-    k[20, 0, 3] = float("nan")
-    for quant in (None, QUANTS["nvfp4"]):
-        out = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant)
-        assert bool(torch.isfinite(out[:20]).all())  # causal rows before key 20
-        assert bool(torch.isnan(out[20:]).all())
-    # V: P = 0 times NaN is NaN, so a non-finite value reaches every row whose key
-    # tiles hold it, visible or not; with 16-key tiles, rows 0-15 never load key 20
-    k[20, 0, 3] = 0.0
-    v[20, 0, 0] = float("inf")
-    config = PrefillConfig(block_m=16, block_n=16)
-    for quant in (None, QUANTS["nvfp4"]):
-        out = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant, config=config)
-        assert bool(torch.isfinite(out[:16]).all())
-        assert not bool(torch.isfinite(out[16:, :, 0]).any())
-        assert bool(torch.isfinite(out[16:, :, 1:]).all())
 
 
 # -- validation ----------------------------------------------------------------------
@@ -401,13 +405,22 @@ def _valid() -> dict[str, object]:
         ({"softmax_scale": float("nan")}, "softmax_scale"),
         ({"causal": 1}, "causal"),
         ({"quant": "nvfp4"}, "quant"),
-        ({"quant": AttentionQuant(p=OperandQuant("nvfp4", 0.75))}, "quant"),
         ({"sparsity": (2, 4)}, "sparsity"),
         ({"sparsity": NMSparsity(2, 32), "config": PrefillConfig(16, 16)}, "sparsity"),
         ({"out": torch.zeros(9, 2, 8)}, "out"),
         ({"out": torch.zeros(9, 2, 16, dtype=torch.float16)}, "out"),
-        ({"kv_qdq": "never"}, "kv_qdq"),
         ({"max_seqlen_q": -1, "max_seqlen_k": 6}, "max_seqlen_q"),
+        ({"max_seqlen_q": 4}, "max_seqlen_q"),  # understated, offsets checked
+        ({"max_seqlen_k": 5}, "max_seqlen_k"),
+        ({"max_seqlen_k": True, "max_seqlen_q": 5}, "max_seqlen_k"),
+        (
+            {
+                "cu_seqlens_q": torch.zeros(1, dtype=torch.int32),
+                "cu_seqlens_k": torch.zeros(1, dtype=torch.int32),
+            },
+            "cu_seqlens_q",
+        ),  # B = 0, T = 9
+        ({"cu_seqlens_q": torch.zeros(0, dtype=torch.int32)}, "cu_seqlens_q"),
         ({"return_lse": "yes"}, "return_lse"),
     ],
 )
@@ -418,11 +431,317 @@ def test_validation_names_the_argument(change: dict[str, object], argument: str)
 
 
 def test_config_validation() -> None:
-    with pytest.raises(ValueError, match=r"config\.block_m"):
+    with pytest.raises(ValueError, match=r"^config\.block_m"):
         PrefillConfig(block_m=24, block_n=16)
+    with pytest.raises(ValueError, match=r"^config\.num_warps"):
+        PrefillConfig(block_m=16, block_n=16, num_warps=3)
+    for stages in (0, 5, 2.0):
+        with pytest.raises(ValueError, match=r"^config\.num_stages"):
+            PrefillConfig(block_m=16, block_n=16, num_stages=stages)  # type: ignore[arg-type]
     # m = 16 divides block_n = 16
     kwargs = _valid() | {"sparsity": NMSparsity(2, 16), "config": PrefillConfig(16, 16)}
     prefill(**kwargs)  # type: ignore[arg-type]
+
+
+def test_p_amax_below_one_is_refused_by_mla_formats() -> None:
+    """One rule in one place: ``AttentionQuant`` refuses it, so prefill never sees it."""
+    with pytest.raises(ValueError, match=r"^p: a static amax below 1"):
+        AttentionQuant(p=OperandQuant("nvfp4", 0.75))
+    q, k, v, cu_q, cu_k, scale = make_batch([4, 5], [4, 6], 2, 1, 32, 16)
+    quant = AttentionQuant(p=OperandQuant("nvfp4", 1.0))  # the limit itself is accepted
+    out, lse, ref, ref_lse = run_both(q, k, v, cu_q, cu_k, scale, quant=quant)
+    assert_matches(out, ref, **tolerance(quant, q.dtype))
+    assert_lse(lse, ref_lse)
+
+
+# -- B = 0, max_seqlen -------------------------------------------------------------------
+
+
+def test_empty_batch() -> None:
+    """``cu_seqlens = [0]``: no sequences, empty outputs (checked offsets or not)."""
+    cu = torch.zeros(1, dtype=torch.int32)
+    q, k, v = torch.zeros(0, 4, 32), torch.zeros(0, 2, 32), torch.zeros(0, 2, 16)
+    for max_seqlen in (None, 0):
+        out, lse = prefill(
+            q, k, v, cu, cu, softmax_scale=0.2, quant=QUANTS["nvfp4"], return_lse=True,
+            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        )  # fmt: skip
+        assert out.shape == (0, 4, 16) and lse.shape == (4, 0) and lse.dtype == torch.float32
+    ref, ref_lse = mla_reference.prefill(q, k, v, cu, cu, softmax_scale=0.2, return_lse=True)
+    assert ref.shape == out.shape and ref_lse.shape == lse.shape
+
+
+@pytest.mark.parametrize("name", ["none", "nvfp4", "fp8-amax"])
+def test_understated_max_seqlen_k_is_still_right(name: str) -> None:
+    """Unchecked (both maxima given): ``max_seqlen_k`` only sizes the K/V pass's launch,
+    whose programs stride over every key, so any value gives the same output."""
+    quant = QUANTS[name]
+    q, k, v, cu_q, cu_k, scale = make_batch([20, 70], [45, 100], 2, 1, 32, 16, seed=15)
+    want = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant)
+    ref = mla_reference.prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant)
+    assert_matches(want, ref, **tolerance(quant, q.dtype), what=name)
+    for max_k in (0, 1, 31, 33, 500):
+        got = prefill(
+            q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant, max_seqlen_q=70,
+            max_seqlen_k=max_k,
+        )  # fmt: skip
+        assert torch.equal(got, want), (name, max_k)
+    with pytest.raises(ValueError, match=r"^max_seqlen_k: 99 is less than the longest"):
+        prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=quant, max_seqlen_k=99)
+
+
+def test_quantize_kv_covers_every_key() -> None:
+    """The pass on its own, launched for 1 token per sequence: every key still QDQ'd."""
+    from mla_triton.prefill import quantize_kv
+
+    _, k, v, _, cu_k, _ = make_batch([1, 1], [40, 70], 1, 2, 32, 16, seed=16)
+    quant = AttentionQuant(q="nvfp4", k=OperandQuant("nvfp4", "dynamic"), p="nvfp4", v="nvfp4")
+    k_hat, v_hat, k_scales = quantize_kv(k, v, cu_k, quant, max_seqlen_k=1)
+    want_k, want_ks = qdq_factored(k, "nvfp4", amax="dynamic")
+    assert torch.equal(k_hat, want_k) and torch.equal(k_scales, want_ks.reshape(k_scales.shape))
+    for a, b in ((0, 40), (40, 110)):
+        want_v, _ = qdq_factored(v[a:b], "nvfp4", axis=0, pad=True)
+        assert torch.equal(v_hat[a:b], want_v)
+
+
+# -- the NaN rule (docs/numerics.md) ---------------------------------------------------
+
+# (operand, sequence, token in the sequence, head, feature): q's head is a query head,
+# k's and v's a KV head. Sequence 0 has 5 queries over 9 keys (suffix-aligned), sequence
+# 1 40 over 40, sequence 2 12 over 20 (only a q site: the rest of it stays clean when not
+# causal). With 16-query x 32-key tiles, v's key 20 of sequence 1 lies in the causal
+# diagonal tile of queries 0-15, which load it without seeing it.
+NAN_SITES = [("q", 1, 3, 1, 5), ("k", 1, 27, 0, 17), ("v", 1, 20, 0, 2), ("q", 0, 2, 0, 0),
+             ("v", 0, 8, 0, 9), ("q", 2, 4, 0, 31)]  # fmt: skip
+NAN, INF = float("nan"), float("inf")
+NAN_PATTERNS = {
+    "nan-inf-neginf": (NAN, INF, -INF, INF, NAN, -INF),
+    "inf-neginf-nan": (INF, -INF, NAN, NAN, -INF, NAN),
+    "negnan": (-NAN, -NAN, -NAN, INF, NAN, -INF),  # sign bit set: N:M must still keep it
+}
+NAN_QUANTS = {**{n: (QUANTS[n], None) for n in ("none", "fp8", "nvfp4", "nvfp4-amax")},
+              "none+2:4": (None, NMSparsity(2, 4)),
+              "nvfp4+2:4": (QUANTS["nvfp4"], NMSparsity(2, 4))}  # fmt: skip
+
+
+def _rule_rows(
+    sites: list[tuple[str, int, int, int, int]],
+    quant: AttentionQuant | None,
+    lens_q: list[int],
+    lens_k: list[int],
+    heads: int,
+    kv_heads: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NaN rule, from the sites alone: bool ``[T, H]`` rows whose out is NaN, and
+    ``[T, H]`` rows whose LSE is NaN. A non-finite q̂ / k̂ element poisons its own row of
+    features whatever the format (element, nvfp4 block or dynamic row: all in the row);
+    one of v̂ (blocked along the tokens) poisons every key of its nvfp4 block of 16."""
+    v_nvfp4 = quant is not None and quant.v.format.name == "nvfp4"
+    out_nan = torch.zeros(sum(lens_q), heads, dtype=torch.bool)
+    lse_nan = torch.zeros_like(out_nan)
+    group = heads // kv_heads
+    q0 = [sum(lens_q[:b]) for b in range(len(lens_q))]
+    for operand, b, tok, head, _ in sites:
+        for i in range(lens_q[b]):
+            q_pos = lens_k[b] - lens_q[b] + i
+            limit = q_pos if causal else lens_k[b] - 1
+            if limit < 0:
+                continue  # a row without a visible key: out 0, LSE -inf
+            if operand == "q":
+                seen = i == tok
+            elif operand == "k":
+                seen = tok <= limit
+            else:
+                first = tok // 16 * 16 if v_nvfp4 else tok
+                seen = first <= limit
+            hs = [head] if operand == "q" else range(head * group, (head + 1) * group)
+            for h in hs if seen else []:
+                out_nan[q0[b] + i, h] = True
+                lse_nan[q0[b] + i, h] |= operand != "v"
+    return out_nan, lse_nan
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(
+    ("name", "pattern"),
+    [(n, p) for n in NAN_QUANTS for p in NAN_PATTERNS if p != "negnan" or "2:4" in n],
+)
+def test_nan_rule(name: str, causal: bool, pattern: str) -> None:
+    """Exactly the rows the rule names are NaN (out all features; LSE for q̂ / k̂); every
+    other row is finite and matches the oracle."""
+    quant, sparsity = NAN_QUANTS[name]
+    lens_q, lens_k, heads, kv_heads = [5, 40, 12], [9, 40, 20], 2, 1
+    q, k, v, cu_q, cu_k, scale = make_batch(lens_q, lens_k, heads, kv_heads, 32, 16, seed=17)
+    tensors, starts = {"q": q, "k": k, "v": v}, {"q": cu_q, "k": cu_k, "v": cu_k}
+    for (operand, b, tok, head, feat), value in zip(NAN_SITES, NAN_PATTERNS[pattern], strict=True):
+        tensors[operand][int(starts[operand][b]) + tok, head, feat] = value
+    config = PrefillConfig(block_m=16, block_n=32)
+    out, lse, ref, ref_lse = run_both(
+        q, k, v, cu_q, cu_k, scale, causal=causal, quant=quant, sparsity=sparsity, config=config
+    )
+    out_nan, lse_nan = _rule_rows(NAN_SITES, quant, lens_q, lens_k, heads, kv_heads, causal)
+    assert 0 < int(out_nan.sum()) < out_nan.numel()
+    assert torch.equal(out.isnan().all(-1), out_nan), "rows that are NaN"
+    assert bool(out[~out_nan].isfinite().all()), "the other rows are finite"
+    assert torch.equal(lse.isnan().T, lse_nan), "LSE rows that are NaN"
+    assert torch.equal(ref.isnan().all(-1), out_nan), "the oracle follows the same rule"
+    clean = ~out_nan
+    assert_matches(out[clean], ref[clean], **tolerance(quant, q.dtype), what=name)
+    keep = ~lse_nan.T
+    assert_lse(lse[keep], ref_lse[keep])
+
+
+# -- property: any drawn call is refused before a launch, or matches the oracle --------
+
+FORMATS = ("none", "fp8", "nvfp4")
+# an invalid change of one argument, given the case: (argument, change)
+MUTATIONS = ("softmax_scale", "cu_seqlens_q", "cu_seqlens_k", "q", "k", "v", "out",
+             "max_seqlen_q", "max_seqlen_k", "sparsity", "config", "causal", "quant")  # fmt: skip
+
+
+@st.composite
+def _operand(draw: st.DrawFn, role: str) -> OperandQuant | None:
+    fmt = draw(st.sampled_from(FORMATS))
+    if fmt == "none":
+        return None
+    choices: list[Any] = [None, draw(st.floats(0.5, 50.0))]
+    if role in ("q", "k"):
+        choices.append("dynamic")
+    if role == "p":  # below 1 is refused by AttentionQuant (not drawn: see the test above)
+        choices[1] = draw(st.floats(1.0, 4.0))
+    amax = draw(st.sampled_from(choices))
+    return OperandQuant(fmt) if amax is None else OperandQuant(fmt, amax)
+
+
+def _packed(
+    g: torch.Generator, tokens: int, heads: int, dim: int, dtype: torch.dtype, layout: str
+) -> torch.Tensor:
+    """A ``[tokens, heads, dim]`` tensor, contiguous or a strided view of a larger one."""
+    if layout == "heads-strided":
+        return torch.randn(tokens, heads + 1, dim + 16, generator=g)[:, 1:, 16:].to(dtype)
+    if layout == "tokens-strided":
+        return torch.randn(2 * tokens, heads, dim, generator=g)[::2].to(dtype)
+    return torch.randn(tokens, heads, dim, generator=g).to(dtype)
+
+
+@st.composite
+def _cases(draw: st.DrawFn, mutation: str | None) -> tuple[dict[str, Any], str | None]:
+    """Keyword arguments of one ``prefill`` call, with an invalid change of the argument
+    ``mutation``; returns that name, or None when there was nothing to break."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    kv_heads, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    dim, dim_v = draw(st.sampled_from([16, 32, 48])), draw(st.sampled_from([16, 32]))
+    batch = draw(st.sampled_from([1, 2, 3, 0]))
+    lens_q = draw(st.lists(st.integers(0, 20), min_size=batch, max_size=batch))
+    lens_k = draw(st.lists(st.integers(0, 24), min_size=batch, max_size=batch))
+    layout = draw(st.sampled_from(["contiguous", "heads-strided", "tokens-strided"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    cu_q = torch.tensor([0, *itertools_accumulate(lens_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools_accumulate(lens_k)], dtype=torch.int64)
+    kwargs: dict[str, Any] = {
+        "q": _packed(g, sum(lens_q), kv_heads * group, dim, dtype, layout),
+        "k": _packed(g, sum(lens_k), kv_heads, dim, dtype, layout),
+        "v": _packed(g, sum(lens_k), kv_heads, dim_v, dtype, layout),
+        "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+        "softmax_scale": draw(st.floats(0.05, 1.0)), "causal": draw(st.booleans()),
+        "quant": AttentionQuant(**{r: draw(_operand(r)) for r in "qkpv"}),
+        "sparsity": draw(st.sampled_from([None, NMSparsity(2, 4), NMSparsity(1, 4, 3, 2)])),
+        "config": draw(st.sampled_from([None, PrefillConfig(16, 16), PrefillConfig(32, 16)])),
+    }  # fmt: skip
+    longest_q, longest_k = max(lens_q, default=0), max(lens_k, default=0)
+    if draw(st.booleans()):  # given (exact or overstated): no offsets check
+        kwargs["max_seqlen_q"] = longest_q + draw(st.sampled_from([0, 5]))
+        kwargs["max_seqlen_k"] = longest_k + draw(st.sampled_from([0, 7]))
+    tokens, heads = sum(lens_q), kv_heads * group
+    change: dict[str, Any] = {
+        "softmax_scale": {"softmax_scale": draw(st.sampled_from([0.0, -1.0, math.inf, "1"]))},
+        "cu_seqlens_q": {"cu_seqlens_q": cu_q.float(), "max_seqlen_q": None},
+        "cu_seqlens_k": {"cu_seqlens_k": cu_k + 1, "max_seqlen_k": None},
+        "q": {"q": kwargs["q"].double()},
+        "k": {"k": kwargs["k"].to(torch.float16 if dtype != torch.float16 else torch.float32)},
+        "v": {"v": torch.zeros(sum(lens_k), kv_heads, dim_v + 8, dtype=dtype)},
+        "out": {"out": torch.zeros(tokens, heads, dim_v + 16, dtype=dtype)},
+        "max_seqlen_q": {"max_seqlen_q": -1},
+        "max_seqlen_k": {"max_seqlen_k": longest_k - 1, "max_seqlen_q": None},
+        "sparsity": {"sparsity": NMSparsity(2, 32), "config": PrefillConfig(16, 16)},
+        "config": {"config": (16, 16)},
+        "causal": {"causal": 1},
+        "quant": {"quant": "nvfp4"},
+    }.get(mutation or "", {})
+    if mutation == "max_seqlen_k" and longest_k == 0:
+        change, mutation = {}, None  # nothing to understate
+    return kwargs | change, mutation
+
+
+def itertools_accumulate(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for x in values:
+        total += x
+        out.append(total)
+    return out
+
+
+def _spied_prefill(kwargs: dict[str, Any]) -> tuple[Any, list[str]]:
+    """``prefill(**kwargs, return_lse=True)`` (or the ValueError it raised), and the
+    kernels it launched, seen through the kernel objects of its module."""
+    launches: list[str] = []
+
+    class Spy:
+        def __init__(self, name: str) -> None:
+            self.kernel, self.name = getattr(prefill_module, name), name
+
+        def __getitem__(self, grid: Any) -> Any:
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    spies = {n: Spy(n) for n in ("prefill_fwd_kernel", "kv_qdq_kernel")}
+    with mock.patch.multiple(prefill_module, **spies):  # type: ignore[arg-type]
+        try:
+            return prefill(**kwargs, return_lse=True), launches
+        except ValueError as error:
+            return error, launches
+
+
+@pytest.mark.parametrize("argument", MUTATIONS)
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_property_bad_arguments_are_refused_before_a_launch(
+    argument: str, data: st.DataObject
+) -> None:
+    kwargs, mutation = data.draw(_cases(argument))
+    event(f"refused: {mutation}")
+    result, launches = _spied_prefill(kwargs)
+    if mutation is None:  # nothing to break in this case
+        assert not isinstance(result, ValueError), result
+        return
+    assert isinstance(result, ValueError), (mutation, result)
+    assert str(result).startswith(mutation), (mutation, str(result))
+    assert not launches, (mutation, launches)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(_cases(None))
+def test_property_valid_calls_match_the_oracle(case: tuple[dict[str, Any], str | None]) -> None:
+    kwargs, _ = case
+    event(f"compared: {kwargs['q'].dtype}, {kwargs['cu_seqlens_q'].numel() - 1} sequences")
+    result, launches = _spied_prefill(kwargs)
+    assert not isinstance(result, ValueError), result
+    out, lse = result
+    kwargs = {
+        n: x for n, x in kwargs.items() if n not in ("config", "max_seqlen_q", "max_seqlen_k")
+    }
+    ref, ref_lse = mla_reference.prefill(**kwargs, return_lse=True)
+    quant, q = kwargs["quant"], kwargs["q"]
+    assert bool(launches) == (out.numel() > 0 and not bool((lse == -math.inf).all()))
+    tol = tolerance(quant, q.dtype)
+    if "flips" in tol and out.numel():  # one P code moves one row: allow one row
+        tol["flips"] = max(tol["flips"], 1.01 * out.shape[2] / out.numel())
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    assert_matches(out, ref, **tol)
+    assert_lse(lse, ref_lse, atol=2e-3 if q.dtype != torch.float32 else 1e-4)
 
 
 # -- the fast P QDQ device functions -------------------------------------------------

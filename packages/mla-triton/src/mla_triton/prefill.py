@@ -12,7 +12,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 import triton
@@ -28,7 +28,7 @@ MAX_HEAD_DIM_QK = 576
 MAX_HEAD_DIM_V = 512
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DOT_F32, _DOT_F16, _DOT_BF16 = 0, 1, 2
-KvQdq = Literal["auto", "prepass", "fused"]
+_WARPS = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -36,26 +36,40 @@ class PrefillConfig:
     """Tiling of ``prefill_fwd_kernel``.
 
     ``block_m`` queries and ``block_n`` keys per tile (powers of two, at least 16;
-    ``block_n`` a multiple of the N:M group), ``num_warps`` and ``num_stages`` as
-    Triton takes them (ignored by the interpreter). ``pipeline`` issues the next
-    key tile's ``Q K^T`` before the current tile's softmax (same numbers).
+    ``block_n`` a multiple of the N:M group), ``num_warps`` (1, 2, 4, 8 or 16) and
+    ``num_stages`` (1 to 4: the software-pipeline depth of the key loop; the tests
+    and the benchmarks cover 1 to 3) as Triton takes them (ignored by the
+    interpreter).
     """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    pipeline: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
+            if not _is_int(value) or value < 16 or value & (value - 1):
                 raise ValueError(f"config.{name}: expected a power of two >= 16, got {value!r}")
+        if not _is_int(self.num_warps) or self.num_warps not in _WARPS:
+            raise ValueError(f"config.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not _is_int(self.num_stages) or not 1 <= self.num_stages <= 4:
+            raise ValueError(f"config.num_stages: expected 1 to 4, got {self.num_stages!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _bf16_in_float32(dtype: torch.dtype) -> bool:
+    """Whether bf16 inputs run the kernels in float32: under Triton's interpreter, whose
+    bf16 arithmetic and bf16 dots are wrong (on a GPU bf16 runs as bf16)."""
+    return dtype == torch.bfloat16 and _interpreting()
 
 
 def default_config(
@@ -137,7 +151,7 @@ def _check_tensor(x: object, name: str, device: torch.device | None = None) -> t
 def _check_cu(x: object, name: str, device: torch.device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 1 or x.numel() < 2:
+    if x.dim() != 1 or x.numel() < 1:
         raise ValueError(f"{name}: expected a 1-d [batch + 1] tensor, got shape {tuple(x.shape)}")
     if x.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: expected an int32 or int64 tensor, got {x.dtype}")
@@ -152,17 +166,20 @@ def _check_offsets(cu: torch.Tensor, name: str, tokens: int, tokens_name: str) -
     if values[0] != 0:
         raise ValueError(f"{name}: expected to start at 0, got {values[0]}")
     lengths = [b - a for a, b in itertools.pairwise(values)]
-    if min(lengths) < 0:
+    if min(lengths, default=0) < 0:
         raise ValueError(f"{name}: expected non-decreasing offsets, got {values}")
     if values[-1] != tokens:
         raise ValueError(f"{name}: last entry {values[-1]} must equal the number of tokens "
                          f"{tokens} (dim 0 of {tokens_name})")  # fmt: skip
-    return max(lengths)
+    return max(lengths, default=0)
 
 
-def _check_max_seqlen(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+def _check_max_seqlen(value: object, name: str, longest: int | None) -> int:
+    """A given ``max_seqlen_*``; ``longest`` the checked offsets' longest sequence, if read."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}: expected None or a non-negative int, got {value!r}")
+    if longest is not None and value < longest:
+        raise ValueError(f"{name}: {value} is less than the longest sequence, {longest}")
     return value
 
 
@@ -179,12 +196,14 @@ def quantize_kv(
     """``prefill``'s K/V pass: QDQ fresh K and V once, before attention (no checks).
 
     ``k [Tk, Hkv, Dqk]`` and ``v [Tk, Hkv, Dv]`` as ``prefill`` takes them, int32
-    offsets on their device. Returns ``(k_hat, v_hat, k_scales)``: the factored
-    values of the quantized operands (the inputs themselves where ``quant`` leaves
-    one unquantized) in ``k_dtype`` / ``v_dtype`` (exact in fp16, bf16 and fp32;
-    the inputs' dtypes by default), and K's per-token global scales ``[Tk, Hkv]``
-    float32 when K's amax is dynamic (else a 1-element placeholder). Exposed for
-    benchmarks and engines that want the pass on its own.
+    offsets on their device. ``max_seqlen_k`` only sizes the launch: every key is
+    quantized whatever its value (the longest sequence is the fastest choice).
+    Returns ``(k_hat, v_hat, k_scales)``: the factored values of the quantized
+    operands (the inputs themselves where ``quant`` leaves one unquantized) in
+    ``k_dtype`` / ``v_dtype`` (exact in fp16, bf16 and fp32; the inputs' dtypes by
+    default), and K's per-token global scales ``[Tk, Hkv]`` float32 when K's amax
+    is dynamic (else a 1-element placeholder). Exposed for benchmarks and engines
+    that want the pass on its own.
     """
     tokens_k, kv_heads, dim = k.shape
     dim_v = v.shape[2]
@@ -199,15 +218,15 @@ def quantize_kv(
             k_scales = torch.empty(tokens_k, kv_heads, dtype=torch.float32, device=device)
     if v_fmt:
         v_hat = torch.empty(tokens_k, kv_heads, dim_v, dtype=v_dtype or v.dtype, device=device)
-    if not (k_fmt or v_fmt) or tokens_k == 0 or max_seqlen_k == 0:
+    batch = cu_seqlens_k.numel() - 1
+    if not (k_fmt or v_fmt) or tokens_k == 0 or batch == 0:
         return k_hat, v_hat, k_scales
     d1, d2 = _split_head_dim(dim)
     block_t = 32 if max(dim, dim_v) <= 256 else 16
-    batch = cu_seqlens_k.numel() - 1
     k_gs, v_gs = _global_scale(quant.k), _global_scale(quant.v)
     k_fast = k_fmt != 0 and not k_dynamic and _fast_qdq_exact(k, k_gs)
     v_fast = v_fmt != 0 and _fast_qdq_exact(v, v_gs)
-    kv_qdq_kernel[(triton.cdiv(max_seqlen_k, block_t), kv_heads, batch)](
+    kv_qdq_kernel[(triton.cdiv(max(max_seqlen_k, 1), block_t), kv_heads, batch)](
         k, v, k_hat, v_hat, k_scales, cu_seqlens_k, k_gs, v_gs,
         1.0 / (6.0 * k_gs) if k_fmt == 2 else 1.0 / k_gs,
         1.0 / (6.0 * v_gs) if v_fmt == 2 else 1.0 / v_gs,
@@ -222,67 +241,36 @@ def quantize_kv(
     return k_hat, v_hat, k_scales
 
 
+if TYPE_CHECKING:
+    from typing_extensions import Required, TypedDict, Unpack
+
+    class _Options(TypedDict, total=False):
+        """``prefill``'s keyword arguments but ``return_lse`` (for its overloads)."""
+
+        softmax_scale: Required[float]
+        causal: bool
+        quant: AttentionQuant | None
+        sparsity: NMSparsity | None
+        out: torch.Tensor | None
+        max_seqlen_q: int | None
+        max_seqlen_k: int | None
+        config: PrefillConfig | None
+
+
+_T = torch.Tensor
+
+
+# fmt: off
 @overload
-def prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    *,
-    softmax_scale: float,
-    causal: bool = ...,
-    quant: AttentionQuant | None = ...,
-    sparsity: NMSparsity | None = ...,
-    return_lse: Literal[False] = ...,
-    out: torch.Tensor | None = ...,
-    max_seqlen_q: int | None = ...,
-    max_seqlen_k: int | None = ...,
-    kv_qdq: KvQdq = ...,
-    config: PrefillConfig | None = ...,
-) -> torch.Tensor: ...
-
-
+def prefill(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T, *,
+            return_lse: Literal[False] = ..., **options: Unpack[_Options]) -> _T: ...
 @overload
-def prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    *,
-    softmax_scale: float,
-    causal: bool = ...,
-    quant: AttentionQuant | None = ...,
-    sparsity: NMSparsity | None = ...,
-    return_lse: Literal[True],
-    out: torch.Tensor | None = ...,
-    max_seqlen_q: int | None = ...,
-    max_seqlen_k: int | None = ...,
-    kv_qdq: KvQdq = ...,
-    config: PrefillConfig | None = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
+def prefill(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T, *,
+            return_lse: Literal[True], **options: Unpack[_Options]) -> tuple[_T, _T]: ...
 @overload
-def prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    *,
-    softmax_scale: float,
-    causal: bool = ...,
-    quant: AttentionQuant | None = ...,
-    sparsity: NMSparsity | None = ...,
-    return_lse: bool,
-    out: torch.Tensor | None = ...,
-    max_seqlen_q: int | None = ...,
-    max_seqlen_k: int | None = ...,
-    kv_qdq: KvQdq = ...,
-    config: PrefillConfig | None = ...,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+def prefill(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T, *,
+            return_lse: bool, **options: Unpack[_Options]) -> _T | tuple[_T, _T]: ...
+# fmt: on
 
 
 def prefill(
@@ -300,7 +288,6 @@ def prefill(
     out: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
-    kv_qdq: KvQdq = "auto",
     config: PrefillConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen flash attention with NVFP4/FP8 QDQ of Q, K, P and V (SPEC 3 to 6).
@@ -312,7 +299,11 @@ def prefill(
         v: ``[Tk, Hkv, Dv]`` values (DeepSeek: Dv = 128). Head dims are multiples of
             16, Dqk <= 576 and Dv <= 512. q, k, v share dtype (float16, bfloat16 or
             float32) and device; any strides with a unit stride on the head dim.
-        cu_seqlens_q: int32 (or int64) ``[B + 1]`` offsets of each sequence in q.
+            Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), whose
+            bf16 arithmetic is wrong, bfloat16 inputs are computed in float32 and
+            the output is rounded to bfloat16 (on a GPU they run in bf16).
+        cu_seqlens_q: int32 (or int64) ``[B + 1]`` offsets of each sequence in q;
+            ``B = 0`` (``[0]``, no tokens) gives empty outputs.
         cu_seqlens_k: int32 (or int64) ``[B + 1]`` offsets of each sequence in k and v.
         softmax_scale: positive factor of the dot products, ``s = (q̂ · k̂) * scale``.
         causal: query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sits at
@@ -321,8 +312,8 @@ def prefill(
         quant: ``mla_formats.AttentionQuant`` or None (no quantization). Q and K are
             QDQ'd along the head dim (amax dynamic per token and head, or static); P
             and V along the key axis, blocks at key positions 0, 16, ... of each
-            sequence, with static amax. P's amax must be at least 1: below that P's
-            saturation would depend on the online softmax's running maximum.
+            sequence, with static amax (``AttentionQuant`` requires P's to be at
+            least 1).
         sparsity: ``mla_formats.NMSparsity`` or None: N:M score sparsity over groups
             of M keys at absolute key positions, with dense sink and recent windows;
             a sequence with a single query is not sparsified.
@@ -331,28 +322,33 @@ def prefill(
             with a unit stride on the head dim, e.g. a slice of a larger tensor).
         max_seqlen_q: the longest query sequence (as flash-attn's varlen API takes
             it). Given with ``max_seqlen_k``, no host sync happens and the offsets'
-            values are not checked: the caller vouches for them (an understated
-            ``max_seqlen_q`` leaves rows unwritten). Otherwise the offsets are read
-            back and checked (start at 0, non-decreasing, end at the token count).
-        max_seqlen_k: the longest key sequence; see ``max_seqlen_q``.
-        kv_qdq: where K and V are quantized: ``"prepass"`` (one pass writing factored
-            copies before attention), ``"fused"`` (inside the attention kernel, once
-            per query tile that reads them), or ``"auto"``: fused only when each K/V
-            tile is read by a single query tile, else the prepass. Same numbers.
+            values are not checked: the caller vouches for the offsets and for
+            ``max_seqlen_q`` (an understated value leaves the rows past it
+            unwritten). Otherwise the offsets are read back and checked (start at 0,
+            non-decreasing, end at the token count) and a given value smaller than
+            the longest sequence raises ``ValueError``.
+        max_seqlen_k: the longest key sequence: it only sizes the K/V pass's launch,
+            which covers every key whatever the value, so an understated one is
+            slower, never wrong. Checked as ``max_seqlen_q`` is.
         config: tiling override; ``default_config`` otherwise.
 
     Returns:
         ``out [T, H, Dv]`` in q's dtype, or ``(out, lse)`` with ``lse [H, T]`` float32.
         A row without a visible key gets ``out = 0`` and ``lse = -inf``.
 
-    Non-finite input is not checked (that would cost a pass over the inputs). What
-    happens: with quantization, QDQ of Q, K and V turns NaN and ±inf into NaN (as
-    ``mla_formats`` does) element by element; the block neighbours of such an
-    element are not poisoned, unlike the reference. A NaN score or value then makes
-    the denominator or the accumulator NaN, so every output row that sees a NaN
-    query, key or value is NaN (its LSE too, for NaN scores). Without quantization,
-    ±inf inputs follow IEEE arithmetic (usually NaN rows). N:M ranking of NaN
-    scores is unspecified.
+    K and V are quantized once, in a pass before attention (``quantize_kv``), or
+    inside the attention kernel when each of their tiles is read by one program
+    only (a single query tile per sequence, no GQA sharing); the numbers are the
+    same.
+
+    Non-finite input is not checked; it follows the NaN rule of docs/numerics.md,
+    as ``mla_reference.prefill`` does. QDQ turns NaN and ±inf into NaN and poisons
+    the value's nvfp4 block and, with a dynamic amax, its row. An output row is
+    NaN exactly when it reads a non-finite operand element after QDQ (for format
+    none the raw value): its q̂, or the k̂ or v̂ of a key it sees (causal
+    visibility, or every key when not causal; a key that N:M drops is still seen).
+    Its LSE is NaN too when that element is in q̂ or k̂, and unchanged for v̂.
+    Other rows are unaffected.
     """
     q = _check_tensor(q, "q")
     device = q.device
@@ -379,6 +375,9 @@ def prefill(
         raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} entries (those of "
                          f"cu_seqlens_q), got {cu_k.numel()}")  # fmt: skip
     batch = cu_q.numel() - 1
+    for name, n, what in (("cu_seqlens_q", tokens, "q"), ("cu_seqlens_k", tokens_k, "k")):
+        if batch == 0 and n:
+            raise ValueError(f"{name}: [0] (no sequences) but {what} has {n} tokens")
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise ValueError(f"softmax_scale: expected a float, got {softmax_scale!r}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
@@ -393,19 +392,10 @@ def prefill(
         raise ValueError(
             f"quant: expected None or mla_formats.AttentionQuant, got {type(quant).__name__}"
         )
-    if not quant.p.is_identity and quant.p.static_amax() < 1.0:
-        raise ValueError(
-            f"quant: P's static amax must be at least 1, got {quant.p.static_amax()}; P lies "
-            "in (0, 1] after the power-of-two reference point, and a smaller amax would "
-            "saturate P relative to the kernel's running maximum, which is tile-dependent "
-            "(SPEC 4)"
-        )
     if sparsity is not None and not isinstance(sparsity, NMSparsity):
         raise ValueError(
             f"sparsity: expected None or mla_formats.NMSparsity, got {type(sparsity).__name__}"
         )
-    if kv_qdq not in ("auto", "prepass", "fused"):
-        raise ValueError(f"kv_qdq: expected 'auto', 'prepass' or 'fused', got {kv_qdq!r}")
     if config is None:
         config = default_config(dim, dim_v, q.dtype, device, quant)
     elif not isinstance(config, PrefillConfig):
@@ -426,20 +416,52 @@ def prefill(
         if out.numel() and out.stride(2) != 1:
             raise ValueError(f"out: expected a unit stride on the head dim, got strides "
                              f"{tuple(out.stride())}")  # fmt: skip
+    longest_q = longest_k = None
     if max_seqlen_q is None or max_seqlen_k is None:
         longest_q = _check_offsets(cu_q, "cu_seqlens_q", tokens, "q")
         longest_k = _check_offsets(cu_k, "cu_seqlens_k", tokens_k, "k")
-        if max_seqlen_q is None:
-            max_seqlen_q = longest_q
-        if max_seqlen_k is None:
-            max_seqlen_k = longest_k
-    max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    max_q = longest_q if max_seqlen_q is None else max_seqlen_q
+    max_k = longest_k if max_seqlen_k is None else max_seqlen_k
+    max_q = _check_max_seqlen(max_q, "max_seqlen_q", longest_q)
+    max_k = _check_max_seqlen(max_k, "max_seqlen_k", longest_k)
 
     lse = torch.empty(heads, tokens, dtype=torch.float32, device=device)
-    if tokens == 0 or max_seqlen_q == 0:
+    if tokens == 0 or max_q == 0:
         return (out, lse) if return_lse else out
+    if _bf16_in_float32(q.dtype):
+        out32 = _launch(q.float(), k.float(), v.float(), cu_q, cu_k, softmax_scale, causal,
+                        quant, sparsity, return_lse, None, lse, max_q, max_k, config)  # fmt: skip
+        out.copy_(out32)
+    else:
+        _launch(q, k, v, cu_q, cu_k, softmax_scale, causal, quant, sparsity, return_lse, out,
+                lse, max_q, max_k, config)  # fmt: skip
+    return (out, lse) if return_lse else out
 
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    quant: AttentionQuant,
+    sparsity: NMSparsity | None,
+    return_lse: bool,
+    out: torch.Tensor | None,
+    lse: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    config: PrefillConfig,
+) -> torch.Tensor:
+    """``prefill``'s kernels on checked arguments (``out`` None: a new one); returns out."""
+    tokens, heads, dim = q.shape
+    _, kv_heads, dim_v = v.shape
+    device = q.device
+    if out is None:
+        out = torch.empty(tokens, heads, dim_v, dtype=q.dtype, device=device)
+    batch = cu_q.numel() - 1
     qq, kq, pq, vq = quant.q, quant.k, quant.p, quant.v
     q_fmt, k_fmt = FORMAT_CODES[qq.format.name], FORMAT_CODES[kq.format.name]
     p_fmt, v_fmt = FORMAT_CODES[pq.format.name], FORMAT_CODES[vq.format.name]
@@ -463,21 +485,19 @@ def prefill(
 
     # K and V: quantized once (see the kernel module's docstring)
     kv_quant = k_fmt != 0 or v_fmt != 0
-    fused = kv_quant and (kv_qdq == "fused" or (kv_qdq == "auto" and m_tiles == 1 and group == 1))
+    fused = kv_quant and m_tiles == 1 and group == 1
     k_in, v_in, k_scales = k, v, torch.ones(1, dtype=torch.float32, device=device)
-    if kv_quant and not fused and tokens_k and max_seqlen_k:
+    if kv_quant and not fused:
         k_in, v_in, k_scales = quantize_kv(
             k, v, cu_k, quant, max_seqlen_k=max_seqlen_k, k_dtype=k_dtype, v_dtype=v_dtype
         )
 
     qk_scale = softmax_scale * LOG2E * q_gs * (1.0 if k_dynamic else k_gs)
     p_inv_gs = 1.0 / (6.0 * p_gs) if p_fmt == 2 else 1.0 / p_gs
-    hw_fp8 = _hw_fp8(device)
     nm_n, nm_m = (sparsity.n, sparsity.m) if sparsity is not None else (0, 1)
     n_sink = sparsity.dense_sink_tokens if sparsity is not None else 0
     n_recent = sparsity.dense_recent_tokens if sparsity is not None else 0
-    grid = (m_tiles, heads, batch)
-    prefill_fwd_kernel[grid](
+    prefill_fwd_kernel[(m_tiles, heads, batch)](
         q, k_in, v_in, k_scales, out, lse, cu_q, cu_k,
         qk_scale, q_gs, k_gs, v_gs, p_gs, p_inv_gs, p_gs * v_gs,
         n_sink, n_recent, group,
@@ -489,8 +509,7 @@ def prefill(
         Q_FMT=q_fmt, Q_DYNAMIC=q_dynamic, K_FMT=k_fmt, K_DYNAMIC=k_dynamic,
         V_FMT=v_fmt, KV_FUSED=fused, P_FMT=p_fmt,
         NM_N=nm_n, NM_M=nm_m, NM_DENSE=n_sink + n_recent > 0,
-        QK_DOT=qk_dot, PV_DOT=pv_dot, RETURN_LSE=return_lse, HW_FP8=hw_fp8,
-        PIPELINE=config.pipeline,
+        QK_DOT=qk_dot, PV_DOT=pv_dot, RETURN_LSE=return_lse, HW_FP8=_hw_fp8(device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return out

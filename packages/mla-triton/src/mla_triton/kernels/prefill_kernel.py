@@ -37,18 +37,28 @@ work on padding. A remainder that is not a power of two is padded with zeros.
 
 K and V are quantized once, not once per tile pair: ``kv_qdq_kernel`` writes
 factored copies of the fresh K and V (and K's per-token global scales when K's
-amax is dynamic) in one pass before the attention kernel. With ``KV_FUSED`` the
-attention kernel quantizes each K and V tile itself instead; the wrapper picks
-that only when every K/V tile is read by a single program (one query tile per
-sequence and no GQA sharing), where it is the same single QDQ without the extra
-pass over memory. QDQ is deterministic, so both give the same numbers (on an
-H200 the pass is 8x faster than per-tile QDQ for long sequences:
-docs/benchmarks-prefill.md).
+amax is dynamic) in one pass before the attention kernel; its programs stride
+over each sequence's tokens, so the pass covers every key whatever ``max_seqlen_k``
+the grid was sized from. With ``KV_FUSED`` the attention kernel quantizes each
+K and V tile itself instead; the wrapper picks that only when every K/V tile is
+read by a single program (one query tile per sequence and no GQA sharing), where
+it is the same single QDQ without the extra pass over memory. QDQ is
+deterministic, so both give the same numbers (on an H200 the pass is 8x faster
+than per-tile QDQ for long sequences: docs/benchmarks.md).
+
+Non-finite operands (the NaN rule of docs/numerics.md): QDQ turns them into NaN
+and poisons their scale's block or row (``qdq_device``). A score that is -inf
+before masking (an unquantized infinite operand, ``QK_RAW``) becomes NaN, and
+N:M sparsity never drops a NaN score, so a row that sees a non-finite q̂ or k̂
+gets a NaN ``l`` and a NaN output and LSE. The epilogue writes a row whose
+accumulator holds a non-finite element all NaN (a non-finite v̂ the row sees).
+On the causal diagonal tiles a row can load a key it does not see, where
+``0 * NaN`` would poison it: there the keys whose v̂ row is non-finite are
+zeroed, and the rows that see one of them are set to NaN (``_diagonal_v``).
 
 Cost on Hopper: the loop is a FlashAttention-2 schedule (no warp specialization in
 Triton 3.6 for sm_90), so P's QDQ and N:M ranking run on the CUDA cores between
-the tensor-core dots rather than beside them. ``PIPELINE`` issues the next tile's
-``Q K^T`` before the current softmax (measured slower; kept as an option).
+the tensor-core dots rather than beside them.
 """
 
 from __future__ import annotations
@@ -90,35 +100,22 @@ def _load_tile(
 
 
 @triton.jit
-def _keep_non_finite(y, x):
-    """NaN where ``x`` is NaN or ±inf (``mla_formats`` turns ±inf into NaN)."""
-    return tl.where((x != x) | (tl.abs(x) == float("inf")), float("nan"), y)
-
-
-@triton.jit
-def _row_global_scale(
-    x1,
-    x2,
-    gs_static,
-    FMT: tl.constexpr,
-    DYNAMIC: tl.constexpr,
-    ROWS: tl.constexpr,
-    D2: tl.constexpr,
-):
-    """Global scale ``[ROWS]`` of rows split over ``x1`` and ``x2`` (feature axis).
-
-    Dynamic: ``amax / unit_amax`` over the whole row (``div_rn``, as the reference
-    divides), an all-zero row taking the unit amax. Static: ``gs_static``.
-    """
-    if DYNAMIC:
-        amax = tl.max(tl.abs(x1), axis=1)
-        if D2 > 0:
-            amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
-        unit = 448.0 if FMT == 1 else 2688.0
-        gs = tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit)
+def _load_split(
+    base, rows, stride_row, n_rows, D1: tl.constexpr, D2: tl.constexpr, D2_VALID: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Rows of a head dim split as ``D1 + D2``: ``(x1 [R, D1], x2 [R, D2])`` in the input
+    dtype, zeros past ``D2_VALID`` (and past ``n_rows`` with ``MASK_ROWS``); ``x2`` is
+    ``x1`` when ``D2 == 0``."""
+    x1 = _load_tile(base, rows, tl.arange(0, D1), stride_row, n_rows, D1, MASK_ROWS, False)
+    if D2 > 0:
+        x2 = _load_tile(
+            base + D1, rows, tl.arange(0, D2), stride_row, n_rows, D2_VALID, MASK_ROWS,
+            D2_VALID < D2,
+        )  # fmt: skip
     else:
-        gs = tl.zeros([ROWS], tl.float32) + gs_static
-    return gs
+        x2 = x1
+    return x1, x2
 
 
 @triton.jit
@@ -129,15 +126,37 @@ def _qdq_features(
 
     Bit-exact for any global scale: the reference's rounded divisions (``HW``: a
     compiled sm89+ kernel, with fused FMAs and the fp8 conversion instruction).
+    Non-finite elements give NaN (the fp8 conversion instruction saturates ±inf).
     """
     if FMT == 1:
         inv = tl.math.div_rn(1.0, gs)[:, None]
-        y = dev.e4m3_round_hw(dev.div_rn_fma(x, gs[:, None], inv, HW), HW)
+        y = dev.poison(dev.e4m3_round_hw(dev.div_rn_fma(x, gs[:, None], inv, HW), HW), x)
     elif FMT == 2:
         y = dev.nvfp4_qdq_rows(x, gs[:, None], ROWS, COLS, True, HW)
     else:
         y = x
-    return _keep_non_finite(y, x)
+    return y
+
+
+@triton.jit
+def _qdq_split(
+    x1, x2, gs_static, FMT: tl.constexpr, DYNAMIC: tl.constexpr, ROWS: tl.constexpr,
+    D1: tl.constexpr, D2: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """Factored QDQ of float32 rows split over ``x1`` and ``x2`` (``_load_split``) along
+    the features: ``(y1, y2, gs)`` with the rows' global scales ``gs [ROWS]`` (dynamic:
+    ``amax / unit_amax`` over the whole row, NaN for a row with a non-finite element;
+    static: ``gs_static``)."""
+    if DYNAMIC:
+        gs = dev.dynamic_global_scale(x1, x2, FMT, 1)
+    else:
+        gs = tl.zeros([ROWS], tl.float32) + gs_static
+    y1 = _qdq_features(x1, gs, FMT, ROWS, D1, HW)
+    if D2 > 0:  # noqa: SIM108 (y2 is y1 when D2 == 0)
+        y2 = _qdq_features(x2, gs, FMT, ROWS, D2, HW)
+    else:
+        y2 = y1
+    return y1, y2, gs
 
 
 @triton.jit
@@ -150,10 +169,10 @@ def _qdq_features_fast(
     nvfp4) with ``snap_ties``, bit-exact under those conditions (qdq_device).
     """
     if FMT == 1:
-        y = dev.e4m3_round_hw(x * inv, HW)
+        y = dev.poison(dev.e4m3_round_hw(x * inv, HW), x)
     else:
         y = dev.nvfp4_qdq_rows_fast(x, gs, inv, ROWS, COLS, HW, True)
-    return _keep_non_finite(y, x)
+    return y
 
 
 @triton.jit
@@ -167,18 +186,19 @@ def _qdq_tokens(
     and rows past the sequence's end hold zeros (the open tail block's padding).
     ``FAST``: the reciprocal path of ``_qdq_features_fast`` (same conditions).
     """
-    if FAST:
-        if FMT == 1:
+    if FMT == 1:
+        if FAST:
             y = dev.e4m3_round_hw(x * inv, HW)
         else:
-            y = dev.nvfp4_qdq_cols_fast(x, gs, inv, ROWS, COLS, HW, True)
-    elif FMT == 1:
-        y = dev.e4m3_round_hw(dev.div_rn_fma(x, gs, tl.math.div_rn(1.0, gs), HW), HW)
+            y = dev.e4m3_round_hw(dev.div_rn_fma(x, gs, tl.math.div_rn(1.0, gs), HW), HW)
+        y = dev.poison(y, x)
+    elif FAST:
+        y = dev.nvfp4_qdq_cols_fast(x, gs, inv, ROWS, COLS, HW, True)
     elif FMT == 2:
         y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS, True, HW)
     else:
         y = x
-    return _keep_non_finite(y, x)
+    return y
 
 
 @triton.jit
@@ -273,23 +293,12 @@ def _scores(
     ``MASKED``: keys at or past ``limit`` load as zeros.
     """
     key_pos = start_n + tl.arange(0, BLOCK_N)
-    offs_d1 = tl.arange(0, D1)
-    k1 = _load_tile(k_base, key_pos, offs_d1, stride_kt, limit, D1, MASKED, False)
-    if D2 > 0:
-        offs_d2 = tl.arange(0, D2)
-        k2 = _load_tile(
-            k_base + D1, key_pos, offs_d2, stride_kt, limit, D2_VALID, MASKED, D2_VALID < D2
-        )
+    k1, k2 = _load_split(k_base, key_pos, stride_kt, limit, D1, D2, D2_VALID, MASKED)
     if KV_FUSED and K_FMT != 0:  # K QDQ'd here, once per query tile (see module doc)
-        k1 = k1.to(tl.float32)
-        if D2 > 0:  # noqa: SIM108 (k2 exists only when D2 > 0)
-            k2 = k2.to(tl.float32)
-        else:
-            k2 = k1
-        col_gs = _row_global_scale(k1, k2, k_gs, K_FMT, K_DYNAMIC, BLOCK_N, D2)
-        k1 = _qdq_features(k1, col_gs, K_FMT, BLOCK_N, D1, HW_FP8)
-        if D2 > 0:
-            k2 = _qdq_features(k2, col_gs, K_FMT, BLOCK_N, D2, HW_FP8)
+        k1, k2, col_gs = _qdq_split(
+            k1.to(tl.float32), k2.to(tl.float32), k_gs, K_FMT, K_DYNAMIC, BLOCK_N, D1, D2,
+            HW_FP8,
+        )  # fmt: skip
     elif K_DYNAMIC:
         ks_ptrs = ks_base + key_pos * stride_kst
         if MASKED:  # noqa: SIM108
@@ -322,6 +331,7 @@ def _softmax_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    QK_RAW: tl.constexpr,
     P_FMT: tl.constexpr,
     NM_N: tl.constexpr,
     NM_M: tl.constexpr,
@@ -330,10 +340,14 @@ def _softmax_tile(
 ):
     """Masks, N:M, the integer running max, ``P = 2^(t - m)``, ``l``, and P's QDQ.
 
-    Returns ``(p, alpha, l, m)``: P's factored values, the exact power-of-two
-    rescale ``2^(m_old - m_new)`` of the accumulator, and the updated row state.
+    ``QK_RAW`` (Q or K unquantized): a score that is -inf before the masks (an
+    infinite operand) becomes NaN. N:M keeps NaN scores. Returns ``(p, alpha, l,
+    m)``: P's factored values, the exact power-of-two rescale ``2^(m_old - m_new)``
+    of the accumulator, and the updated row state.
     """
     key_pos = start_n + tl.arange(0, BLOCK_N)  # absolute key positions in the sequence
+    if QK_RAW:
+        s = tl.where(s == float("-inf"), float("nan"), s)
     if MASKED:
         visible = key_pos[None, :] < seq_len_k
         if CAUSAL:
@@ -344,7 +358,7 @@ def _softmax_tile(
             s, key_pos, q_pos, n_sink, n_recent, dense_all, BLOCK_M, BLOCK_N, NM_N, NM_M,
             NM_DENSE,
         )  # fmt: skip
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(keep | (s != s), s, float("-inf"))
     # base-2 scores t = s * row_scale; the running max stays an integer
     m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, axis=1) * row_scale))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -353,6 +367,20 @@ def _softmax_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     p = _qdq_p(p, p_gs, p_inv_gs, P_FMT, BLOCK_M, BLOCK_N, HW_FP8)
     return p, alpha, l_i, m_new
+
+
+@triton.jit
+def _diagonal_v(v, key_pos, q_pos):
+    """The NaN rule on a causal diagonal tile ``v [BLOCK_N, DVP]``: rows of keys that
+    some queries do not see would reach them as ``0 * NaN``. Returns ``v`` with the
+    keys whose row holds a non-finite element zeroed, and ``[BLOCK_M]`` True for the
+    query rows that see one of those keys (they become NaN)."""
+    vf = v.to(tl.float32)
+    row = tl.sum(vf - vf, axis=1)  # NaN for a non-finite row, else 0
+    bad = row != row
+    v = tl.where(bad[:, None], tl.zeros_like(v), v)
+    seen = (key_pos[None, :] <= q_pos[:, None]) & bad[None, :]
+    return v, tl.max(seen.to(tl.int32), axis=1) > 0
 
 
 @triton.jit
@@ -389,6 +417,7 @@ def _attend_tiles(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    QK_RAW: tl.constexpr,
     K_FMT: tl.constexpr,
     K_DYNAMIC: tl.constexpr,
     V_FMT: tl.constexpr,
@@ -400,47 +429,35 @@ def _attend_tiles(
     QK_DOT: tl.constexpr,
     PV_DOT: tl.constexpr,
     HW_FP8: tl.constexpr,
-    PIPELINE: tl.constexpr,
 ):
     """Online softmax over the key tiles starting at ``lo, lo + BLOCK_N, ... < hi``.
 
     ``MASKED`` tiles check key positions against the sequence end and, when
-    ``CAUSAL``, against each row's query position ``q_pos``. ``PIPELINE`` issues
-    the next tile's ``Q K^T`` before this tile's softmax, so that the CUDA-core
-    work (softmax, N:M, P's QDQ) can overlap the tensor cores (one extra,
-    zero-masked ``Q K^T`` at the end of the loop).
+    ``CAUSAL``, against each row's query position ``q_pos`` (and apply
+    ``_diagonal_v``).
     """
     offs_dv = tl.arange(0, DVP)
-    if PIPELINE:
-        s = _scores(
-            q1, q2, k_base, ks_base, lo, hi, k_gs, stride_kt, stride_kst, D1, D2, D2_VALID,
-            BLOCK_N, True, K_FMT, K_DYNAMIC, KV_FUSED, QK_DOT, HW_FP8,
-        )  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        if PIPELINE:
-            s_next = _scores(
-                q1, q2, k_base, ks_base, start_n + BLOCK_N, hi, k_gs, stride_kt, stride_kst,
-                D1, D2, D2_VALID, BLOCK_N, True, K_FMT, K_DYNAMIC, KV_FUSED, QK_DOT, HW_FP8,
-            )  # fmt: skip
-        else:
-            s = _scores(
-                q1, q2, k_base, ks_base, start_n, seq_len_k, k_gs, stride_kt, stride_kst, D1,
-                D2, D2_VALID, BLOCK_N, MASKED, K_FMT, K_DYNAMIC, KV_FUSED, QK_DOT, HW_FP8,
-            )  # fmt: skip
+        s = _scores(
+            q1, q2, k_base, ks_base, start_n, seq_len_k, k_gs, stride_kt, stride_kst, D1,
+            D2, D2_VALID, BLOCK_N, MASKED, K_FMT, K_DYNAMIC, KV_FUSED, QK_DOT, HW_FP8,
+        )  # fmt: skip
         p, alpha, l_i, m_i = _softmax_tile(
             s, m_i, l_i, row_scale, start_n, seq_len_k, q_pos, p_gs, p_inv_gs, n_sink,
-            n_recent, dense_all, BLOCK_M, BLOCK_N, MASKED, CAUSAL, P_FMT, NM_N, NM_M,
-            NM_DENSE, HW_FP8,
+            n_recent, dense_all, BLOCK_M, BLOCK_N, MASKED, CAUSAL, QK_RAW, P_FMT, NM_N,
+            NM_M, NM_DENSE, HW_FP8,
         )  # fmt: skip
         key_pos = start_n + tl.arange(0, BLOCK_N)
         v = _load_tile(v_base, key_pos, offs_dv, stride_vt, seq_len_k, DV, MASKED, DVP != DV)
         if KV_FUSED and V_FMT != 0:
             v = _qdq_tokens(v.to(tl.float32), v_gs, 1.0, V_FMT, BLOCK_N, DVP, False, HW_FP8)
+        if MASKED and CAUSAL:
+            v, sees_bad = _diagonal_v(v, key_pos, q_pos)
         acc = acc * alpha[:, None]
         acc = tl.dot(_to_dot(p, PV_DOT), _to_dot(v, PV_DOT), acc, input_precision="ieee")
-        if PIPELINE:
-            s = s_next
+        if MASKED and CAUSAL:
+            acc = tl.where(sees_bad[:, None], float("nan"), acc)
     return acc, l_i, m_i
 
 
@@ -496,7 +513,6 @@ def prefill_fwd_kernel(
     PV_DOT: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     HW_FP8: tl.constexpr,
-    PIPELINE: tl.constexpr,
 ):
     """Attention of one query tile (``BLOCK_M`` rows) of one head of one sequence.
 
@@ -525,31 +541,21 @@ def prefill_fwd_kernel(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows in the sequence
     q_pos = seq_len_k - seq_len_q + offs_m  # their key positions (suffix alignment)
-    offs_d1 = tl.arange(0, D1)
     offs_dv = tl.arange(0, DVP)
 
     # -- prologue: the query tile, QDQ'd once ---------------------------------
     q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
-    q1 = _load_tile(q_base, offs_m, offs_d1, stride_qt, seq_len_q, D1, True, False)
+    q1, q2 = _load_split(q_base, offs_m, stride_qt, seq_len_q, D1, D2, D2_VALID, True)
     q1 = q1.to(tl.float32)
-    if D2 > 0:
-        offs_d2 = tl.arange(0, D2)
-        q2 = _load_tile(
-            q_base + D1, offs_m, offs_d2, stride_qt, seq_len_q, D2_VALID, True, D2_VALID < D2
-        )
-        q2 = q2.to(tl.float32)
-    else:
-        q2 = q1
+    q2 = q2.to(tl.float32)
     row_scale = tl.zeros([BLOCK_M], tl.float32) + qk_scale
     if Q_FMT != 0:
-        gs_q = _row_global_scale(q1, q2, q_gs, Q_FMT, Q_DYNAMIC, BLOCK_M, D2)
-        q1 = _qdq_features(q1, gs_q, Q_FMT, BLOCK_M, D1, HW_FP8)
-        if D2 > 0:
-            q2 = _qdq_features(q2, gs_q, Q_FMT, BLOCK_M, D2, HW_FP8)
+        q1, q2, gs_q = _qdq_split(q1, q2, q_gs, Q_FMT, Q_DYNAMIC, BLOCK_M, D1, D2, HW_FP8)
         if Q_DYNAMIC:
             row_scale = row_scale * gs_q
     q1 = _to_dot(q1, QK_DOT)
     q2 = _to_dot(q2, QK_DOT)
+    QK_RAW: tl.constexpr = Q_FMT == 0 or K_FMT == 0
 
     # -- key tiles: unmasked ones first, then the causal diagonal / the tail ---
     if CAUSAL:
@@ -571,20 +577,21 @@ def prefill_fwd_kernel(
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q1, q2, row_scale, k_base, v_base, ks_base, 0, mid, seq_len_k, q_pos,
         k_gs, v_gs, p_gs, p_inv_gs, n_sink, n_recent, dense_all, stride_kt, stride_vt,
-        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, False, CAUSAL, K_FMT,
-        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8, PIPELINE,
+        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, False, CAUSAL, QK_RAW, K_FMT,
+        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q1, q2, row_scale, k_base, v_base, ks_base, mid, hi, seq_len_k, q_pos,
         k_gs, v_gs, p_gs, p_inv_gs, n_sink, n_recent, dense_all, stride_kt, stride_vt,
-        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, True, CAUSAL, K_FMT,
-        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8, PIPELINE,
+        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, True, CAUSAL, QK_RAW, K_FMT,
+        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8,
     )  # fmt: skip
 
     # -- epilogue --------------------------------------------------------------
     empty = l_i == 0.0
     inv_l = out_scale / tl.where(empty, 1.0, l_i)
     out = acc * inv_l[:, None]  # acc is 0 on empty rows
+    out = out + tl.sum(acc - acc, axis=1)[:, None]  # a non-finite element: the row is NaN
     row_ok = offs_m < seq_len_q
     o_ptrs = (
         Out
@@ -597,6 +604,58 @@ def prefill_fwd_kernel(
         lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2
         lse = tl.where(empty, float("-inf"), lse)
         tl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _kv_qdq_tile(
+    K, V, KQ, VQ, KS, k_start, seq_len, t0, kv_head, k_gs, v_gs, k_inv, v_inv,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kqt, stride_kqh, stride_vqt,
+    stride_vqh, stride_kst, D1: tl.constexpr, D2: tl.constexpr, D2_VALID: tl.constexpr,
+    DV: tl.constexpr, DVP: tl.constexpr, BLOCK_T: tl.constexpr, K_FMT: tl.constexpr,
+    K_DYNAMIC: tl.constexpr, V_FMT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):  # fmt: skip
+    """``kv_qdq_kernel``'s work on the tokens ``t0 .. t0 + BLOCK_T`` of one sequence."""
+    rows = t0 + tl.arange(0, BLOCK_T)  # token positions in the sequence
+    row_ok = rows < seq_len
+    if K_FMT != 0:
+        offs_d1 = tl.arange(0, D1)
+        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        kq_base = KQ + k_start.to(tl.int64) * stride_kqt + kv_head * stride_kqh
+        k1, k2 = _load_split(k_base, rows, stride_kt, seq_len, D1, D2, D2_VALID, True)
+        k1 = k1.to(tl.float32)
+        k2 = k2.to(tl.float32)
+        if K_FAST:
+            k1 = _qdq_features_fast(k1, k_gs, k_inv, K_FMT, BLOCK_T, D1, HW_FP8)
+            if D2 > 0:
+                k2 = _qdq_features_fast(k2, k_gs, k_inv, K_FMT, BLOCK_T, D2, HW_FP8)
+        else:
+            k1, k2, gs = _qdq_split(k1, k2, k_gs, K_FMT, K_DYNAMIC, BLOCK_T, D1, D2, HW_FP8)
+        tl.store(
+            kq_base + rows[:, None] * stride_kqt + offs_d1[None, :],
+            k1.to(KQ.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+        if D2 > 0:
+            offs_d2 = tl.arange(0, D2)
+            tl.store(
+                kq_base + D1 + rows[:, None] * stride_kqt + offs_d2[None, :],
+                k2.to(KQ.dtype.element_ty),
+                mask=row_ok[:, None] & (offs_d2[None, :] < D2_VALID),
+            )
+        if K_DYNAMIC:
+            tl.store(KS + (k_start + rows) * stride_kst + kv_head, gs, mask=row_ok)
+    if V_FMT != 0:
+        offs_dv = tl.arange(0, DVP)
+        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        vq_base = VQ + k_start.to(tl.int64) * stride_vqt + kv_head * stride_vqh
+        v = _load_tile(v_base, rows, offs_dv, stride_vt, seq_len, DV, True, DVP != DV)
+        v = _qdq_tokens(v.to(tl.float32), v_gs, v_inv, V_FMT, BLOCK_T, DVP, V_FAST, HW_FP8)
+        tl.store(
+            vq_base + rows[:, None] * stride_vqt + offs_dv[None, :],
+            v.to(VQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        )
 
 
 @triton.jit
@@ -633,67 +692,25 @@ def kv_qdq_kernel(
     V_FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
-    """QDQ ``BLOCK_T`` fresh keys and values of one KV head of one sequence, once.
+    """QDQ the fresh keys and values of one KV head of one sequence, once.
 
     Writes the factored K (along the head dim) to KQ, its per-token global scales
     to KS ``[Tk, Hkv]`` when dynamic, and the factored V (along the tokens, blocks
-    from the sequence start) to VQ. Grid: token tiles x KV heads x sequences.
-    ``K_FAST`` / ``V_FAST``: 16-bit input and a static power-of-two global scale,
-    where the reciprocal path (``k_inv``, ``v_inv``) is bit-exact and cheaper.
+    from the sequence start) to VQ. Grid: token tiles x KV heads x sequences; a
+    program takes the tiles ``pid, pid + num_programs, ...`` of ``BLOCK_T`` tokens,
+    so every token is covered whatever the grid's first dimension. ``K_FAST`` /
+    ``V_FAST``: 16-bit input and a static power-of-two global scale, where the
+    reciprocal path (``k_inv``, ``v_inv``) is bit-exact and cheaper.
     """
     pid_t = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     k_start = tl.load(cu_seqlens_k + seq)
     seq_len = tl.load(cu_seqlens_k + seq + 1) - k_start
-    if pid_t * BLOCK_T >= seq_len:
-        return
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # token positions in the sequence
-    row_ok = rows < seq_len
-    if K_FMT != 0:
-        offs_d1 = tl.arange(0, D1)
-        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        kq_base = KQ + k_start.to(tl.int64) * stride_kqt + kv_head * stride_kqh
-        k1 = _load_tile(k_base, rows, offs_d1, stride_kt, seq_len, D1, True, False)
-        k1 = k1.to(tl.float32)
-        if D2 > 0:
-            offs_d2 = tl.arange(0, D2)
-            k2 = _load_tile(
-                k_base + D1, rows, offs_d2, stride_kt, seq_len, D2_VALID, True, D2_VALID < D2
-            )
-            k2 = k2.to(tl.float32)
-        else:
-            k2 = k1
-        if K_FAST:
-            k1 = _qdq_features_fast(k1, k_gs, k_inv, K_FMT, BLOCK_T, D1, HW_FP8)
-        else:
-            gs = _row_global_scale(k1, k2, k_gs, K_FMT, K_DYNAMIC, BLOCK_T, D2)
-            k1 = _qdq_features(k1, gs, K_FMT, BLOCK_T, D1, HW_FP8)
-        tl.store(
-            kq_base + rows[:, None] * stride_kqt + offs_d1[None, :],
-            k1.to(KQ.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
-        if D2 > 0:
-            if K_FAST:
-                k2 = _qdq_features_fast(k2, k_gs, k_inv, K_FMT, BLOCK_T, D2, HW_FP8)
-            else:
-                k2 = _qdq_features(k2, gs, K_FMT, BLOCK_T, D2, HW_FP8)
-            tl.store(
-                kq_base + D1 + rows[:, None] * stride_kqt + offs_d2[None, :],
-                k2.to(KQ.dtype.element_ty),
-                mask=row_ok[:, None] & (offs_d2[None, :] < D2_VALID),
-            )
-        if K_DYNAMIC:
-            tl.store(KS + (k_start + rows) * stride_kst + kv_head, gs, mask=row_ok)
-    if V_FMT != 0:
-        offs_dv = tl.arange(0, DVP)
-        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-        vq_base = VQ + k_start.to(tl.int64) * stride_vqt + kv_head * stride_vqh
-        v = _load_tile(v_base, rows, offs_dv, stride_vt, seq_len, DV, True, DVP != DV)
-        v = _qdq_tokens(v.to(tl.float32), v_gs, v_inv, V_FMT, BLOCK_T, DVP, V_FAST, HW_FP8)
-        tl.store(
-            vq_base + rows[:, None] * stride_vqt + offs_dv[None, :],
-            v.to(VQ.dtype.element_ty),
-            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-        )
+    for t0 in range(pid_t * BLOCK_T, seq_len, tl.num_programs(0) * BLOCK_T):
+        _kv_qdq_tile(
+            K, V, KQ, VQ, KS, k_start, seq_len, t0, kv_head, k_gs, v_gs, k_inv, v_inv,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_kqt, stride_kqh, stride_vqt,
+            stride_vqh, stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_T, K_FMT, K_DYNAMIC,
+            V_FMT, K_FAST, V_FAST, HW_FP8,
+        )  # fmt: skip
