@@ -22,6 +22,7 @@ from conftest import (
 
 import mla_vllm.install as installer
 from mla_vllm.backend import MLAQuantImpl
+from mla_vllm.config import load_config
 from mla_vllm.gates import MLAQuantGateError
 
 pytestmark = pytest.mark.usefixtures("vllm_process", "cpu_cache_op")
@@ -66,6 +67,9 @@ def test_install_quantizes_and_uninstall_restores_exactly(tmp_path: Path) -> Non
     names = installer.install(module, {"recipe": "nvfp4"})
     assert names == [list(model.layers)]
     assert all(isinstance(layer.impl, MLAQuantImpl) for layer in model.layers.values())
+    nvfp4 = load_config({"recipe": "nvfp4"})
+    for name, layer in model.layers.items():
+        assert layer.impl.mla_layer.recipe == nvfp4.recipe_for(name)
     quantized = _step(model, check=True)  # the nvfp4 recipe's output, element by element
     for name in model.layers:
         assert not torch.equal(quantized[name], before[name])

@@ -148,13 +148,14 @@ def test_statistics_are_the_recipes_error_on_the_observed_rows(
             want = torch.stack([_oracle_error(path, q, r) for q, r in observed if q.layer == name])
             got = stats[name][path]
             assert got["calls"] == 2.0
-            # kernel and oracle differ by float32 summation order and rare rounding
-            # ties: the mean and worst rel_l2 within 5 %, 1 - cosine within 10 %
+            # kernel and oracle differ by float32 summation order (and rare rounding
+            # ties): measured here within 0.1 % (rel_l2) and 0.3 % (1 - cosine);
+            # another recipe, other rows or an unquantized reference miss by far more
             rel, cos = want[:, 0], want[:, 1]
-            assert got["rel_l2_mean"] == pytest.approx(float(rel.mean()), rel=0.05)
-            assert got["rel_l2_max"] == pytest.approx(float(rel.max()), rel=0.05)
-            assert 1 - got["cosine_min"] == pytest.approx(float(1 - cos.min()), rel=0.1)
-            assert got["max_abs_max"] == pytest.approx(float(want[:, 2].max()), rel=0.1)
+            assert got["rel_l2_mean"] == pytest.approx(float(rel.mean()), rel=0.01)
+            assert got["rel_l2_max"] == pytest.approx(float(rel.max()), rel=0.01)
+            assert 1 - got["cosine_min"] == pytest.approx(float(1 - cos.min()), rel=0.02)
+            assert got["max_abs_max"] == pytest.approx(float(want[:, 2].max()), rel=0.01)
             errors[name, path] = got["rel_l2_mean"]
     # fp8 (layer 1) is more accurate than nvfp4 (layer 0)
     for path in ("decode", "prefill"):
