@@ -375,8 +375,7 @@ def _diagonal_v(v, key_pos, q_pos):
     some queries do not see would reach them as ``0 * NaN``. Returns ``v`` with the
     keys whose row holds a non-finite element zeroed, and ``[BLOCK_M]`` True for the
     query rows that see one of those keys (they become NaN)."""
-    vf = v.to(tl.float32)
-    row = tl.sum(vf - vf, axis=1)  # NaN for a non-finite row, else 0
+    row = tl.sum(v - v, axis=1)  # NaN for a non-finite row, else 0 (in v's dtype)
     bad = row != row
     v = tl.where(bad[:, None], tl.zeros_like(v), v)
     seen = (key_pos[None, :] <= q_pos[:, None]) & bad[None, :]
