@@ -279,12 +279,20 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session
+def e2e_checks(session: nox.Session) -> None:
+    """The vLLM e2e's checks and quantized bounds on its recorded run (CPU, no vLLM)."""
+    session.install(*_group("test"))
+    session.run("pytest", str(ROOT / "tests-vllm-e2e" / "tests"), *session.posargs)
+
+
+@nox.session
 def ci(session: nox.Session) -> None:
     """Everything CI runs, in order: lint, typecheck, each package's tests, build, docs."""
     names = ["lint", "typecheck"]
     names += [s for s, (d, *_) in PACKAGE_SESSIONS.items() if (PACKAGES / d).is_dir()]
     if (ROOT / "tests-integration").is_dir():
         names.append("integration")
+    names.append("e2e_checks")
     if (PACKAGES / "mla-vllm").is_dir():
         names.append("vllm")
     names += ["build", "docs"]

@@ -14,11 +14,15 @@ case takes a fraction of a second. What is checked, against ``mla_reference``:
 - property tests: random shapes, strides, lengths, splits, recipes and one
   optional defect; either a ``ValueError`` naming the argument before any kernel
   launch, or the oracle's result.
+
+``MLA_CONTRACT_DEVICE=cuda`` runs the same cases on a GPU (compiled kernels, the
+hardware fp8 conversion); the oracle runs on the CPU.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,6 +40,7 @@ from mla_triton import allocate_shadow, decode, decode_shadow, update_cache
 # The interpreter computes with numpy, which warns on NaN and inf arithmetic (a GPU does not).
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
+DEVICE = torch.device(os.environ.get("MLA_CONTRACT_DEVICE", "cpu"))
 R, ROPE = 32, 16  # latent and rope widths
 D = R + ROPE
 SCALE = 0.2
@@ -68,7 +73,8 @@ def make_case(
         table[b, :n] = perm[k : k + n]
         k += n
     q = (torch.randn(len(lens), heads, D, generator=g) * 0.7).to(dtype)
-    return q, cache, table, torch.tensor(lens, dtype=torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return q.to(DEVICE), cache.to(DEVICE), table.to(DEVICE), lens_t.to(DEVICE)
 
 
 def reference(
@@ -78,18 +84,21 @@ def reference(
     lens: torch.Tensor,
     quant: AttentionQuant,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return mla_reference.decode(
-        q, cache, table, lens, softmax_scale=SCALE, kv_lora_rank=R, quant=quant
-    )
+    out, lse = mla_reference.decode(
+        q.cpu(), cache.cpu(), table.cpu(), lens.cpu(), softmax_scale=SCALE, kv_lora_rank=R,
+        quant=quant,
+    )  # fmt: skip
+    return out.to(DEVICE), lse.to(DEVICE)
 
 
 def write_shadow(cache: torch.Tensor, quant: AttentionQuant, storage: str = "fp16") -> torch.Tensor:
     """A shadow of every slot of ``cache``, written by ``update_cache`` (rows unchanged)."""
     shadow = allocate_shadow(
-        cache.shape[0], cache.shape[1], quant, kv_lora_rank=R, rope_dim=ROPE, storage=storage
-    )
+        cache.shape[0], cache.shape[1], quant, kv_lora_rank=R, rope_dim=ROPE, storage=storage,
+        device=cache.device,
+    )  # fmt: skip
     rows = cache.reshape(-1, D).clone()
-    slots = torch.arange(rows.shape[0], dtype=torch.int64)
+    slots = torch.arange(rows.shape[0], dtype=torch.int64, device=cache.device)
     update_cache(rows[:, :R], rows[:, R:], cache, slots, shadow, quant=quant, storage=storage)
     return shadow
 
@@ -206,7 +215,7 @@ def test_out_of_range_index_poisons_its_request_only(path: str, page: int, bad: 
         assert float(row_errors(out[keep], ref_out[keep]).max()) < ROW_TOL
         assert torch.allclose(lse[keep], ref_lse[keep].float(), atol=1e-3)
     name = "block_table" if bad.startswith("page") else "seq_lens"
-    with pytest.raises(ValueError, match=f"^{name}: "):
+    with pytest.raises(ValueError, match=f"^{name}: "):  # checked on the host
         run(path, q, cache, table, seq, quant, check_values=True)
 
 
@@ -215,16 +224,16 @@ def test_update_cache_skips_slots_outside_the_cache_and_refuses_duplicates() -> 
     _, cache, _, _ = make_case([32], 1, 16, seed=3)
     shadow = write_shadow(cache, quant)
     before = (cache.clone(), shadow.clone())
-    rows = torch.randn(3, D).half()
+    rows = torch.randn(3, D).half().to(DEVICE)
     cap = cache.shape[0] * cache.shape[1]
-    slots = torch.tensor([cap + 5, -1, 10**9], dtype=torch.int64)
+    slots = torch.tensor([cap + 5, -1, 10**9], dtype=torch.int64, device=DEVICE)
     update_cache(rows[:, :R], rows[:, R:], cache, slots, shadow, quant=quant, check_values=False)
     assert torch.equal(cache, before[0]) and torch.equal(shadow, before[1])
     with pytest.raises(ValueError, match=r"^slot_mapping: entry 0 is"):
-        update_cache(rows[:, :R], rows[:, R:], cache, slots, shadow, quant=quant)
-    dup = torch.tensor([4, 9, 4], dtype=torch.int64)
+        update_cache(rows[:, :R], rows[:, R:], cache, slots, shadow, quant=quant, check_values=True)
+    dup = torch.tensor([4, 9, 4], dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=r"^slot_mapping: slot 4 appears more than once"):
-        update_cache(rows[:, :R], rows[:, R:], cache, dup, shadow, quant=quant)
+        update_cache(rows[:, :R], rows[:, R:], cache, dup, shadow, quant=quant, check_values=True)
     assert torch.equal(cache, before[0]), "a refused call wrote something"
 
 
@@ -240,7 +249,7 @@ def test_shadow_read_or_written_with_another_recipe_is_refused() -> None:
         decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, kv_lora_rank=R,
                       quant=other)  # fmt: skip
     rows = cache[0, :1].reshape(1, D).clone()
-    slot = torch.tensor([0])
+    slot = torch.tensor([0], device=DEVICE)
     with pytest.raises(ValueError, match=r"^quant: this shadow holds"):
         update_cache(rows[:, :R], rows[:, R:], cache, slot, shadow, quant=other)
     # q and p do not enter the shadow: another q or p recipe reads it
@@ -271,9 +280,11 @@ def test_update_cache_bfloat16_under_the_interpreter_matches_torch() -> None:
     """Raw rows cast as torch casts them; K̂ the oracle's QDQ of those rows."""
     quant = RECIPES["fp8"]
     _, cache, _, _ = make_case([16], 1, 16, seed=9, dtype=torch.bfloat16)
-    shadow = allocate_shadow(cache.shape[0], 16, quant, kv_lora_rank=R, rope_dim=ROPE)
-    rows = torch.randn(16, D)  # float32: the cache rounds them to bf16
-    slots = torch.arange(16, dtype=torch.int64)
+    shadow = allocate_shadow(
+        cache.shape[0], 16, quant, kv_lora_rank=R, rope_dim=ROPE, device=DEVICE
+    )
+    rows = torch.randn(16, D).to(DEVICE)  # float32: the cache rounds them to bf16
+    slots = torch.arange(16, dtype=torch.int64, device=DEVICE)
     update_cache(rows[:, :R], rows[:, R:], cache, slots, shadow, quant=quant)
     assert torch.equal(cache.reshape(-1, D)[:16], rows.to(torch.bfloat16))
     lay = shadow_module.shadow_layout(quant, kv_lora_rank=R, rope_dim=ROPE)
@@ -281,8 +292,8 @@ def test_update_cache_bfloat16_under_the_interpreter_matches_torch() -> None:
     assert k_hat is not None
     from mla_formats import qdq_factored
 
-    want, _ = qdq_factored(rows.to(torch.bfloat16).float(), "fp8", axis=-1)
-    assert torch.equal(k_hat.reshape(-1, D)[:16].float(), want)
+    want, _ = qdq_factored(rows.to(torch.bfloat16).float().cpu(), "fp8", axis=-1)
+    assert torch.equal(k_hat.reshape(-1, D)[:16].float().cpu(), want)
 
 
 # ------------------------------------------------------------------ property tests
@@ -428,7 +439,7 @@ def _call(
     shadow = (
         write_shadow(cache, quant)
         if cache.dtype == torch.float16 and cache.shape[-1] == D
-        else torch.zeros(1, 1, 1, dtype=torch.uint8)
+        else torch.zeros(1, 1, 1, dtype=torch.uint8, device=DEVICE)
     )
     return decode_shadow(q, cache, shadow, table, seq, softmax_scale=scale, kv_lora_rank=rank,
                          quant=quant, check_values=True, **kwargs)  # fmt: skip

@@ -80,8 +80,10 @@ def _fp8_values(x, inv_gs, HW_FP8: tl.constexpr):
 
     ``HW_FP8`` uses the hardware conversion (``cvt.rn.satfinite``, sm89+), else the
     float32 rounding of ``qdq_device`` (sm80, interpreter); both round to nearest even.
+    ``x * inv_gs`` is formed as ``fma(x, inv_gs, x - x)``: the same rounded product for a
+    finite ``x``, NaN for ±inf (which the conversion would saturate), one instruction more.
     """
-    return dev.e4m3_round_hw(x * inv_gs, HW_FP8)
+    return dev.e4m3_round_hw(tl.fma(x, inv_gs, x - x), HW_FP8)
 
 
 @triton.jit
@@ -139,12 +141,10 @@ def _qdq_latent(
     rows past the end of the sequence are zeros (the open tail block).
     """
     if FMT == 1:  # per element: the axis does not matter
-        if EXACT:
-            y = dev.e4m3_round_hw(tl.math.div_rn(x, gs), HW_FP8)
+        if EXACT:  # the conversion saturates ±inf: make it NaN (the software rounding does)
+            y = dev.e4m3_round_hw(dev.poison(tl.math.div_rn(x, gs), x), HW_FP8)
         else:
             y = _fp8_values(x, inv_gs, HW_FP8)
-        if HW_FP8:  # the conversion saturates ±inf: make it NaN (the software rounding does)
-            y = dev.poison(y, x)
     elif AXIS == AXIS_FEATURES:
         if EXACT:
             y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS, True)
