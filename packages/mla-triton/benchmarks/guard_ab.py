@@ -43,7 +43,7 @@ CASES: list[tuple[str, str, str]] = [  # (kind, recipe, storage)
     ("shadow", "nvfp4", "fp16"),
     ("shadow", "nvfp4", "packed"),
 ]
-IMPLS = ("mla_triton_base", "mla_triton")
+IMPLS: tuple[str, ...] = ("mla_triton_base", "mla_triton")
 
 
 def recipe(name: str) -> AttentionQuant | None:
@@ -80,8 +80,9 @@ def build(impl: str, kind: str, rec: str, storage: str, x: dict[str, Any]) -> An
                                      storage=storage, **common)  # fmt: skip
 
 
-def _compile(job: tuple[str, str, str, str, str, str]) -> str:
-    base, impl, shape, kind, rec, storage = job
+def _compile(job: tuple[Any, ...]) -> str:
+    global SHAPES
+    base, impl, shape, kind, rec, storage, _, _, SHAPES = job
     sys.path.insert(0, base)
     x = make_inputs(shape)
     build(impl, kind, rec, storage, x)()
@@ -90,6 +91,7 @@ def _compile(job: tuple[str, str, str, str, str, str]) -> str:
 
 
 def main() -> None:
+    global IMPLS, CASES, SHAPES
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--base", required=True, help="folder holding mla_triton_base")
     parser.add_argument("--out", default=None)
@@ -97,12 +99,20 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--extra", action="append", default=[], help="another renamed copy")
+    parser.add_argument("--case", action="append", default=None, help="KIND:RECIPE:STORAGE")
+    parser.add_argument("--shape", action="append", default=None, choices=sorted(SHAPES))
     args = parser.parse_args()
     sys.path.insert(0, args.base)
+    IMPLS = (*IMPLS, *args.extra)
+    if args.case:
+        CASES = [(k, r, s) for k, r, s in (c.split(":") for c in args.case)]
+    if args.shape:
+        SHAPES = {k: SHAPES[k] for k in args.shape}
     import triton
 
     jobs = [
-        (args.base, impl, shape, kind, rec, storage)
+        (args.base, impl, shape, kind, rec, storage, IMPLS, CASES, SHAPES)
         for shape in SHAPES
         for kind, rec, storage in CASES
         for impl in IMPLS
@@ -127,14 +137,16 @@ def main() -> None:
                     )  # fmt: skip
             base_ms = statistics.median(times["mla_triton_base"])
             new_ms = statistics.median(times["mla_triton"])
+            others = {impl: statistics.median(times[impl]) / base_ms for impl in IMPLS[2:]}
             row = {
                 "shape": shape, "kind": kind, "recipe": rec, "storage": storage,
                 "base_ms": base_ms, "new_ms": new_ms, "new_over_base": new_ms / base_ms,
-                "max_abs_diff": diff, "times": times,
+                "max_abs_diff": diff, "times": times, "others_over_base": others,
             }  # fmt: skip
             rows.append(row)
             print(f"{shape:16} {kind:6} {rec:5} {storage:6} base {base_ms:.4f} ms  new "
-                  f"{new_ms:.4f} ms  new/base {new_ms / base_ms:.4f}  max|diff| {diff:.3g}",
+                  f"{new_ms:.4f} ms  new/base {new_ms / base_ms:.4f}  max|diff| {diff:.3g}"
+                  + "".join(f"  {k}/base {v:.4f}" for k, v in others.items()),
                   flush=True)  # fmt: skip
             del fns, outs
         del x

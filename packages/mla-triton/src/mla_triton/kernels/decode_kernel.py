@@ -229,9 +229,10 @@ def _normalize(acc, m_i, l_i, nonempty, poisoned, out_scale):
     """``(out, lse)`` of finished rows: ``acc / l`` times ``out_scale`` and ``(log2 l + m) ln 2``.
 
     The NaN rule (docs/numerics.md): a row whose accumulator holds a non-finite value
-    is NaN in every feature; a NaN denominator (a non-finite score) makes out and LSE
-    NaN; ``poisoned`` (a request that addressed memory outside the cache, a scalar)
-    makes every row NaN. Rows of an empty request (``nonempty`` false): 0 and -inf.
+    is NaN in every feature; a NaN denominator (a non-finite score, or a page outside
+    the cache: ``tile_pages``) makes out and LSE NaN; ``poisoned`` (a request length
+    outside the table, a scalar) makes every row NaN. Rows of an empty request
+    (``nonempty`` false): 0 and -inf.
     """
     l_i = tl.where(poisoned, float("nan"), l_i)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -259,25 +260,26 @@ def tile_pages(
     valid,
     stride_bt_p,
     num_blocks,
-    poisoned,
+    l_i,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FULL: tl.constexpr,
 ):
-    """The pages of a tile's tokens and the updated ``poisoned`` flag.
+    """The pages of a tile's tokens, and the running denominators ``l_i`` poisoned if bad.
 
     ``(page, slot)``: one page (a scalar) and the slots ``[BLOCK_N]`` when a page holds
     whole tiles (``PAGE % BLOCK_N == 0``), else a page and a slot per token ``tok``
     (masked by ``valid`` unless ``FULL``). A page id outside ``[0, num_blocks)`` is
-    replaced by page 0, so no load leaves the cache, and sets ``poisoned`` (the
-    request's rows are then NaN).
+    replaced by page 0, so no load leaves the cache, and makes ``l_i`` NaN: the
+    request's rows are then NaN (out and LSE), through the split merge too. No
+    loop-carried flag: the denominators carry it.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PAGE % BLOCK_N == 0:
         page = tl.load(bt_row + (start // PAGE) * stride_bt_p).to(tl.int64)
         slot = ((start % PAGE) + offs_n).to(tl.int64)
         bad = (page < 0) | (page >= num_blocks)
-        poisoned = poisoned | bad
+        any_bad = bad
     else:
         if FULL:
             page = tl.load(bt_row + (tok // PAGE) * stride_bt_p).to(tl.int64)
@@ -285,8 +287,8 @@ def tile_pages(
             page = tl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(tl.int64)
         slot = (tok % PAGE).to(tl.int64)
         bad = (page < 0) | (page >= num_blocks)
-        poisoned = poisoned | (tl.max(bad.to(tl.int32), axis=0) > 0)
-    return tl.where(bad, 0, page), slot, poisoned
+        any_bad = tl.max(bad.to(tl.int32), axis=0) > 0
+    return tl.where(bad, 0, page), slot, tl.where(any_bad, float("nan"), l_i)
 
 
 @triton.jit
@@ -315,7 +317,7 @@ def _finish_split(
     NUM_SPLITS: tl.constexpr,
 ):
     """Stage 1's epilogue: with one split, out and LSE (``_normalize``); else the split's
-    partial ``acc``, ``m``, ``l`` into the workspace (``l`` NaN when ``poisoned``)."""
+    partial ``acc``, ``m``, ``l`` into the workspace."""
     offs_d1 = tl.arange(0, D1)
     if NUM_SPLITS == 1:
         o, lse = _normalize(acc, m_i, l_i, seq_len > 0, poisoned, out_scale)
@@ -327,7 +329,7 @@ def _finish_split(
         st_mask = h_mask & (lo < seq_len)
         tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
         tl.store(wml_ptr + row * 2, m_i, mask=st_mask)
-        tl.store(wml_ptr + row * 2 + 1, tl.where(poisoned, float("nan"), l_i), mask=st_mask)
+        tl.store(wml_ptr + row * 2 + 1, l_i, mask=st_mask)
 
 
 @triton.jit
@@ -479,8 +481,8 @@ def decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n
         valid = tok < hi
-        page, slot, poisoned = tile_pages(
-            bt_row, start, tok, valid, stride_bt_p, num_blocks, poisoned, PAGE, BLOCK_N, False
+        page, slot, l_i = tile_pages(
+            bt_row, start, tok, valid, stride_bt_p, num_blocks, l_i, PAGE, BLOCK_N, False
         )
         rows = page * stride_kv_page + slot * stride_kv_row
         kv = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None], other=0.0)
@@ -533,11 +535,12 @@ def decode_split_kernel(
 
         s = tl.dot(q1, tl.trans(k1))
         s = tl.dot(q2, tl.trans(k2), s)
-        t = s * row_scale[:, None]
+        if K_FMT == 0 or not Q_SCALED:  # raw operands: an infinite score becomes NaN
+            t = tl.fma(s, row_scale[:, None], s - s)  # the rounded product, + NaN if not finite
+        else:
+            t = s * row_scale[:, None]
         if K_DYN:
             t = t * gs_tok[None, :]
-        if K_FMT == 0 or not Q_SCALED:  # a raw infinite operand: a -inf score is NaN
-            t = tl.where(t == float("-inf"), float("nan"), t)
         t = tl.where(valid[None, :], t, float("-inf"))
 
         # Online softmax in base 2 with an integer running maximum: exact rescales.

@@ -501,7 +501,6 @@ def _shadow_tile(
     m_i,
     l_i,
     acc,
-    poisoned,
     kv_ptr,
     kh_ptr,
     ks_ptr,
@@ -551,16 +550,16 @@ def _shadow_tile(
     with one scale). ``FULL``: every token of the tile is below ``hi`` (no masks,
     no -inf scores: the main loop). Otherwise the tile holds the sequence's end
     (``hi`` is its length): masked loads, and with ``V_ON_READ`` (nvfp4 V) the
-    open block's V̂ is quantized on read (``_tail_v``). Returns ``(m_i, l_i, acc,
-    poisoned)`` (``poisoned``: see ``tile_pages``).
+    open block's V̂ is quantized on read (``_tail_v``). Returns ``(m_i, l_i, acc)``
+    (``l_i`` NaN for a page outside the cache: see ``tile_pages``).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1)
     offs_d2 = tl.arange(0, D2)
     tok = start + offs_n
     valid = tok < hi
-    page, slot, poisoned = tile_pages(
-        bt_row, start, tok, valid, stride_bt_p, num_blocks, poisoned, PAGE, BLOCK_N, FULL
+    page, slot, l_i = tile_pages(
+        bt_row, start, tok, valid, stride_bt_p, num_blocks, l_i, PAGE, BLOCK_N, FULL
     )
     rows = page * stride_kv_page + slot * stride_kv_row
     qk_dtype = q1.dtype
@@ -582,7 +581,10 @@ def _shadow_tile(
 
     s = tl.dot(q1, tl.trans(k1))
     s = tl.dot(q2, tl.trans(k2), s)
-    t = s * row_scale[:, None]
+    if K_FMT == 0 or not Q_SCALED:  # raw operands: an infinite score becomes NaN
+        t = tl.fma(s, row_scale[:, None], s - s)  # the rounded product, + NaN if not finite
+    else:
+        t = s * row_scale[:, None]
     if K_DYN:
         if FULL:
             gs_tok = tl.load(ks_ptr + page * stride_ks_page + slot * stride_ks_row)
@@ -591,8 +593,6 @@ def _shadow_tile(
                 ks_ptr + page * stride_ks_page + slot * stride_ks_row, mask=valid, other=1.0
             )
         t = t * gs_tok[None, :]
-    if K_FMT == 0 or not Q_SCALED:  # a raw infinite operand: a -inf score is NaN
-        t = tl.where(t == float("-inf"), float("nan"), t)
     if not FULL:
         t = tl.where(valid[None, :], t, float("-inf"))
 
@@ -616,7 +616,7 @@ def _shadow_tile(
         vrow = page * stride_vh_page + slot * stride_vh_row
         v = _load_v_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N, FULL).to(pv_dtype)
     acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
-    return m_new, l_i, acc, poisoned
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -722,8 +722,8 @@ def shadow_decode_split_kernel(
     bt_row = bt_ptr + b * stride_bt_b
 
     for start in range(lo, full_hi, BLOCK_N):  # complete tiles: shadow only, no masks
-        m_i, l_i, acc, poisoned = _shadow_tile(
-            q1, q2, row_scale, m_i, l_i, acc, poisoned, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
+        m_i, l_i, acc = _shadow_tile(
+            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
             start, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
             stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, num_blocks, v_gs, v_inv_gs,
             v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
@@ -731,8 +731,8 @@ def shadow_decode_split_kernel(
         )  # fmt: skip
     if TAIL_LOOP:  # the tile holding the sequence's end: a loop of 0 or 1 tiles
         for tail in range(full_hi, hi, BLOCK_N):
-            m_i, l_i, acc, poisoned = _shadow_tile(
-                q1, q2, row_scale, m_i, l_i, acc, poisoned, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
+            m_i, l_i, acc = _shadow_tile(
+                q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
                 tail, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row,
                 stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p,
                 num_blocks, v_gs, v_inv_gs, v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE,
@@ -740,8 +740,8 @@ def shadow_decode_split_kernel(
                 P_FMT, PV_F16, STORE, FAST, HW_FP8,
             )  # fmt: skip
     elif full_hi < hi:  # the tile holding the sequence's end, peeled off the loop
-        m_i, l_i, acc, poisoned = _shadow_tile(
-            q1, q2, row_scale, m_i, l_i, acc, poisoned, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
+        m_i, l_i, acc = _shadow_tile(
+            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
             full_hi, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row,
             stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, num_blocks,
             v_gs, v_inv_gs, v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N,
