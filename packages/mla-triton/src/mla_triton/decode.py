@@ -667,10 +667,13 @@ def decode(
             dtype and device, last dim contiguous; page and row strides are read from
             the tensor (a strided view of a larger cache works); offsets are 64-bit.
         block_table: int32/int64 ``[B, max_blocks]``; token ``t`` of request ``b`` is
-            ``kv_cache[block_table[b, t // page_size], t % page_size]``.
+            ``kv_cache[block_table[b, t // page_size], t % page_size]``. An entry a
+            request uses outside ``[0, num_blocks)`` is never read through: unchecked,
+            that request's rows come out NaN (docs/numerics.md "Indices outside the
+            cache").
         seq_lens: int32/int64 ``[B]``; request ``b`` attends to its first
-            ``seq_lens[b]`` tokens (0: out 0, lse -inf). Lengths beyond the block
-            table's capacity are clamped to it on the device.
+            ``seq_lens[b]`` tokens (0: out 0, lse -inf). Unchecked, a length below 0
+            or beyond the block table's capacity makes the request's rows NaN.
         softmax_scale: scores are ``(q̂ · k̂) * softmax_scale``.
         kv_lora_rank: the latent width (V and output width), a power of two.
         quant: ``mla_formats.AttentionQuant`` or None. q̂ and K̂ are QDQ'd along the D
@@ -688,7 +691,9 @@ def decode(
         max_seq_len: an upper bound of ``seq_lens`` (no larger than the block table's
             capacity, the default); only the split policy reads it.
         check_values: check seq_lens and the used block-table entries on the host
-            (a device sync). None: only when they are CPU tensors.
+            (a device sync) and raise ``ValueError``. None: only when they are CPU
+            tensors. bfloat16 under Triton's interpreter runs in float32 inside
+            (``interpreted_bf16``).
         config: tile configuration override (benchmarks); None: ``decode_config``.
 
     Returns:
@@ -701,13 +706,11 @@ def decode(
     (E4M3 subnormal block scales of P); with ``num_splits`` fixed, a request's
     result is bit-identical whatever the rest of the batch.
 
-    Non-finite input: no check is made (it would cost a pass over the cache). A
-    NaN in q̂ poisons its head's row; a NaN in a latent row makes that token's
-    score NaN for every head, and the rows' running maxima, sums and outputs turn
-    NaN (the max reductions skip NaN, the sums do not), also in the LSE; a NaN in
-    a V element reaches the outputs through the ``P̂ V̂`` dot. Infinite inputs turn
-    into NaN or saturate at the format's largest value, depending on where the
-    rounding sees them. Memory the block table does not reference (other pages,
+    Non-finite input (docs/numerics.md "Non-finite input"): NaN and ±inf poison
+    exactly the rows that read them, never saturate: a non-finite q̂ element its
+    head's row (out and LSE), a non-finite element of a seen latent row every row
+    of that request (out and LSE), through QDQ blocks and dynamic scales as
+    ``mla_formats`` does. Memory the block table does not reference (other pages,
     slots past a sequence's end) is never read.
     """
     c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
