@@ -52,18 +52,19 @@ class DecodeConfig:
         block_n: tokens per tile (16, 32 or 64; divides ``SPLIT_ALIGN``).
         num_warps: warps per program.
         num_stages: software-pipeline depth of the tile loads (the page lookup takes
-            one stage). Seen on an H200 with Triton 3.6: 5 stages with K quantized
-            from registers and V read raw gave wrong outputs; defaults use 2 or 3.
-        fast_qdq: on-read nvfp4 rounding by multiply and magic-number addition
-            (``qdq_device.*_fast``, bit-exact for the default power-of-two global
-            scales) instead of seven compares per element.
+            one stage), 1 to 4. Deeper pipelines are refused: seen on an H200 with
+            Triton 3.6, 5 stages with K quantized from registers and V read raw gave
+            wrong outputs; the defaults use 2 or 3 (docs/benchmarks.md).
+
+    On-read nvfp4 always rounds by multiply and magic-number addition
+    (``qdq_device.*_fast``, bit-exact for power-of-two global scales; the exact
+    division otherwise); the compare form measured 10% slower (docs/benchmarks.md).
     """
 
     block_h: int
     block_n: int
     num_warps: int
     num_stages: int
-    fast_qdq: bool = True
 
     def __post_init__(self) -> None:
         if self.block_h not in (16, 32, 64):
@@ -74,8 +75,8 @@ class DecodeConfig:
             raise ValueError(
                 f"config.num_warps: expected a power of two <= 16, got {self.num_warps}"
             )
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"config.num_stages: expected 1 to 8, got {self.num_stages}")
+        if not 1 <= self.num_stages <= 4:
+            raise ValueError(f"config.num_stages: expected 1 to 4, got {self.num_stages}")
 
 
 def _block_h(num_heads: int) -> int:
@@ -229,8 +230,8 @@ def decode_workspace_size(
 def _check_num_splits(num_splits: object) -> int:
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
         raise ValueError(f"num_splits: expected None or an int, got {num_splits!r}")
-    if not 1 <= num_splits <= 1024:
-        raise ValueError(f"num_splits: expected 1 to 1024, got {num_splits}")
+    if not 1 <= num_splits <= _MAX_SPLITS:  # the most the split policy ever picks
+        raise ValueError(f"num_splits: expected 1 to {_MAX_SPLITS}, got {num_splits}")
     return num_splits
 
 
@@ -817,7 +818,7 @@ def _launch(
         P_FMT=po.code,
         KV_SHARED=kv_shared,
         PV_F16=pv_f16,
-        FAST=cfg.fast_qdq,
+        FAST=True,
         HW_FP8=_hw_fp8(device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

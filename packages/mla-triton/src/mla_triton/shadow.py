@@ -745,7 +745,7 @@ def _launch_shadow(
         P_FMT=po.code,
         PV_F16=pv_f16,
         STORE=STORAGES.index(st),
-        FAST=cfg.fast_qdq,
+        FAST=True,
         HW_FP8=_hw_fp8(device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
