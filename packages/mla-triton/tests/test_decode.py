@@ -370,13 +370,26 @@ def test_tolerances_catch_mutations() -> None:
 # ------------------------------------------------------------------ policy, workspace
 
 
-def test_split_policy_is_a_function_of_shapes() -> None:
-    assert decode_num_splits(128, 128, 8192) == 1  # 256 programs fill 132 SMs
-    assert decode_num_splits(1, 16, 65536) >= 32
-    assert decode_num_splits(1, 16, 100) == 1  # too short to split
-    for b in (1, 3, 8, 64):
-        s = decode_num_splits(b, 128, 32768)
-        assert 1 <= s <= 64 and s == decode_num_splits(b, 128, 32768)
+def _fills(programs: int, splits: int, sms: int = 132) -> bool:
+    """The documented goal: at least one wave, and whole waves at least 90% full."""
+    total = programs * splits
+    return total >= sms and total >= 0.9 * -(-total // sms) * sms
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 64, 128])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("length", [100, 4096, 32768, 131072])
+def test_split_policy_takes_the_fewest_splits_that_fill_the_gpu(
+    batch: int, heads: int, length: int
+) -> None:
+    """The docstring's rule, checked against a brute force of it (132 SMs off-GPU)."""
+    programs = batch * (-(-heads // 64) if heads > 32 else 1)  # 64 heads a program, or all
+    cap = max(1, min(64, length // 256))  # every split at least 256 tokens long
+    s = decode_num_splits(batch, heads, length)
+    assert 1 <= s <= cap
+    want = next((n for n in range(1, cap + 1) if _fills(programs, n)), cap)
+    assert s == want, (s, want)
+    assert decode_num_splits(batch, heads, length, device=torch.device("cpu")) == s
     assert SPLIT_ALIGN % 16 == 0
 
 

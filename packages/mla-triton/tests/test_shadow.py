@@ -403,16 +403,46 @@ def test_default_tiles_are_on_read_bits(storage: str) -> None:
         check_decode(pool, q_for(pool), splits=2, cfg=cfg)
 
 
-def test_default_config() -> None:
-    """Quant none's tiles where K̂ alone is read; 32-token tiles for two tiles a stage."""
+HOPPER_SMEM = 232448  # bytes of shared memory one Hopper program may use (227 KiB)
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        AttentionQuant.uniform("fp8"),
+        NVFP4,
+        AttentionQuant(k="nvfp4"),
+        AttentionQuant(k="nvfp4", v="fp8"),
+        AttentionQuant(v="nvfp4"),
+    ],
+    ids=["fp8-shared", "nvfp4", "k-only", "nvfp4-fp8", "v-only"],
+)
+def test_default_config_is_the_largest_tile_that_fits(quant: AttentionQuant) -> None:
+    """64 heads a program (wgmma): q plus ``num_stages`` tiles of 16-bit K̂ (and V̂ when
+    they come from different rows) fit in shared memory; a tile twice as long would
+    not. Compiled for sm_90a, these sizes are what ptxas reports (ptx_report.py)."""
+    cfg = shadow_decode_config(128, quant)
+    assert cfg.block_h == 64 and cfg.num_warps == 8
+    two_tiles = not shadow_module._v_shared(quant.k, quant.v)
+    per_token = 2 * 576 + (2 * 512 if two_tiles else 0)
+
+    def smem(block_n: int) -> int:
+        return cfg.block_h * 576 * 2 + cfg.num_stages * block_n * per_token
+
+    assert cfg.num_stages >= 2, "a single stage does not overlap loads with math"
+    assert smem(cfg.block_n) <= HOPPER_SMEM
+    assert cfg.block_n == 64 or smem(2 * cfg.block_n) > HOPPER_SMEM
+
+
+def test_default_config_reads_like_decode_where_only_k_hat_is_read() -> None:
+    """fp8 K and V with one scale read K̂ alone: quant none's tiles, any head count.
+    The packed storage decodes codes to float32 in registers: never longer tiles."""
     fp8 = AttentionQuant.uniform("fp8")
     for heads in (16, 128):
         assert shadow_decode_config(heads, fp8) == decode_config(heads, None)
-    big = shadow_decode_config(128, NVFP4)
-    assert (big.block_h, big.block_n, big.num_warps, big.num_stages) == (64, 32, 8, 2)
-    for quant in (AttentionQuant(k="nvfp4"), AttentionQuant(k="nvfp4", v="fp8")):
-        assert shadow_decode_config(128, quant).block_n == 32
-    assert shadow_decode_config(128, fp8, "packed").block_n == 32
+        for quant in (fp8, NVFP4):
+            packed = shadow_decode_config(heads, quant, "packed")
+            assert packed.block_n <= shadow_decode_config(heads, quant).block_n
 
 
 def test_default_tiles_and_splits_agree() -> None:
