@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -734,6 +735,85 @@ def decode(
     return out_t, lse_t
 
 
+def split_kernel_args(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_t: torch.Tensor,
+    lse_t: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor],
+    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    operands: tuple[_Operand, _Operand, _Operand, _Operand],
+    cfg: DecodeConfig,
+    splits: int,
+    kv_lora_rank: int,
+    pv_f16: bool,
+) -> dict[str, Any]:
+    """The keyword arguments both split kernels (on-read and shadow) take, by name.
+
+    ``partials``: the workspace's ``(acc, ml)``; ``queries``: ``(q_nope, q_pe,
+    q_scale)`` as ``_stage_q`` returns them; ``operands``: q, k, v, p.
+    """
+    q_nope, q_pe, q_scale = queries
+    qo, ko, vo, po = operands
+    return {
+        "qn_ptr": q_nope,
+        "qp_ptr": q_pe,
+        "qgs_ptr": q_scale,
+        "kv_ptr": kv_cache,
+        "bt_ptr": block_table,
+        "seq_lens_ptr": seq_lens,
+        "out_ptr": out_t,
+        "lse_ptr": lse_t,
+        "wacc_ptr": partials[0],
+        "wml_ptr": partials[1],
+        "stride_qn_b": q_nope.stride(0),
+        "stride_qn_h": q_nope.stride(1),
+        "stride_qp_b": q_pe.stride(0),
+        "stride_qp_h": q_pe.stride(1),
+        "stride_kv_page": kv_cache.stride(0),
+        "stride_kv_row": kv_cache.stride(1),
+        "stride_bt_b": block_table.stride(0),
+        "stride_bt_p": block_table.stride(1),
+        "stride_sl": seq_lens.stride(0),
+        "stride_o_b": out_t.stride(0),
+        "stride_o_h": out_t.stride(1),
+        "stride_lse_b": lse_t.stride(0),
+        "stride_lse_h": lse_t.stride(1),
+        "num_heads": c.heads,
+        "capacity": c.capacity,
+        "num_blocks": kv_cache.shape[0],
+        "score_scale": c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
+        "v_gs": vo.gs,
+        "v_inv_gs": 1.0 / vo.gs,
+        "v_inv_6gs": 1.0 / (6.0 * vo.gs),
+        "p_gs": po.gs,
+        "p_inv_gs": 1.0 / po.gs,
+        "p_inv_6gs": 1.0 / (6.0 * po.gs),
+        "out_scale": po.gs * vo.gs,
+        "D1": kv_lora_rank,
+        "D2": c.rope,
+        "PAGE": c.page_size,
+        "BLOCK_H": cfg.block_h,
+        "BLOCK_N": cfg.block_n,
+        "NUM_SPLITS": splits,
+        "HEAD_GROUPS": -(-c.heads // cfg.block_h),
+        "SPLIT_ALIGN_": SPLIT_ALIGN,
+        "Q_SCALED": qo.code != 0,
+        "K_FMT": ko.code,
+        "K_DYN": ko.dynamic,
+        "V_FMT": vo.code,
+        "V_EXACT": not vo.pow2,
+        "P_FMT": po.code,
+        "PV_F16": pv_f16,
+        "FAST": True,
+        "HW_FP8": _hw_fp8(c.q_nope.device),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+
+
 def _launch(
     c: _Checked,
     kv_cache: torch.Tensor,
@@ -749,7 +829,6 @@ def _launch(
     kv_lora_rank: int,
 ) -> None:
     """The launches of ``decode`` on checked inputs: q̂, the split kernel, the merge."""
-    device = c.q_nope.device
     cfg = config if config is not None else decode_config(c.heads, recipe)
     head_groups = -(-c.heads // cfg.block_h)
     splits = _splits_for(c, cfg, num_splits, max_seq_len)
@@ -762,65 +841,16 @@ def _launch(
         c, qo, qk_f16, splits, kv_lora_rank, workspace, lse_t
     )
 
-    grid = (head_groups * splits * c.batch,)
-    decode_split_kernel[grid](
-        q_nope,
-        q_pe,
-        q_scale,
-        kv_cache,
-        block_table,
-        seq_lens,
-        out_t,
-        lse_t,
-        wacc,
-        wml,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        block_table.stride(1),
-        seq_lens.stride(0),
-        out_t.stride(0),
-        out_t.stride(1),
-        lse_t.stride(0),
-        lse_t.stride(1),
-        c.heads,
-        c.capacity,
-        kv_cache.shape[0],
-        c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
-        ko.gs,
-        1.0 / ko.gs,
-        1.0 / (6.0 * ko.gs),
-        vo.gs,
-        1.0 / vo.gs,
-        1.0 / (6.0 * vo.gs),
-        po.gs,
-        1.0 / po.gs,
-        1.0 / (6.0 * po.gs),
-        po.gs * vo.gs,
-        D1=kv_lora_rank,
-        D2=c.rope,
-        PAGE=c.page_size,
-        BLOCK_H=cfg.block_h,
-        BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits,
-        HEAD_GROUPS=head_groups,
-        SPLIT_ALIGN_=SPLIT_ALIGN,
-        Q_SCALED=qo.code != 0,
-        K_FMT=ko.code,
-        K_DYN=ko.dynamic,
+    args = split_kernel_args(
+        c, kv_cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
+        (qo, ko, vo, po), cfg, splits, kv_lora_rank, pv_f16,
+    )  # fmt: skip
+    decode_split_kernel[(head_groups * splits * c.batch,)](
+        **args,
+        k_gs=ko.gs,
+        k_inv_gs=1.0 / ko.gs,
+        k_inv_6gs=1.0 / (6.0 * ko.gs),
         K_EXACT=not ko.pow2,
-        V_FMT=vo.code,
-        V_EXACT=not vo.pow2,
-        P_FMT=po.code,
         KV_SHARED=kv_shared,
-        PV_F16=pv_f16,
-        FAST=True,
-        HW_FP8=_hw_fp8(device),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
     _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)

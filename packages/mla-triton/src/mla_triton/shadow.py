@@ -41,7 +41,6 @@ import torch
 
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import (
-    LOG2E,
     DecodeConfig,
     _block_h,
     _check,
@@ -54,8 +53,8 @@ from mla_triton.decode import (
     _stage_q,
     _tensor,
     interpreted_bf16,
+    split_kernel_args,
 )
-from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
 from mla_triton.kernels.shadow_kernel import (
     shadow_decode_split_kernel,
     shadow_update_kernel,
@@ -672,7 +671,6 @@ def _launch_shadow(
     """The launches of ``decode_shadow`` on checked inputs: q̂, the split kernel, the merge."""
     kh, ks, vh = views
     st = lay.storage
-    device = c.q_nope.device
     cfg = config if config is not None else shadow_decode_config(c.heads, qq, st)
     head_groups = -(-c.heads // cfg.block_h)
     splits = _splits_for(c, cfg, num_splits, max_seq_len)
@@ -684,70 +682,27 @@ def _launch_shadow(
         c, qo, qk_f16, splits, kv_lora_rank, workspace, lse_t
     )
 
-    dummy = cache
+    args = split_kernel_args(
+        c, cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
+        (qo, ko, vo, po), cfg, splits, kv_lora_rank, pv_f16,
+    )  # fmt: skip
+    kh_page, kh_row = _strides(kh)
+    ks_page, ks_row = _strides(ks)
+    vh_page, vh_row = _strides(vh)
     shadow_decode_split_kernel[(head_groups * splits * c.batch,)](
-        q_nope,
-        q_pe,
-        q_scale,
-        cache,
-        dummy if kh is None else kh,
-        dummy if ks is None else ks,
-        dummy if vh is None else vh,
-        block_table,
-        seq_lens,
-        out_t,
-        lse_t,
-        wacc,
-        wml,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        cache.stride(0),
-        cache.stride(1),
-        *_strides(kh),
-        *_strides(ks),
-        *_strides(vh),
-        block_table.stride(0),
-        block_table.stride(1),
-        seq_lens.stride(0),
-        out_t.stride(0),
-        out_t.stride(1),
-        lse_t.stride(0),
-        lse_t.stride(1),
-        c.heads,
-        c.capacity,
-        cache.shape[0],
-        c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
-        vo.gs,
-        1.0 / vo.gs,
-        1.0 / (6.0 * vo.gs),
-        po.gs,
-        1.0 / po.gs,
-        1.0 / (6.0 * po.gs),
-        po.gs * vo.gs,
-        D1=kv_lora_rank,
-        D2=c.rope,
-        PAGE=c.page_size,
-        BLOCK_H=cfg.block_h,
-        BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits,
-        HEAD_GROUPS=head_groups,
-        SPLIT_ALIGN_=SPLIT_ALIGN,
-        Q_SCALED=qo.code != 0,
-        K_FMT=ko.code,
-        K_DYN=ko.dynamic,
-        V_FMT=vo.code,
+        **args,
+        kh_ptr=cache if kh is None else kh,  # absent sections: any pointer, never read
+        ks_ptr=cache if ks is None else ks,
+        vh_ptr=cache if vh is None else vh,
+        stride_kh_page=kh_page,
+        stride_kh_row=kh_row,
+        stride_ks_page=ks_page,
+        stride_ks_row=ks_row,
+        stride_vh_page=vh_page,
+        stride_vh_row=vh_row,
         V_SRC=v_src,
-        V_EXACT=not vo.pow2,
         V_TAIL=vo.code == 2,
         TAIL_LOOP=_tail_loop(cfg.block_h, vo.code == 2),
-        P_FMT=po.code,
-        PV_F16=pv_f16,
         STORE=STORAGES.index(st),
-        FAST=True,
-        HW_FP8=_hw_fp8(device),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
     _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)
