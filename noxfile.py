@@ -132,7 +132,9 @@ def _make_test_session(short: str, dist: str, triton: bool, uses: tuple[str, ...
         _install_base(session, triton=triton)
         session.install(*_group("test"), *_editable_args(uses))
         env = {"TRITON_INTERPRET": "1"} if triton else {}
-        session.run("pytest", _local(dist) + "/tests", *session.posargs, env=env)
+        # the interpreter is one busy core a process: one worker per core (pytest-xdist)
+        workers = ["-n", "auto"] if triton else []
+        session.run("pytest", _local(dist) + "/tests", *workers, *session.posargs, env=env)
 
     run_tests.__doc__ = f"Run {dist}'s tests (CPU{', Triton interpreter' if triton else ''})."
     nox.session(name=short)(run_tests)
