@@ -296,13 +296,16 @@ def _stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
     """Record on the tensor object which layout (recipe) its contents follow.
 
     A Python attribute of this tensor object (views made from it do not carry it):
-    no device sync. A tensor stamped with another layout is refused, naming
-    ``argument`` (the recipe or storage the caller passed).
+    no device sync. Called once every check of a writing call has passed.
     """
+    _check_stamp(shadow, lay, argument)
+    setattr(shadow, _STAMP, lay)
+
+
+def _check_stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
+    """Refuse a tensor stamped with another layout, naming ``argument`` (the recipe)."""
     held = getattr(shadow, _STAMP, None)
-    if held is None:
-        setattr(shadow, _STAMP, lay)
-    elif held != lay:
+    if held is not None and held != lay:
         raise ValueError(
             f"{argument}: this shadow holds K̂/V̂ written for k={held.k_quant}, "
             f"v={held.v_quant}, storage {held.storage!r}; got k={lay.k_quant}, "
@@ -318,7 +321,6 @@ def _check_shadow(
     shadow: object, kv_cache: torch.Tensor, lay: ShadowLayout
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     t = _tensor(shadow, "shadow", 3)
-    _stamp(t, lay, "quant")
     want = lay.shape(kv_cache.shape[0], kv_cache.shape[1])
     if t.dtype != torch.uint8 or tuple(t.shape) != want:
         raise ValueError(
@@ -336,6 +338,7 @@ def _check_shadow(
             )
         if t.data_ptr() % _ALIGN:
             raise ValueError("shadow: expected a 16-byte aligned data pointer")
+    _check_stamp(t, lay, "quant")
     k, s, v = lay.views(t)
     return t, k, s, v
 
@@ -443,7 +446,7 @@ def update_cache(
     if slots.shape[0] > x1.shape[0]:
         raise ValueError(f"slot_mapping: {slots.shape[0]} entries for {x1.shape[0]} tokens of kv_c")
     lay = shadow_layout(q, kv_lora_rank=d1, rope_dim=d2, storage=st)
-    _, kh, ks, vh = _check_shadow(shadow, cache, lay)
+    written, kh, ks, vh = _check_shadow(shadow, cache, lay)
     n = slots.shape[0]
     page_size = cache.shape[1]
     if check_values or (check_values is None and slots.device.type == "cpu"):
@@ -464,6 +467,7 @@ def update_cache(
                 f"slot_mapping: slot {twice} appears more than once (one call writes each "
                 "slot at most once)"
             )
+    _stamp(written, lay, "quant")
     if n == 0:
         return
     if interpreted_bf16(cache.dtype):  # the interpreter's bf16 casts are wrong: float32 copy
