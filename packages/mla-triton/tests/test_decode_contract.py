@@ -242,7 +242,10 @@ def test_update_cache_skips_slots_outside_the_cache_and_refuses_duplicates() -> 
 
 def test_shadow_read_or_written_with_another_recipe_is_refused() -> None:
     written = AttentionQuant(q="fp8", k=OperandQuant("fp8", 448.0), v="fp8", p="fp8")
-    other = AttentionQuant(q="fp8", k=OperandQuant("fp8", 224.0), v="fp8", p="fp8")
+    # the same layout shape (fp8 K and V sharing one scale), another scale: 224, not 448
+    other = AttentionQuant(
+        q="fp8", k=OperandQuant("fp8", 224.0), v=OperandQuant("fp8", 224.0), p="fp8"
+    )
     q, cache, table, seq = make_case([30], 2, 16, seed=4)
     shadow = write_shadow(cache, written)
     with pytest.raises(ValueError, match=r"^quant: this shadow holds"):
