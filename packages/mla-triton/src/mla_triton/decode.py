@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -723,16 +723,34 @@ def decode(
     if c.batch == 0:
         return out_t, lse_t
     recipe = quant if quant is not None else AttentionQuant()
-    if interpreted_bf16(c.q_nope.dtype):
-        o32 = torch.empty(out_t.shape, dtype=torch.float32)
-        c32 = replace(c, q_nope=c.q_nope.float(), q_pe=c.q_pe.float())
-        _launch(c32, kv_cache.float(), block_table, seq_lens, recipe, num_splits, None, o32,
-                lse_t, max_seq_len, config, kv_lora_rank)  # fmt: skip
-        out_t.copy_(o32)
-        return out_t, lse_t
-    _launch(c, kv_cache, block_table, seq_lens, recipe, num_splits, workspace, out_t, lse_t,
-            max_seq_len, config, kv_lora_rank)  # fmt: skip
+
+    def launch(cc: _Checked, cache: torch.Tensor, ws: torch.Tensor | None, o: torch.Tensor) -> None:
+        _launch(cc, cache, block_table, seq_lens, recipe, num_splits, ws, o, lse_t, max_seq_len,
+                config, kv_lora_rank)  # fmt: skip
+
+    run_launches(c, kv_cache, workspace, out_t, launch)
     return out_t, lse_t
+
+
+Launch = Callable[[_Checked, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
+
+
+def run_launches(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    workspace: torch.Tensor | None,
+    out_t: torch.Tensor,
+    launch: Launch,
+) -> None:
+    """``launch(c, kv_cache, workspace, out)``, or, for bfloat16 under Triton's
+    interpreter (``interpreted_bf16``), the same on float32 copies of q and the cache
+    with a workspace of its own, the output rounded to bfloat16 once."""
+    if not interpreted_bf16(c.q_nope.dtype):
+        launch(c, kv_cache, workspace, out_t)
+        return
+    o32 = torch.empty(out_t.shape, dtype=torch.float32)
+    launch(replace(c, q_nope=c.q_nope.float(), q_pe=c.q_pe.float()), kv_cache.float(), None, o32)
+    out_t.copy_(o32)
 
 
 def split_kernel_args(

@@ -34,7 +34,7 @@ sequence's ``j``-th page is position ``j * page_size + i``), as paged engines do
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -53,6 +53,7 @@ from mla_triton.decode import (
     _stage_q,
     _tensor,
     interpreted_bf16,
+    run_launches,
     split_kernel_args,
 )
 from mla_triton.kernels.shadow_kernel import (
@@ -644,15 +645,12 @@ def decode_shadow(
     if c.batch == 0:
         return out_t, lse_t
     views = (kh, ks, vh)
-    if interpreted_bf16(cache.dtype):
-        o32 = torch.empty(out_t.shape, dtype=torch.float32)
-        c32 = replace(c, q_nope=c.q_nope.float(), q_pe=c.q_pe.float())
-        _launch_shadow(c32, cache.float(), views, lay, block_table, seq_lens, qq, num_splits,
-                       None, o32, lse_t, max_seq_len, config, kv_lora_rank)  # fmt: skip
-        out_t.copy_(o32)
-        return out_t, lse_t
-    _launch_shadow(c, cache, views, lay, block_table, seq_lens, qq, num_splits, workspace,
-                   out_t, lse_t, max_seq_len, config, kv_lora_rank)  # fmt: skip
+
+    def launch(cc: _Checked, raw: torch.Tensor, ws: torch.Tensor | None, o: torch.Tensor) -> None:
+        _launch_shadow(cc, raw, views, lay, block_table, seq_lens, qq, num_splits, ws, o, lse_t,
+                       max_seq_len, config, kv_lora_rank)  # fmt: skip
+
+    run_launches(c, cache, workspace, out_t, launch)
     return out_t, lse_t
 
 
