@@ -1,0 +1,310 @@
+"""The Gluon (sm90) prefill on an H200: correctness, then timing against the Triton prefill.
+
+Run on a Hopper GPU from the repository root::
+
+    PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
+        python packages/mla-triton/benchmarks/gluon_prefill.py --out OUTDIR [--fa3]
+
+Correctness (bf16, recipe none): ``mla_triton.gluon_prefill.launch`` against
+``mla_reference.prefill`` (float32 on the GPU) and against ``mla_triton.prefill``
+on varlen batches (lengths 1, 17, 128, 1000, 4096), H 16 and 128, causal and not,
+chunked context (fewer queries than keys), GQA, a strided V (a slice of a wider
+tensor), and the NaN rule (non-finite V and K in and next to a sequence). Each
+case prints the max abs error and the relative L2 error of out, the max abs error
+of the finite LSEs, and whether the NaN / -inf positions agree.
+
+Timing: ``triton.testing.do_bench`` medians (rep 200 ms) of the Gluon kernel (a
+few tilings) and of ``mla_triton.prefill`` (its default tiling), causal, queries
+= keys, at b4 h128 L4096, b1 h16 L16384 and a varlen batch of 16384 tokens;
+useful TFLOP/s count ``2 Lq Lk (192 + 128)`` per head, halved for causal. With
+``--fa3``, FlashAttention-3 from the vLLM wheel
+(``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``) is timed in
+the same process. Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DQK, DV = 192, 128
+VARLEN = [8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
+SHAPES: dict[str, tuple[list[int], int]] = {
+    "b4-h128-L4096": ([4096] * 4, 128),
+    "b1-h16-L16384": ([16384], 16),
+    "varlen16k-h128": (VARLEN, 128),
+}
+CHECK_LENS = [1, 17, 128, 1000, 4096]
+# (block_m, block_n, num_stages)
+CONFIGS = [(128, 64, 3), (128, 64, 2), (128, 128, 2), (64, 64, 3)]
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+
+
+def _rand(tokens: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(tokens, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+
+def _gluon(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
+    causal: bool, config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from mla_triton.gluon_prefill import GluonPrefillConfig, launch
+
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device="cuda")
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device="cuda")
+    launch(
+        q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
+        return_lse=True, out=out, lse=lse, max_seqlen_q=max(lens_q, default=0),
+        config=GluonPrefillConfig(*config) if config else None,
+    )  # fmt: skip
+    return out, lse
+
+
+def _triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from mla_triton import prefill
+
+    return prefill(
+        q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
+        return_lse=True,
+    )  # fmt: skip
+
+
+def _oracle(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    import mla_reference
+
+    return mla_reference.prefill(
+        q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
+        return_lse=True, compute_dtype=torch.float32,
+    )  # fmt: skip
+
+
+def _compare(name: str, got: tuple[torch.Tensor, torch.Tensor],
+             ref: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:  # fmt: skip
+    out, lse = got[0].float(), got[1].float()
+    ref_out, ref_lse = ref[0].float(), ref[1].float()
+    nan_same = bool(torch.equal(out.isnan(), ref_out.isnan()))
+    lse_nan_same = bool(torch.equal(lse.isnan(), ref_lse.isnan()))
+    ninf_same = bool(torch.equal(lse == float("-inf"), ref_lse == float("-inf")))
+    ok = ~ref_out.isnan() & ~out.isnan()
+    diff = (out - ref_out)[ok]
+    rel_l2 = float(diff.norm() / ref_out[ok].norm().clamp_min(1e-30)) if diff.numel() else 0.0
+    fin = torch.isfinite(lse) & torch.isfinite(ref_lse)
+    lse_err = float((lse - ref_lse)[fin].abs().max()) if fin.any() else 0.0
+    return {
+        "vs": name, "max_abs": float(diff.abs().max()) if diff.numel() else 0.0,
+        "rel_l2": rel_l2, "lse_max_abs": lse_err, "nan_same": nan_same,
+        "lse_nan_same": lse_nan_same, "neg_inf_same": ninf_same,
+    }  # fmt: skip
+
+
+def _case(name: str, fn: Callable[[], list[dict[str, Any]]], result: dict[str, Any]) -> None:
+    t0 = time.time()
+    try:
+        rows = fn()
+        for row in rows:
+            row["case"] = name
+            result["checks"].append(row)
+            ok = (row["rel_l2"] < 1e-2 and row["nan_same"] and row["lse_nan_same"]
+                  and row["neg_inf_same"] and row["lse_max_abs"] < 1e-2)  # fmt: skip
+            row["pass"] = ok
+            print(f"{'PASS' if ok else 'FAIL'} {name:34s} vs {row['vs']:8s} max_abs "
+                  f"{row['max_abs']:.3e} rel_l2 {row['rel_l2']:.3e} lse {row['lse_max_abs']:.3e} "
+                  f"nan {row['nan_same']} lse_nan {row['lse_nan_same']} "
+                  f"-inf {row['neg_inf_same']}  ({time.time() - t0:.1f}s)", flush=True)  # fmt: skip
+    except Exception as exc:
+        traceback.print_exc()
+        result["checks"].append({"case": name, "error": repr(exc), "pass": False})
+        print(f"ERROR {name}: {exc!r}", flush=True)
+
+
+def _check_case(
+    lens_q: list[int], lens_k: list[int], heads: int, kv_heads: int, causal: bool,
+    strided_v: bool = False, config: tuple[int, int, int] | None = None,
+    poison: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    oracle: bool = True,
+) -> Callable[[], list[dict[str, Any]]]:  # fmt: skip
+    def run() -> list[dict[str, Any]]:
+        gen = torch.Generator(device="cuda").manual_seed(sum(lens_q) + heads)
+        q = _rand(sum(lens_q), heads, DQK, gen)
+        k = _rand(sum(lens_k), kv_heads, DQK, gen)
+        if strided_v:  # V as a slice of a [Tk, Hkv, 2 * DV] tensor (vLLM's kv split)
+            v = _rand(sum(lens_k), kv_heads, 2 * DV, gen)[:, :, DV:]
+        else:
+            v = _rand(sum(lens_k), kv_heads, DV, gen)
+        if poison is not None:
+            poison(q, k, v)
+        got = _gluon(q, k, v, lens_q, lens_k, causal, config)
+        rows = [_compare("triton", got, _triton(q, k, v, lens_q, lens_k, causal))]
+        if oracle:
+            rows.append(_compare("oracle", got, _oracle(q, k, v, lens_q, lens_k, causal)))
+        return rows
+
+    return run
+
+
+def _nan_v_inside(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    v[90, 0, 5] = float("nan")  # seq 0 (100 keys): rows at or after key 90 see it
+    k[100 + 30, 1, 7] = float("inf")  # seq 1: rows at or after key 30 see it (q and lse)
+
+
+def _nan_v_outside(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    v[100, 0, 3] = float("nan")  # first key of seq 1: must not reach seq 0's last tile
+    v[100 + 50 - 1, 0, 3] = float("inf")  # last key of seq 1: visible to its last row only
+
+
+def checks(result: dict[str, Any]) -> None:
+    """Correctness cases (see the module doc)."""
+    for heads in (16, 128):
+        for causal in (True, False):
+            tag = f"varlen h{heads} {'causal' if causal else 'full'}"
+            _case(tag, _check_case(CHECK_LENS, CHECK_LENS, heads, heads, causal), result)
+    _case("chunked-context h16 full", _check_case([1, 200, 64], [300, 1000, 64], 16, 16, False),
+          result)  # fmt: skip
+    _case("suffix causal h16 (Lq < Lk)",
+          _check_case([1, 200, 64], [300, 1000, 64], 16, 16, True), result)  # fmt: skip
+    _case("gqa h16/kv2 causal", _check_case(CHECK_LENS, CHECK_LENS, 16, 2, True), result)
+    _case("strided v h16 causal",
+          _check_case(CHECK_LENS, CHECK_LENS, 16, 16, True, strided_v=True), result)  # fmt: skip
+    _case("empty k sequence h16", _check_case([5, 7, 9], [0, 7, 20], 16, 16, True), result)
+    _case("nan rule inside h4", _check_case([100, 50], [100, 50], 4, 4, True,
+                                            poison=_nan_v_inside), result)  # fmt: skip
+    _case("nan rule outside h4 causal", _check_case([100, 50], [100, 50], 4, 4, True,
+                                                    poison=_nan_v_outside), result)  # fmt: skip
+    _case("nan rule outside h4 full", _check_case([100, 50], [100, 50], 4, 4, False,
+                                                  poison=_nan_v_outside), result)  # fmt: skip
+    for config in CONFIGS[1:]:
+        _case(f"config {config} h16 causal",
+              _check_case(CHECK_LENS, CHECK_LENS, 16, 16, True, config=config), result)  # fmt: skip
+
+
+def _bench(fn: Callable[[], Any]) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _tflops(lens: list[int], heads: int, ms: float) -> float:
+    flop = sum(2.0 * n * n * (DQK + DV) / 2 for n in lens) * heads
+    return flop / (ms * 1e-3) / 1e12
+
+
+def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+         lens: list[int]) -> Callable[[], Any]:  # fmt: skip
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    return lambda: flash_attn_varlen_func(
+        q, k, v, max(lens), cu, max(lens), cu_seqlens_k=cu, softmax_scale=DQK**-0.5,
+        causal=True, fa_version=3,
+    )  # fmt: skip
+
+
+def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool,
+                result: dict[str, Any]) -> None:  # fmt: skip
+    from mla_triton import prefill
+    from mla_triton.gluon_prefill import GluonPrefillConfig, launch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lens)
+    q, k, v = _rand(total, heads, DQK, gen), _rand(total, heads, DQK, gen), _rand(
+        total, heads, DV, gen)  # fmt: skip
+    cu = _cu(lens)
+    out = torch.empty(total, heads, DV, dtype=q.dtype, device="cuda")
+    lse = torch.empty(heads, total, dtype=torch.float32, device="cuda")
+
+    def gluon(c: tuple[int, int, int]) -> Callable[[], Any]:
+        return lambda: launch(
+            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, return_lse=False,
+            out=out, lse=lse, max_seqlen_q=max(lens), config=GluonPrefillConfig(*c),
+        )  # fmt: skip
+
+    fns: dict[str, Callable[[], Any]] = {
+        "triton": lambda: prefill(
+            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True,
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+        ),
+    }  # fmt: skip
+    fns |= {f"gluon{c}": gluon(c) for c in CONFIGS}
+    if fa3:
+        fns["fa3"] = _fa3(q, k, v, cu, lens)
+    for name, fn in fns.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = min(_bench(fn), _bench(fn))
+            row = {"shape": shape, "impl": name, "ms": ms, "tflops": _tflops(lens, heads, ms)}
+            result["timings"].append(row)
+            print(f"{shape:16s} {name:22s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s",
+                  flush=True)  # fmt: skip
+        except Exception as exc:
+            traceback.print_exc()
+            result["timings"].append({"shape": shape, "impl": name, "error": repr(exc)})
+
+
+def timings(result: dict[str, Any], fa3: bool) -> None:
+    """Timing rows (see the module doc)."""
+    for shape, (lens, heads) in SHAPES.items():
+        try:
+            _time_shape(shape, lens, heads, fa3, result)
+        except Exception as exc:
+            traceback.print_exc()
+            result["timings"].append({"shape": shape, "error": repr(exc)})
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".", help="folder for gluon-prefill.json / .txt")
+    parser.add_argument("--fa3", action="store_true", help="also time FlashAttention-3 (vLLM)")
+    parser.add_argument("--no-check", action="store_true", help="timings only")
+    parser.add_argument("--no-bench", action="store_true", help="correctness only")
+    args = parser.parse_args()
+    import triton
+
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu",
+         "--format=csv,noheader"], capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(),
+        "checks": [], "timings": [],
+    }  # fmt: skip
+    print(f"{result['device']}  torch {torch.__version__}  triton {triton.__version__}  ({smi})")
+    t0 = time.time()
+    if not args.no_check:
+        checks(result)
+        _write(args.out, result)
+    print(f"checks: {sum(bool(r.get('pass')) for r in result['checks'])} of "
+          f"{len(result['checks'])} passed ({time.time() - t0:.0f}s)", flush=True)  # fmt: skip
+    if not args.no_bench:
+        timings(result, args.fa3)
+    _write(args.out, result)
+    print(f"total {time.time() - t0:.0f}s")
+
+
+def _write(out: str, result: dict[str, Any]) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gluon-prefill.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Hopper (sm90) prefill in Gluon: launcher of ``kernels.gluon_prefill`` (recipe none).
+
+``launch`` takes the tensors ``mla_triton.prefill`` has already checked (SPEC 5) and
+computes what ``prefill`` computes for recipe none (fp16 / bf16), with TMA loads,
+wgmma and mbarriers instead of Triton's generic pipeline. What it does not cover
+(quantized operands, N:M sparsity, float32, head dims other than multiples of 64
+up to 256 for Q/K and 64 or 128 for V) raises ``ValueError`` naming the argument;
+``unsupported`` gives the same reason without raising, for a dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from mla_formats import AttentionQuant, NMSparsity
+
+__all__ = ["GluonPrefillConfig", "launch", "unsupported"]
+
+LOG2E = 1.4426950408889634
+_CHUNK = 64  # columns of one Q / K shared tile
+
+
+@dataclass(frozen=True)
+class GluonPrefillConfig:
+    """Tiling of ``gluon_prefill_kernel``: ``block_m`` queries (64 or 128; 16 rows a
+    warp), ``block_n`` keys (64 or 128) per tile, ``num_stages`` K/V buffers (1 to 4)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (64, 128):
+            raise ValueError(f"config.block_m: expected 64 or 128, got {self.block_m!r}")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 4:
+            raise ValueError(f"config.num_stages: expected 1 to 4, got {self.num_stages!r}")
+
+    @property
+    def num_warps(self) -> int:
+        """Warps of a program: 16 query rows each (one wgmma row block)."""
+        return self.block_m // 16
+
+
+def unsupported(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    quant: AttentionQuant | None,
+    sparsity: NMSparsity | None,
+) -> str | None:
+    """Why ``launch`` cannot take these (checked) inputs, naming the argument; None if it can."""
+    if quant is not None and not all(
+        op.format.name == "none" for op in (quant.q, quant.k, quant.p, quant.v)
+    ):
+        return "quant: the Gluon prefill covers recipe none only (no quantized operand)"
+    if sparsity is not None:
+        return "sparsity: the Gluon prefill has no N:M sparsity"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"q: the Gluon prefill takes float16 or bfloat16, got {q.dtype}"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"q: the Gluon prefill needs a Hopper (sm90) GPU, got device {q.device}"
+    dim, dim_v = q.shape[2], v.shape[2]
+    if dim % _CHUNK or not _CHUNK <= dim <= 256:
+        return f"q: head dim {dim} must be a multiple of 64 in [64, 256] for the Gluon prefill"
+    if dim_v not in (64, 128):
+        return f"v: head dim {dim_v} must be 64 or 128 for the Gluon prefill"
+    return None
+
+
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` itself when a 2-d TMA view ``[T, cols]`` of it is legal (16-byte
+    aligned base and token stride, non-negative head stride), else a contiguous copy."""
+    size = x.element_size()
+    if x.data_ptr() % 16 or (x.stride(0) * size) % 16 or x.stride(1) < 0 or x.stride(0) < 1:
+        return x.contiguous()
+    return x
+
+
+def _descriptor(x: torch.Tensor, block: list[int]) -> object:
+    """TMA descriptor of ``x [T, H, D]`` as ``[T, (H - 1) * stride_h + D]`` rows of
+    stride ``stride_t`` (column ``h * stride_h + d`` is ``x[t, h, d]``)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tokens, heads, dim = x.shape
+    cols = (heads - 1) * x.stride(1) + dim
+    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return TensorDescriptor(x, [tokens, cols], [x.stride(0), 1], block, layout)
+
+
+def launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    return_lse: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_seqlen_q: int,
+    quant: AttentionQuant | None = None,
+    sparsity: NMSparsity | None = None,
+    config: GluonPrefillConfig | None = None,
+) -> torch.Tensor:
+    """Varlen attention on checked inputs (as ``prefill`` checks them); returns ``out``.
+
+    ``q [T, H, Dqk]``, ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]`` (fp16 or bf16, unit
+    stride on the head dim), ``cu_q`` / ``cu_k`` int32 ``[B + 1]`` offsets on q's
+    device, ``out [T, H, Dv]`` in q's dtype, ``lse [H, T]`` float32 (written when
+    ``return_lse``), ``max_seqlen_q`` the longest query sequence (sizes the grid).
+    """
+    reason = unsupported(q, v, quant, sparsity)
+    if reason is not None:
+        raise ValueError(reason)
+    if config is None:
+        config = GluonPrefillConfig()
+    elif not isinstance(config, GluonPrefillConfig):
+        raise ValueError(f"config: expected None or a GluonPrefillConfig, got {type(config)}")
+    tokens, heads, dim = q.shape
+    _, kv_heads, dim_v = v.shape
+    batch = cu_q.numel() - 1
+    if tokens == 0 or batch == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
+        if k.shape[0] == 0 and tokens:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return out
+    from mla_triton.kernels.gluon_prefill import gluon_prefill_kernel
+
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    bm, bn = config.block_m, config.block_n
+    grid = (triton.cdiv(max_seqlen_q, bm), heads, batch)
+    gluon_prefill_kernel[grid](
+        _descriptor(q, [bm, _CHUNK]), _descriptor(k, [bn, _CHUNK]), _descriptor(v, [bn, dim_v]),
+        out, lse, cu_q, cu_k, softmax_scale * LOG2E, heads // kv_heads,
+        q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        DQK=dim, DV=dim_v, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=config.num_stages,
+        CAUSAL=causal, RETURN_LSE=return_lse, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,316 @@
+"""Varlen MLA prefill for Hopper (sm90) in Gluon: TMA, wgmma, mbarriers (SPEC 3 to 5).
+
+Recipe none (fp16 / bf16 operands, fp32 accumulators); the numbers follow
+docs/numerics.md as ``prefill_kernel.prefill_fwd_kernel`` computes them (the
+integer running maximum, ``l`` summed from P, the NaN rule).
+
+Schedule
+--------
+One program owns ``BLOCK_M`` queries of one query head of one sequence (grid:
+query tiles x heads x sequences; causal launches walk the query tiles from the
+last, heaviest one down). ``num_warps`` is ``BLOCK_M / 16``: the wgmma of each
+warpgroup covers 64 of the rows.
+
+- Q is loaded once by TMA into ``DQK / 64`` shared tiles ``[BLOCK_M, 64]`` (128-byte
+  swizzle); K tiles the same way ``[BLOCK_N, 64]``, V tiles ``[BLOCK_N, DV]``, in a
+  ring of ``NUM_STAGES`` buffers with one mbarrier each for K and V, so that the
+  loads of the next tiles run under the current tile's work.
+- Tensor descriptors are 2-d views ``[tokens, columns]`` with the token stride as
+  row stride: column ``head * stride_head + d`` is element ``d`` of a head. Any
+  layout with a unit stride on the head dim and a 16-byte-aligned token stride
+  fits (the launcher copies other inputs). Rows past a sequence's end belong to
+  the next sequence (or are TMA zero fill past the last token): the scores mask
+  them, and the V rows of masked tiles are sanitized before their MMA (below).
+- Key loop (FA3's intra-warpgroup overlap): at tile ``j`` the kernel issues
+  ``S_j = Q K_jᵀ`` (async), then ``acc = acc * alpha_{j-1} + P_{j-1} V_{j-1}`` (async,
+  P from registers), waits for ``S_j`` only, and runs tile ``j``'s softmax while the
+  P V MMA of tile ``j - 1`` is still on the tensor cores.
+- Softmax per tile: ``-inf`` raw scores become NaN (an infinite operand), the
+  masks of the causal diagonal and of the tail (tiles at or past ``mid``), the
+  running maximum ``m`` of the base-2 scores kept at an integer (``ceil``) so every
+  rescale ``2^(m_old - m_new)`` is exact, ``P = 2^(t - m)``, ``l`` summed from P.
+- Masked tiles (NaN rule): keys past the sequence end are zeroed in V's shared
+  tile, keys whose V row is non-finite are zeroed too and the query rows that see
+  one of them are flagged; flagged rows are written NaN (their LSE unchanged).
+- Epilogue: ``out = acc / l`` (a non-finite element makes the row NaN), ``lse =
+  (m + log2 l) ln 2``; a row with no visible key writes 0 and ``-inf``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+CHUNK: gl.constexpr = gl.constexpr(64)  # columns of one Q / K shared tile (128 bytes)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _load_kv(
+    k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, k_col, v_col,
+    BLOCK_N: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """Issue the TMA loads of key tile ``tile`` (rows ``row0 + tile * BLOCK_N``) into
+    its ring slot: ``NQ`` K chunks on one barrier, the V tile on another."""
+    stage = tile % NUM_STAGES
+    row = row0 + tile * BLOCK_N
+    k_bar = k_bars.index(stage)
+    mbarrier.expect(k_bar, NQ * k_desc.block_type.nbytes)
+    for c in gl.static_range(NQ):
+        tma.async_copy_global_to_shared(
+            k_desc, [row, k_col + c * CHUNK], k_bar, k_smem.index(stage * NQ + c)
+        )
+    v_bar = v_bars.index(stage)
+    mbarrier.expect(v_bar, v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row, v_col], v_bar, v_smem.index(stage))
+
+
+@gluon.jit
+def _issue_qk(
+    q_smem, k_smem, k_bars, tile, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """Wait for key tile ``tile`` and issue ``S = Q Kᵀ`` (async); returns its token."""
+    stage = tile % NUM_STAGES
+    mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    for c in gl.static_range(NQ):
+        s = warpgroup_mma(
+            q_smem.index(c), k_smem.index(stage * NQ + c).permute((1, 0)), s,
+            use_acc=c > 0, is_async=True,
+        )  # fmt: skip
+    return s
+
+
+@gluon.jit
+def _softmax(
+    s, m_i, l_i, start_n, mid, seq_len_k, q_pos, qk_scale, s_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout)."""
+    s = gl.where(s == float("-inf"), float("nan"), s)  # an infinite raw operand
+    if start_n >= mid:
+        key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = gl.expand_dims(key_pos < seq_len_k, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(key_pos, 0) <= gl.expand_dims(q_pos, 1))
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=1) * qk_scale))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)  # exact power of two (0 on the first tile)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _sanitize_v(
+    v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan, s_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr,
+    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Wait for V tile ``tile``; on a masked tile zero its rows past the sequence end
+    and its non-finite rows in shared memory, and flag the query rows that see a
+    non-finite one. Returns the updated flags ``row_nan``."""
+    stage = tile % NUM_STAGES
+    mbarrier.wait(v_bars.index(stage), (tile // NUM_STAGES) & 1)
+    start_n = tile * BLOCK_N
+    if start_n >= mid:
+        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        buf = v_smem.index(stage)
+        v = buf.load(v_layout).to(gl.float32)
+        key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
+        row = gl.sum(v - v, axis=1)  # NaN for a row with a non-finite element
+        bad = row != row
+        drop = bad | (key_pos >= seq_len_k)
+        v = gl.where(gl.expand_dims(drop, 1), 0.0, v)
+        buf.store(v.to(buf.dtype))
+        fence_async_shared()
+        gl.barrier()
+        bad_s = gl.convert_layout(bad & (key_pos < seq_len_k), gl.SliceLayout(0, s_layout))
+        key_s = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        sees = gl.expand_dims(bad_s, 0)
+        if CAUSAL:
+            sees = sees & (gl.expand_dims(key_s, 0) <= gl.expand_dims(q_pos, 1))
+        row_nan = row_nan | (gl.max(sees.to(gl.int32), axis=1) > 0)
+    return row_nan
+
+
+@gluon.jit
+def gluon_prefill_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    Out,
+    Lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    qk_scale,
+    group,
+    stride_qh,
+    stride_kh,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    DQK: gl.constexpr,
+    DV: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Attention of ``BLOCK_M`` queries of one head of one sequence (recipe none).
+
+    Descriptors: Q ``[T, cols]`` blocks ``[BLOCK_M, 64]``, K ``[Tk, cols]`` blocks
+    ``[BLOCK_N, 64]``, V ``[Tk, cols]`` blocks ``[BLOCK_N, DV]`` (see the module doc);
+    ``stride_*h`` the head strides in elements; Out ``[T, H, DV]``; Lse ``[H, T]``
+    float32. ``qk_scale`` = softmax_scale * log2(e); ``group`` = H / Hkv.
+    """
+    NQ: gl.constexpr = DQK // CHUNK
+    gl.static_assert(DQK % CHUNK == 0)
+    gl.static_assert(16 * num_warps == BLOCK_M)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.program_id(2)
+    if CAUSAL:  # noqa: SIM108
+        start_m = gl.num_programs(0) - 1 - pid_m  # longest query tiles first
+    else:
+        start_m = pid_m
+    q_start = gl.load(cu_seqlens_q + seq)
+    seq_len_q = gl.load(cu_seqlens_q + seq + 1) - q_start
+    if start_m * BLOCK_M < seq_len_q:
+        k_start = gl.load(cu_seqlens_k + seq)
+        seq_len_k = gl.load(cu_seqlens_k + seq + 1) - k_start
+        kv_head = head // group
+        if CAUSAL:
+            first_pos = seq_len_k - seq_len_q + start_m * BLOCK_M
+            last_pos = (
+                seq_len_k - seq_len_q + gl.minimum(start_m * BLOCK_M + BLOCK_M, seq_len_q) - 1
+            )
+            hi = gl.maximum(gl.minimum(seq_len_k, last_pos + 1), 0)
+            mid = gl.maximum(gl.minimum(first_pos + 1, seq_len_k), 0) // BLOCK_N * BLOCK_N
+        else:
+            hi = seq_len_k
+            mid = seq_len_k // BLOCK_N * BLOCK_N
+        n_tiles = gl.cdiv(hi, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, CHUNK], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+
+        q_col = head * stride_qh
+        k_col = kv_head * stride_kh
+        v_col = kv_head * stride_vh
+        mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
+        for c in gl.static_range(NQ):
+            tma.async_copy_global_to_shared(
+                q_desc, [q_start + start_m * BLOCK_M, q_col + c * CHUNK], q_bar, q_smem.index(c)
+            )
+        for i in gl.static_range(NUM_STAGES):
+            if i < n_tiles:
+                _load_kv(
+                    k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, k_start, k_col, v_col,
+                    BLOCK_N, NQ, NUM_STAGES,
+                )  # fmt: skip
+
+        offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        q_pos = seq_len_k - seq_len_q + offs_m  # key positions of the rows (suffix alignment)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+        row_nan = gl.zeros([BLOCK_M], gl.int1, row_s)
+        acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+        mbarrier.wait(q_bar, 0)
+
+        if n_tiles > 0:
+            s = _issue_qk(q_smem, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            p, alpha, m_i, l_i = _softmax(
+                s, m_i, l_i, 0, mid, seq_len_k, q_pos, qk_scale, s_layout, BLOCK_N, CAUSAL
+            )
+            for j in range(1, n_tiles):
+                s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
+                prev = j - 1
+                row_nan = _sanitize_v(
+                    v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, s_layout, BLOCK_N, DV,
+                    CAUSAL, NUM_STAGES, num_warps,
+                )  # fmt: skip
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s,))
+                p, alpha, m_i, l_i = _softmax(
+                    s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, qk_scale, s_layout,
+                    BLOCK_N, CAUSAL,
+                )  # fmt: skip
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                nxt = prev + NUM_STAGES
+                if nxt < n_tiles:
+                    _load_kv(
+                        k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, nxt, k_start, k_col,
+                        v_col, BLOCK_N, NQ, NUM_STAGES,
+                    )  # fmt: skip
+            last = n_tiles - 1
+            row_nan = _sanitize_v(
+                v_smem, v_bars, last, mid, seq_len_k, q_pos, row_nan, s_layout, BLOCK_N, DV,
+                CAUSAL, NUM_STAGES, num_warps,
+            )  # fmt: skip
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        # -- epilogue ------------------------------------------------------------
+        empty = l_i == 0.0
+        inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
+        out = acc * gl.expand_dims(inv_l, 1)  # acc is 0 on empty rows
+        poison = gl.sum(acc - acc, axis=1)  # NaN for a row with a non-finite element
+        poison = gl.where(gl.convert_layout(row_nan, row_o), float("nan"), poison)
+        out = out + gl.expand_dims(poison, 1)
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        out = gl.convert_layout(out.to(Out.dtype.element_ty), st_layout)
+        rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, st_layout))
+        o_ptrs = (
+            Out
+            + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
+            + gl.expand_dims(cols, 0)
+        )
+        gl.store(o_ptrs, out, mask=gl.expand_dims(rows < seq_len_q, 1))
+        if RETURN_LSE:
+            lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2
+            lse = gl.where(empty, float("-inf"), lse)
+            gl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=offs_m < seq_len_q)
