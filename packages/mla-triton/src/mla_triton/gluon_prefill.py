@@ -17,7 +17,7 @@ import triton
 
 from mla_formats import AttentionQuant, NMSparsity
 
-__all__ = ["GluonPrefillConfig", "launch", "unsupported"]
+__all__ = ["GluonPrefillConfig", "compile_sm90", "launch", "unsupported"]
 
 LOG2E = 1.4426950408889634
 _CHUNK = 64  # columns of one Q / K shared tile
@@ -61,13 +61,13 @@ def unsupported(
         return "sparsity: the Gluon prefill has no N:M sparsity"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"q: the Gluon prefill takes float16 or bfloat16, got {q.dtype}"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return f"q: the Gluon prefill needs a Hopper (sm90) GPU, got device {q.device}"
     dim, dim_v = q.shape[2], v.shape[2]
     if dim % _CHUNK or not _CHUNK <= dim <= 256:
         return f"q: head dim {dim} must be a multiple of 64 in [64, 256] for the Gluon prefill"
     if dim_v not in (64, 128):
         return f"v: head dim {dim_v} must be 64 or 128 for the Gluon prefill"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"q: the Gluon prefill needs a Hopper (sm90) GPU, got device {q.device}"
     return None
 
 
@@ -141,7 +141,56 @@ def launch(
         _descriptor(q, [bm, _CHUNK]), _descriptor(k, [bn, _CHUNK]), _descriptor(v, [bn, dim_v]),
         out, lse, cu_q, cu_k, softmax_scale * LOG2E, heads // kv_heads,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        DQK=dim, DV=dim_v, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=config.num_stages,
-        CAUSAL=causal, RETURN_LSE=return_lse, num_warps=config.num_warps,
+        **_constexprs(dim, dim_v, config, causal, return_lse),
     )  # fmt: skip
     return out
+
+
+def _constexprs(
+    dim: int, dim_v: int, config: GluonPrefillConfig, causal: bool, return_lse: bool
+) -> dict[str, int | bool]:
+    """The kernel's compile-time arguments (``num_warps`` too)."""
+    return {
+        "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+        "NUM_STAGES": config.num_stages, "CAUSAL": causal, "RETURN_LSE": return_lse,
+        "num_warps": config.num_warps,
+    }  # fmt: skip
+
+
+def compile_sm90(
+    dtype: torch.dtype,
+    dim: int,
+    dim_v: int,
+    config: GluonPrefillConfig,
+    *,
+    causal: bool,
+    return_lse: bool,
+) -> object:
+    """Compile the kernel for sm_90a without a GPU (as ``launch`` would specialize it);
+    returns Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.metadata.shared`` bytes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_triton.kernels.gluon_prefill import gluon_prefill_kernel
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+    def desc(block: list[int]) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+        return f"tensordesc<{name}[{','.join(map(str, block))}],{layout!r}>"
+
+    bm, bn = config.block_m, config.block_n
+    signature = {
+        "q_desc": desc([bm, _CHUNK]), "k_desc": desc([bn, _CHUNK]), "v_desc": desc([bn, dim_v]),
+        "Out": f"*{name}", "Lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+        "qk_scale": "fp32", "group": "i32", "stride_qh": "i32", "stride_kh": "i32",
+        "stride_vh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
+    }  # fmt: skip
+    constexprs = _constexprs(dim, dim_v, config, causal, return_lse)
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    source = GluonASTSource(gluon_prefill_kernel, signature, constexprs=constexprs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps}
+    )
