@@ -1,0 +1,310 @@
+"""Check and time the Gluon sm90 decode (unquantized) against the oracle, the Triton
+decode and (``--flashmla``) FlashMLA bf16 from vLLM's wheel, in one process.
+
+Run on an H200 from the repository root::
+
+    PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
+        python packages/mla-triton/benchmarks/gluon_decode.py --out OUTDIR [--flashmla]
+
+Correctness (``--plan check`` or ``all``): random bf16 inputs (q scaled by 0.5, the
+block table a random permutation of pages), ``mla_reference.decode`` in float64 on
+the GPU (no QDQ in this recipe, so the GPU oracle is exact enough) and
+``mla_triton.decode``; per case the max row error ``max|o - r| / max|r|`` (the
+metric of test_decode_gpu.py), the relative L2 error, and the LSE's max abs error.
+Every case runs in its own try/except; a failure prints its traceback and the run
+goes on. Timing (``--plan bench`` or ``all``): the median of
+``triton.testing.do_bench`` per shape, TFLOP/s counted as FlashMLA does
+(``2 H L (576 + 512)`` per request). JSON goes to ``OUTDIR/gluon_decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+SCALE = 576**-0.5
+ROW_TOL = 1.5e-2  # P in bf16 for the dot: test_decode_gpu.TOL_P_BF16
+LSE_TOL = 2e-5
+
+# (name, batch, heads, lens (None: all at L; "rand": uniform in [1, L]), L, page,
+# num_splits (None: the policy)). Split counts stay within {1, 2, 3, 4}, the bench's
+# too: each is a compile of both kernels.
+CHECKS: list[tuple[str, int, int, list[int] | str | None, int, int, int | None]] = [
+    ("b1-h128-L1", 1, 128, None, 1, 64, 1),
+    ("b1-h16-L8192-s4", 1, 16, None, 8192, 64, 4),
+    ("b4-h128-mixed", 4, 128, [1, 65, 1000, 4097], 0, 64, 1),
+    ("b4-h128-mixed-s3", 4, 128, [0, 63, 1000, 4097], 0, 64, 3),
+    ("b4-h16-mixed-s3", 4, 16, [17, 64, 129, 8191], 0, 64, 3),
+    ("b32-h128-rand", 32, 128, "rand", 8192, 64, None),
+    ("b32-h16-rand-s4", 32, 16, "rand", 8192, 64, 4),
+    ("b4-h20-page16-s3", 4, 20, [15, 16, 300, 2049], 0, 16, 3),
+    ("b4-h128-page128", 4, 128, [17, 300, 2049, 5000], 0, 128, 1),
+]
+BENCH: list[tuple[str, int, int, int]] = [
+    ("b128-h128-L8192", 128, 128, 8192),
+    ("b32-h128-L32768", 32, 128, 32768),
+    ("b128-h16-L8192", 128, 16, 8192),
+]
+
+
+def make_inputs(
+    lens: list[int], heads: int, page: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[B, H, 576]``, cache ``[pages, page, 576]`` (bf16), table, seq_lens (int32)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    used = [max(1, -(-n // page)) for n in lens]
+    total = sum(used) + 2
+    gpu = torch.Generator(device="cuda").manual_seed(seed)
+    cache = torch.randn(total, page, 576, generator=gpu, device="cuda").to(torch.bfloat16)
+    pages = torch.randperm(total, generator=g)
+    table = torch.zeros(len(lens), max(used), dtype=torch.int32)
+    k = 0
+    for b, n in enumerate(used):
+        table[b, :n] = pages[k : k + n]
+        k += n
+    q = (torch.randn(len(lens), heads, 576, generator=g) * 0.5).to("cuda", torch.bfloat16)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, cache, table.cuda(), seq
+
+
+def compare(
+    out: torch.Tensor, lse: torch.Tensor, ref: torch.Tensor, rlse: torch.Tensor
+) -> dict[str, Any]:
+    """Errors of ``(out, lse)`` against ``(ref, rlse)``; rows with an infinite ref LSE
+    (empty requests) must be out 0 and LSE -inf."""
+    empty = torch.isinf(rlse)
+    full = ~empty
+    o, r = out.double(), ref.double()
+    row = ((o - r).abs().amax(-1) / r.abs().amax(-1).clamp_min(1e-3))[full]
+    diff = (o - r)[full]
+    return {
+        "finite": bool(torch.isfinite(out).all()),
+        "empty_ok": bool(torch.equal(torch.isinf(lse), empty) and (out[empty] == 0).all()),
+        "max_abs": float(diff.abs().max()) if diff.numel() else 0.0,
+        "rel_l2": float(diff.norm() / r[full].norm().clamp_min(1e-30)) if diff.numel() else 0.0,
+        "max_row_err": float(row.max()) if row.numel() else 0.0,
+        "lse_max_abs": float((lse[full].double() - rlse[full].double()).abs().max())
+        if row.numel()
+        else 0.0,
+    }
+
+
+def _ok(e: dict[str, Any]) -> bool:
+    return bool(
+        e["finite"]
+        and e["empty_ok"]
+        and e["max_row_err"] <= ROW_TOL
+        and e["lse_max_abs"] <= LSE_TOL
+    )
+
+
+def run_checks(deadline: float) -> list[dict[str, Any]]:
+    import mla_reference
+    from mla_triton.decode import decode
+    from mla_triton.gluon_decode import VARIANTS, gluon_decode
+
+    results: list[dict[str, Any]] = []
+    for ci, (name, batch, heads, lens, length, page, splits) in enumerate(CHECKS):
+        for cfg in VARIANTS:
+            rec: dict[str, Any] = {"case": name, "config": f"bn{cfg.block_n}-st{cfg.stages}"}
+            if time.monotonic() > deadline:
+                rec["status"] = "not run: time budget spent"
+                results.append(rec)
+                print(f"{name:22s} {rec['config']:10s} NOT RUN (budget)", flush=True)
+                continue
+            try:
+                if lens == "rand":
+                    g = torch.Generator().manual_seed(ci)
+                    ll = torch.randint(1, length + 1, (batch,), generator=g).tolist()
+                elif isinstance(lens, list):
+                    ll = list(lens)
+                else:
+                    ll = [length] * batch
+                q, cache, table, seq = make_inputs(ll, heads, page, seed=ci)
+                t0 = time.monotonic()
+                out, lse = gluon_decode(
+                    q, cache, table, seq, softmax_scale=SCALE, num_splits=splits, config=cfg
+                )
+                torch.cuda.synchronize()
+                rec["gluon_first_call_s"] = round(time.monotonic() - t0, 2)
+                ref, rlse = mla_reference.decode(
+                    q, cache, table, seq, softmax_scale=SCALE, compute_dtype=torch.float64
+                )
+                tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+                rec["vs_reference"] = compare(out, lse, ref, rlse)
+                rec["vs_triton"] = compare(out, lse, tri.to(out.dtype), tlse)
+                rec["triton_vs_reference"] = compare(tri, tlse, ref, rlse)
+                rec["status"] = "pass" if _ok(rec["vs_reference"]) else "FAIL"
+                e = rec["vs_reference"]
+                print(
+                    f"{name:22s} {rec['config']:10s} {rec['status']:4s} row {e['max_row_err']:.2e} "
+                    f"relL2 {e['rel_l2']:.2e} maxabs {e['max_abs']:.2e} lse {e['lse_max_abs']:.1e} "
+                    f"| vs triton row {rec['vs_triton']['max_row_err']:.2e} "
+                    f"| triton row {rec['triton_vs_reference']['max_row_err']:.2e}",
+                    flush=True,
+                )
+            except Exception as exc:  # one case's failure must not end the run
+                rec["status"] = "ERROR"
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+                rec["traceback"] = traceback.format_exc()
+                print(f"{name:22s} {rec['config']:10s} ERROR\n{rec['traceback']}", flush=True)
+            results.append(rec)
+    return results
+
+
+def flops(batch: int, heads: int, seq: int) -> float:
+    return 2.0 * batch * heads * seq * (576 + 512)
+
+
+def _flashmla(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, seq: torch.Tensor) -> Any:
+    """A closure running FlashMLA bf16 (vLLM's wheel) on the same cache, and its output."""
+    from vllm.v1.attention.ops import flashmla
+
+    ok, why = flashmla.is_flashmla_dense_supported()
+    if not ok:
+        raise RuntimeError(f"FlashMLA unavailable: {why}")
+    meta, _ = flashmla.get_mla_metadata()
+    q4 = q.unsqueeze(1)  # [B, 1, H, 576]
+    k4 = cache.unsqueeze(2)  # [blocks, page, 1, 576]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return flashmla.flash_mla_with_kvcache(  # type: ignore[no-any-return]
+            q4, k4, table, seq, 512, meta, None, softmax_scale=SCALE, causal=False
+        )
+
+    return run
+
+
+def _bench_shape(
+    rec: dict[str, Any], batch: int, heads: int, length: int, deadline: float, with_flashmla: bool
+) -> None:
+    """Time every implementation at one shape into ``rec["timings"]``."""
+    import triton
+
+    from mla_triton.decode import decode, decode_workspace_size
+    from mla_triton.gluon_decode import VARIANTS, gluon_decode
+
+    q, cache, table, seq = make_inputs([length] * batch, heads, 64, seed=7)
+    timings: dict[str, Any] = {}
+    rec["timings"] = timings
+    nbytes = decode_workspace_size(batch, heads, length, device=q.device)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+    out = torch.empty(batch, heads, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)
+
+    def triton_run() -> tuple[torch.Tensor, torch.Tensor]:
+        return decode(
+            q, cache, table, seq, softmax_scale=SCALE, workspace=ws, out=out, lse=lse,
+            check_values=False,
+        )  # fmt: skip
+
+    runs: dict[str, Any] = {"triton": triton_run}
+    for cfg in VARIANTS:
+        runs[f"gluon-bn{cfg.block_n}-st{cfg.stages}"] = lambda cfg=cfg: gluon_decode(
+            q, cache, table, seq, softmax_scale=SCALE, config=cfg
+        )
+    if with_flashmla:
+        try:
+            runs["flashmla"] = _flashmla(q, cache, table, seq)
+        except Exception as exc:
+            timings["flashmla"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(traceback.format_exc(), flush=True)
+    ref_out: torch.Tensor | None = None
+    for key, fn in runs.items():
+        if time.monotonic() > deadline:
+            timings[key] = {"status": "not run: time budget spent"}
+            continue
+        try:
+            o = fn()[0].reshape(batch, heads, 512).double()
+            torch.cuda.synchronize()
+            if ref_out is None:
+                ref_out = o
+            rows = (o - ref_out).abs().amax(-1) / ref_out.abs().amax(-1).clamp_min(1e-3)
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+            timings[key] = {
+                "ms": ms,
+                "tflops": rec["flops"] / (ms * 1e-3) / 1e12,
+                "max_row_err_vs_triton": float(rows.max()),
+            }
+        except Exception as exc:
+            tb = traceback.format_exc()
+            timings[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": tb}
+            print(f"{rec['shape']} {key} ERROR\n{tb}", flush=True)
+    base_key = "flashmla" if "ms" in timings.get("flashmla", {}) else "triton"
+    base = timings.get(base_key, {}).get("ms")
+    for key, t in timings.items():
+        if "ms" in t:
+            ratio = f" ({base / t['ms']:.2f}x {base_key})" if base else ""
+            print(
+                f"{rec['shape']:18s} {key:18s} {t['ms']:8.3f} ms {t['tflops']:7.1f} TFLOP/s "
+                f"row-vs-triton {t['max_row_err_vs_triton']:.1e}{ratio}",
+                flush=True,
+            )
+
+
+def run_bench(deadline: float, with_flashmla: bool) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    for name, batch, heads, length in BENCH:
+        rec: dict[str, Any] = {"shape": name, "flops": flops(batch, heads, length)}
+        results.append(rec)
+        if time.monotonic() > deadline:
+            rec["status"] = "not run: time budget spent"
+            print(f"{name}: NOT RUN (budget)", flush=True)
+            continue
+        try:
+            _bench_shape(rec, batch, heads, length, deadline, with_flashmla)
+        except Exception as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            print(traceback.format_exc(), flush=True)
+        torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", choices=("check", "bench", "all"), default="all")
+    ap.add_argument("--out", default=None, help="directory for gluon_decode.json")
+    ap.add_argument("--flashmla", action="store_true", help="time FlashMLA bf16 too (vLLM)")
+    ap.add_argument("--budget-s", type=float, default=220.0, help="stop starting cases after this")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+    }
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except Exception as exc:
+        report["triton"] = f"import failed: {exc}"
+    print(json.dumps(report), flush=True)
+    if args.plan in ("check", "all"):
+        # checks get at most 60% of the budget, the timings the rest
+        report["checks"] = run_checks(
+            start + 0.6 * args.budget_s if args.plan == "all" else deadline
+        )
+    if args.plan in ("bench", "all"):
+        report["bench"] = run_bench(deadline, args.flashmla)
+    report["wall_s"] = round(time.monotonic() - start, 1)
+    bad = [c for c in report.get("checks", []) if c.get("status") != "pass"]
+    print(f"checks: {len(report.get('checks', [])) - len(bad)} pass, {len(bad)} not passed; "
+          f"wall {report['wall_s']} s", flush=True)  # fmt: skip
+    out_dir = args.out or os.environ.get("OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "gluon_decode.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

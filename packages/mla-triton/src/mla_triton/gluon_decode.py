@@ -1,0 +1,262 @@
+"""Launcher of the Gluon sm90 decode (``kernels.gluon_decode``) and its CPU compile check.
+
+``launch_gluon_decode`` takes the tensors ``mla_triton.decode`` has already checked
+(SPEC 5) and launches the Gluon split kernel and, with several splits, the Triton
+merge kernel on the same workspace layout. Only the unquantized recipe (q, K, V,
+P all ``none``) and 16-bit inputs are implemented so far; ``gluon_decode_supported``
+says whether a call can take this path.
+
+``compile_variant`` compiles one kernel variant for sm_90a without a GPU (Gluon has
+no interpreter): the CPU test and the benchmark's report use it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mla_formats import AttentionQuant
+
+__all__ = [
+    "GluonDecodeConfig",
+    "compile_variant",
+    "gluon_decode",
+    "gluon_decode_config",
+    "gluon_decode_supported",
+    "launch_gluon_decode",
+]
+
+LOG2E = math.log2(math.e)
+_MAX_SMEM = 232448  # bytes of shared memory one CTA may use on sm90 (227 KiB)
+
+
+@dataclass(frozen=True)
+class GluonDecodeConfig:
+    """Tile configuration of the Gluon split kernel.
+
+    Attributes:
+        block_n: tokens per tile (32 or 64).
+        stages: shared-memory ring depth (2 to 4); ``stages - 1`` tiles are in flight.
+    """
+
+    block_n: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        if self.block_n not in (32, 64):
+            raise ValueError(f"config.block_n: expected 32 or 64, got {self.block_n}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"config.stages: expected 2 to 4, got {self.stages}")
+
+
+VARIANTS: tuple[GluonDecodeConfig, ...] = (
+    GluonDecodeConfig(block_n=64, stages=2),
+    GluonDecodeConfig(block_n=32, stages=4),
+)
+"""Every configuration the launcher may pick (the CPU test compiles each)."""
+
+
+def gluon_decode_config(num_heads: int) -> GluonDecodeConfig:
+    """The default tile configuration (64-token tiles, double-buffered)."""
+    del num_heads
+    return VARIANTS[0]
+
+
+def gluon_decode_supported(
+    q_dtype: torch.dtype, quant: AttentionQuant | None, kv_lora_rank: int, rope: int
+) -> str | None:
+    """None when the Gluon kernel implements the call, else the reason it does not."""
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q_dtype} (16-bit only)"
+    if quant is not None and not all(op.is_identity for op in (quant.q, quant.k, quant.v, quant.p)):
+        return "quantized recipes are not implemented in the Gluon kernel yet"
+    if (kv_lora_rank, rope) != (512, 64):
+        return f"kv_lora_rank {kv_lora_rank} + rope {rope} (512 + 64 only)"
+    return None
+
+
+def _kernel() -> Any:
+    from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
+
+    return gluon_decode_split_kernel
+
+
+def launch_gluon_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    wacc: torch.Tensor,
+    wml: torch.Tensor,
+    *,
+    softmax_scale: float,
+    num_splits: int,
+    config: GluonDecodeConfig,
+) -> None:
+    """Launch the Gluon split kernel, then (``num_splits > 1``) the Triton merge.
+
+    Shapes: ``q_nope [B, H, 512]``, ``q_pe [B, H, 64]``, ``kv_cache [blocks, page, 576]``,
+    ``block_table [B, pages]``, ``seq_lens [B]``, ``out [B, H, 512]``, ``lse [B, H]``;
+    with several splits ``wacc`` float32 ``[B * splits * H * 512]`` and ``wml`` float32
+    ``[B * splits * H * 2]`` (``decode``'s workspace sections), else any tensors.
+    Inputs are assumed checked by ``mla_triton.decode``.
+    """
+    from mla_triton.kernels.decode_kernel import SPLIT_ALIGN, decode_merge_kernel
+    from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
+
+    batch, heads = q_nope.shape[0], q_nope.shape[1]
+    if batch == 0:
+        return
+    page = kv_cache.shape[1]
+    capacity = block_table.shape[1] * page
+    head_groups = -(-heads // BLOCK_H)
+    _kernel()[(head_groups * num_splits * batch,)](
+        q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, wacc, wml,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), block_table.stride(1),
+        seq_lens.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        heads, capacity, kv_cache.shape[0], softmax_scale * LOG2E,
+        D1=q_nope.shape[2], D2=q_pe.shape[2], PAGE=page, BLOCK_N=config.block_n,
+        STAGES=config.stages, NUM_SPLITS=num_splits, HEAD_GROUPS=head_groups,
+        SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_h = 16
+        decode_merge_kernel[(-(-heads // merge_h), batch)](
+            wacc, wml, seq_lens, out, lse, seq_lens.stride(0), out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1), heads, capacity, 1.0, D1=q_nope.shape[2],
+            BLOCK_H=merge_h, NUM_SPLITS=num_splits, SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=4,
+        )  # fmt: skip
+
+
+def gluon_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    config: GluonDecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unquantized decode through the Gluon kernel (benchmarks and tests).
+
+    ``q [B, H, 576]`` and the cache in float16/bfloat16 on an sm90 GPU; the inputs
+    go through ``mla_triton.decode``'s checks first (a ValueError names a bad
+    argument), the split count is ``decode``'s policy for 64 heads per CTA.
+    Returns ``(out [B, H, 512] in q's dtype, lse [B, H] float32)``.
+    """
+    from mla_triton.decode import _check, _check_num_splits, decode_num_splits
+
+    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, 512, None, None)
+    reason = gluon_decode_supported(c.q_nope.dtype, None, 512, c.rope)
+    if reason is not None:
+        raise ValueError(f"q: the Gluon decode does not take this call: {reason}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q: the Gluon decode runs on a CUDA device, got {q.device}")
+    cfg = config if config is not None else gluon_decode_config(c.heads)
+    splits = (
+        _check_num_splits(num_splits)
+        if num_splits is not None
+        else decode_num_splits(c.batch, c.heads, c.capacity, device=q.device, block_h=64)
+    )
+    out = torch.empty(c.batch, c.heads, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(c.batch, c.heads, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        wacc = torch.empty(c.batch * splits * c.heads * 512, dtype=torch.float32, device=q.device)
+        wml = torch.empty(c.batch * splits * c.heads * 2, dtype=torch.float32, device=q.device)
+    else:
+        wacc = wml = lse
+    launch_gluon_decode(
+        c.q_nope, c.q_pe, kv_cache, block_table, seq_lens, out, lse, wacc, wml,
+        softmax_scale=c.scale, num_splits=splits, config=cfg,
+    )  # fmt: skip
+    return out, lse
+
+
+# ---------------------------------------------------------------------- CPU compile
+
+
+_POINTERS = ("qn_ptr", "qp_ptr", "kv_ptr", "bt_ptr", "seq_lens_ptr", "out_ptr", "lse_ptr",
+             "wacc_ptr", "wml_ptr")  # fmt: skip
+_FLOAT_ARGS = ("score_scale",)
+
+
+@dataclass(frozen=True)
+class CompiledVariant:
+    """What ``compile_variant`` reports: the PTX text, shared bytes and registers."""
+
+    ptx: str
+    ttgir: str
+    shared: int
+    num_warps: int
+
+
+def compile_variant(
+    config: GluonDecodeConfig,
+    *,
+    dtype: str = "bf16",
+    num_splits: int = 1,
+    page: int = 64,
+    index_dtype: str = "i32",
+) -> CompiledVariant:
+    """Compile the Gluon split kernel for sm_90a on any machine (no GPU needed).
+
+    ``dtype``: ``"bf16"`` or ``"fp16"``; ``num_splits``, ``page``: the constexprs the
+    launch would pass; integer strides and sizes are marked divisible by 16 as the
+    JIT marks a multiple of 16 (a 576-wide row and a 64-row page are).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
+    from mla_triton.kernels.gluon_decode import NUM_WARPS
+
+    fn = _kernel()
+    ptr_types = {
+        "qn_ptr": f"*{dtype}", "qp_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}",
+        "bt_ptr": f"*{index_dtype}", "seq_lens_ptr": f"*{index_dtype}",
+        "out_ptr": f"*{dtype}", "lse_ptr": "*fp32", "wacc_ptr": "*fp32", "wml_ptr": "*fp32",
+    }  # fmt: skip
+    constexprs: dict[str, Any] = {
+        "D1": 512, "D2": 64, "PAGE": page, "BLOCK_N": config.block_n, "STAGES": config.stages,
+        "NUM_SPLITS": num_splits, "HEAD_GROUPS": 2, "SPLIT_ALIGN_": SPLIT_ALIGN,
+    }  # fmt: skip
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    divisible = {"stride_qn_b", "stride_qn_h", "stride_qp_b", "stride_qp_h", "stride_kv_page",
+                 "stride_kv_row", "stride_o_b", "stride_o_h"}  # fmt: skip
+    for j, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ptr_types:
+            signature[name] = ptr_types[name]
+            attrs[(j,)] = [["tt.divisibility", 16]]
+        elif name in _FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name in divisible:
+                attrs[(j,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(fn, signature, constexprs, attrs)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}
+    )
+    return CompiledVariant(
+        ptx=compiled.asm["ptx"],
+        ttgir=compiled.asm["ttgir"],
+        shared=int(compiled.metadata.shared),
+        num_warps=int(compiled.metadata.num_warps),
+    )
+
+
+def max_shared_bytes() -> int:
+    """Shared memory one CTA may use on sm90 (bytes)."""
+    return _MAX_SMEM

@@ -1,0 +1,292 @@
+"""Absorbed-MLA split-K decode for Hopper (sm90) in Gluon: the unquantized recipe.
+
+Algorithm (one CTA per (head group of 64, split, request); 8 warps = 2 warpgroups)
+----------------------------------------------------------------------------------
+The split bounds, the base-2 online softmax with an integer running maximum, the
+NaN rules and the partial outputs are those of ``decode_kernel.decode_split_kernel``
+(its docstring is the contract); only the schedule differs:
+
+- q (``[64, 512]`` and ``[64, 64]``, heads past ``H`` zero) is staged in shared
+  memory once and is the A operand of every ``S`` wgmma.
+- Latent tiles of ``BLOCK_N`` rows (``[BLOCK_N, 512]`` + ``[BLOCK_N, 64]``) stream
+  through a ring of ``STAGES`` shared-memory buffers filled by ``cp.async`` (one
+  block-table lookup per row, so any page size works), ``STAGES - 1`` tiles ahead.
+- ``S = q Kᵀ`` is computed once: the two warpgroups each take half of the
+  ``BLOCK_N`` tokens (wgmma ``64 x BLOCK_N/2``, K-major B = the tile, permuted);
+  the row maxima cross the warpgroups through one small shared-memory reduction.
+- ``P`` (16-bit) goes to shared memory; ``O += P V`` runs with the two warpgroups
+  each owning 256 of the 512 output features (wgmma ``64 x 256``, MN-major B = the
+  same tile: V is the first 512 features of the rows K was read from).
+- ``P V`` of tile ``i`` is asynchronous: it overlaps the barrier and the copy issue
+  of tile ``i + 1`` and is waited for only before ``acc`` is rescaled.
+
+Epilogue: one split writes ``out``/``lse``; several write the unnormalized float32
+accumulator and the base-2 ``(m, l)`` to the workspace of ``mla_triton.decode``,
+whose merge kernel (``decode_kernel.decode_merge_kernel``) combines them.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+NUM_WARPS = 8
+"""Warps per CTA: two warpgroups (the kernel's layouts assume it)."""
+BLOCK_H = 64
+"""Query heads per CTA (the wgmma M)."""
+_WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
+_HEADS: gl.constexpr = gl.constexpr(BLOCK_H)
+
+
+@gluon.jit
+def _issue_tile(
+    kv_smem,
+    kpe_smem,
+    kv_ptr,
+    bt_row,
+    start,
+    hi,
+    stride_bt_p,
+    stride_kv_page,
+    stride_kv_row,
+    num_blocks,
+    D1: gl.constexpr,
+    D2: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
+    """``cp.async`` the latent rows ``[start, start + BLOCK_N)`` (those below ``hi``) into
+    ``kv_smem [BLOCK_N, D1]`` and ``kpe_smem [BLOCK_N, D2]`` and commit them as one group.
+
+    Rows past ``hi`` are zero-filled. Returns whether a used block-table entry lies
+    outside ``[0, num_blocks)`` (that row is read from page 0 instead).
+    """
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_WARPS, 1], [1, 0])
+    ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+    tok = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld))
+    valid = tok < hi
+    page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
+    bad = valid & ((page < 0) | (page >= num_blocks))
+    page = gl.where(bad, 0, page)
+    rows = page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row
+    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, ld))
+    cp.async_copy_global_to_shared(
+        kv_smem, kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None]
+    )
+    rows_pe = gl.convert_layout(rows, gl.SliceLayout(1, ld_pe))
+    valid_pe = gl.convert_layout(valid, gl.SliceLayout(1, ld_pe))
+    offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, ld_pe))
+    cp.async_copy_global_to_shared(
+        kpe_smem, kv_ptr + rows_pe[:, None] + D1 + offs_d2[None, :], mask=valid_pe[:, None]
+    )
+    cp.commit_group()
+    return gl.max(bad.to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _stage_q(
+    qn_ptr,
+    qp_ptr,
+    b,
+    hg,
+    stride_qn_b,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_h,
+    num_heads,
+    dtype: gl.constexpr,
+    D1: gl.constexpr,
+    D2: gl.constexpr,
+):
+    """q of heads ``[64 hg, 64 hg + 64)`` into shared memory (``[64, D1]``, ``[64, D2]``);
+    heads past ``num_heads`` are zeros."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_WARPS, 1], [1, 0])
+    ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+    offs_h = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, ld))
+    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, ld))
+    q1 = gl.load(
+        qn_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d1[None, :],
+        mask=(offs_h < num_heads)[:, None],
+        other=0.0,
+    )
+    offs_hp = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, ld_pe))
+    offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, ld_pe))
+    q2 = gl.load(
+        qp_ptr + b * stride_qp_b + offs_hp[:, None] * stride_qp_h + offs_d2[None, :],
+        mask=(offs_hp < num_heads)[:, None],
+        other=0.0,
+    )
+    q1_smem = gl.allocate_shared_memory(
+        dtype, [_HEADS, D1], gl.NVMMASharedLayout.get_default_for([_HEADS, D1], dtype), q1
+    )
+    q2_smem = gl.allocate_shared_memory(
+        dtype, [_HEADS, D2], gl.NVMMASharedLayout.get_default_for([_HEADS, D2], dtype), q2
+    )
+    return q1_smem, q2_smem
+
+
+@gluon.jit
+def gluon_decode_split_kernel(
+    qn_ptr,
+    qp_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    wacc_ptr,
+    wml_ptr,
+    stride_qn_b,
+    stride_qn_h,
+    stride_qp_b,
+    stride_qp_h,
+    stride_kv_page,
+    stride_kv_row,
+    stride_bt_b,
+    stride_bt_p,
+    stride_sl,
+    stride_o_b,
+    stride_o_h,
+    stride_lse_b,
+    stride_lse_h,
+    num_heads,
+    capacity,
+    num_blocks,
+    score_scale,  # softmax_scale * log2(e)
+    D1: gl.constexpr,
+    D2: gl.constexpr,
+    PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    HEAD_GROUPS: gl.constexpr,
+    SPLIT_ALIGN_: gl.constexpr,
+):
+    """Stage 1 of the unquantized recipe: one (head group, split, request).
+
+    Shapes as ``decode_kernel.decode_split_kernel``: q ``[B, H, D1]`` + ``[B, H, D2]``,
+    cache rows ``D1 + D2`` wide, out ``[B, H, D1]`` and lse ``[B, H]`` (one split) or
+    workspace acc ``[B, NUM_SPLITS, H, D1]`` and ``(m, l)`` ``[B, NUM_SPLITS, H, 2]``.
+    """
+    dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    # S [64, BLOCK_N]: each warpgroup half of the tokens; O [64, D1]: half the features.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D1 // 2, 16]
+    )
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pid = gl.program_id(0)
+    hg = pid % HEAD_GROUPS
+    split = (pid // HEAD_GROUPS) % NUM_SPLITS
+    b = (pid // HEAD_GROUPS // NUM_SPLITS).to(gl.int64)
+
+    raw = gl.load(seq_lens_ptr + b * stride_sl).to(gl.int32)
+    poisoned = (raw < 0) | (raw > capacity)
+    seq_len = gl.minimum(gl.maximum(raw, 0), capacity)
+    per = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    chunk = gl.maximum((per + SPLIT_ALIGN_ - 1) // SPLIT_ALIGN_, 1) * SPLIT_ALIGN_
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, seq_len)
+    n_tiles = gl.maximum(hi - lo + BLOCK_N - 1, 0) // BLOCK_N
+
+    q1_smem, q2_smem = _stage_q(
+        qn_ptr, qp_ptr, b, hg, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, num_heads,
+        dtype, D1, D2,
+    )  # fmt: skip
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
+    kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, BLOCK_N], dtype)
+    kv_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], kv_layout)
+    kpe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kpe_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
+
+    bt_row = bt_ptr + b * stride_bt_b
+    n_bad = gl.to_tensor(0)
+    for j in gl.static_range(STAGES - 1):
+        n_bad |= _issue_tile(
+            kv_ring.index(j), kpe_ring.index(j), kv_ptr, bt_row, lo + j * BLOCK_N, hi,
+            stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N,
+        )  # fmt: skip
+
+    m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([_HEADS], gl.float32, row_s)
+    acc = warpgroup_mma_init(gl.zeros([_HEADS, D1], gl.float32, o_layout))
+    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+
+    for i in range(n_tiles):
+        # P V of the previous tile done (this warpgroup), then the CTA: its buffers are free.
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.barrier()
+        nxt = i + STAGES - 1
+        n_bad |= _issue_tile(
+            kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, bt_row,
+            lo + nxt * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks,
+            D1, D2, PAGE, BLOCK_N,
+        )  # fmt: skip
+        cp.wait_group(STAGES - 1)  # tile i has landed (this thread's copies)
+        fence_async_shared()
+        gl.barrier()  # ... and every thread's
+        kv_tile = kv_ring.index(i % STAGES)
+        kpe_tile = kpe_ring.index(i % STAGES)
+
+        s = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q1_smem, kv_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q2_smem, kpe_tile.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+
+        # Online softmax in base 2 with an integer running maximum: exact rescales.
+        t = gl.fma(s, score_scale, s - s)  # the rounded product, NaN if s is not finite
+        valid = (lo + i * BLOCK_N + offs_n) < hi
+        t = gl.where(valid[None, :], t, float("-inf"))
+        m_new = gl.maximum(m_i, gl.ceil(gl.max(t, axis=1)))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(t - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.barrier()  # both halves of P are in shared memory
+        acc = warpgroup_mma(p_smem, kv_tile, acc, is_async=True)
+
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    cp.wait_group(0)
+    l_i = gl.where(n_bad > 0, float("nan"), l_i)
+
+    # ---- epilogue -------------------------------------------------------------------
+    m_o = gl.convert_layout(m_i, row_o)
+    l_o = gl.convert_layout(l_i, row_o)
+    offs_h = hg * _HEADS + gl.arange(0, _HEADS, row_o)
+    h_mask = offs_h < num_heads
+    offs_d = gl.arange(0, D1, gl.SliceLayout(0, o_layout))
+    if NUM_SPLITS == 1:
+        l_o = gl.where(poisoned, float("nan"), l_o)
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        keep = (seq_len > 0) | poisoned
+        inv_l = gl.where(keep, 1.0 / l_safe, 0.0)
+        o = acc * inv_l[:, None]
+        row_sum = gl.sum(acc, axis=1)
+        o = o + (row_sum - row_sum)[:, None]  # a non-finite row is NaN in every feature
+        lse = gl.where(keep, (gl.log2(l_safe) + m_o) * LN2, float("-inf"))
+        o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        gl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
+    else:
+        row = (b * NUM_SPLITS + split) * num_heads + offs_h
+        st_mask = h_mask & (lo < seq_len)
+        gl.store(wacc_ptr + row[:, None] * D1 + offs_d[None, :], acc, mask=st_mask[:, None])
+        gl.store(wml_ptr + row * 2, m_o, mask=st_mask)
+        gl.store(wml_ptr + row * 2 + 1, l_o, mask=st_mask)

@@ -1,0 +1,143 @@
+"""The Gluon sm90 decode (``mla_triton.gluon_decode``): compiled on the CPU, run on a GPU.
+
+CPU (CI): Gluon has no interpreter, so every variant the launcher can pick is
+compiled for sm_90a (``compile_variant``) and its PTX is checked for what the
+design promises: ``S = q Kᵀ`` computed once (36 wgmma ``64 x BLOCK_N/2`` per tile,
+512/16 + 64/16, per warpgroup), ``P V`` as ``64 x 256`` wgmma (the two warpgroups
+split the 512 features), ``cp.async`` tile loads, no local-memory spills, and
+shared memory within the 227 KiB of a CTA.
+
+GPU (skipped without CUDA): bf16 against ``mla_reference.decode`` (float64) with
+the bounds of test_decode_gpu.py (P is rounded to bf16 for the dot: rows 1.5e-2,
+LSE 2e-5) and against ``mla_triton.decode`` (the same algorithm, a different
+summation order).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mla_formats import AttentionQuant
+from mla_triton.gluon_decode import (
+    VARIANTS,
+    GluonDecodeConfig,
+    compile_variant,
+    gluon_decode_supported,
+    max_shared_bytes,
+)
+
+SCALE = 576**-0.5
+
+
+def _wgmma_shapes(ptx: str) -> dict[str, int]:
+    shapes: dict[str, int] = {}
+    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx):
+        shapes[m] = shapes.get(m, 0) + 1
+    return shapes
+
+
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: f"bn{c.block_n}-st{c.stages}")
+def test_compiles_for_sm90a(config: GluonDecodeConfig) -> None:
+    """Each variant (several splits: the workspace epilogue) compiles to the planned PTX."""
+    c = compile_variant(config, num_splits=2)
+    assert c.num_warps == 8
+    assert 0 < c.shared <= max_shared_bytes(), c.shared
+    # the ring, q and P alone take this much: a smaller figure means a buffer went missing
+    tile = config.block_n * 576 * 2
+    assert c.shared >= config.stages * tile + 64 * 576 * 2 + 64 * config.block_n * 2
+    shapes = _wgmma_shapes(c.ptx)
+    assert shapes == {f"m64n{config.block_n // 2}k16": 36, "m64n256k16": config.block_n // 16}
+    assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
+    assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
+    assert "ttng.warp_group_dot" in c.ttgir
+
+
+def test_one_split_and_fp16_compile() -> None:
+    """The one-split epilogue (out and LSE) and fp16 inputs compile too."""
+    c = compile_variant(VARIANTS[0], dtype="fp16", num_splits=1, page=16, index_dtype="i64")
+    assert c.shared <= max_shared_bytes()
+    assert _wgmma_shapes(c.ptx) == {"m64n32k16": 36, "m64n256k16": 4}
+    assert "f32.f16.f16" in c.ptx
+
+
+def test_supported() -> None:
+    assert gluon_decode_supported(torch.bfloat16, None, 512, 64) is None
+    assert gluon_decode_supported(torch.float16, AttentionQuant(), 512, 64) is None
+    assert "quantized" in str(
+        gluon_decode_supported(torch.bfloat16, AttentionQuant(k="fp8"), 512, 64)
+    )
+    assert gluon_decode_supported(torch.float32, None, 512, 64) is not None
+    assert gluon_decode_supported(torch.bfloat16, None, 256, 64) is not None
+
+
+def test_config_checks() -> None:
+    with pytest.raises(ValueError, match=r"config\.block_n"):
+        GluonDecodeConfig(block_n=16, stages=2)
+    with pytest.raises(ValueError, match=r"config\.stages"):
+        GluonDecodeConfig(block_n=64, stages=5)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+gpu = pytest.mark.skipif(not _sm90(), reason="GPU suite: needs an sm90 CUDA GPU")
+
+
+def _inputs(
+    lens: list[int], heads: int, page: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    used = [max(1, -(-n // page)) for n in lens]
+    total = sum(used) + 2
+    cache = torch.randn(total, page, 576, generator=g).to("cuda", torch.bfloat16)
+    perm = torch.randperm(total, generator=g)
+    table = torch.zeros(len(lens), max(used), dtype=torch.int32)
+    k = 0
+    for b, n in enumerate(used):
+        table[b, :n] = perm[k : k + n]
+        k += n
+    q = (torch.randn(len(lens), heads, 576, generator=g) * 0.5).to("cuda", torch.bfloat16)
+    return q, cache, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: f"bn{c.block_n}-st{c.stages}")
+@pytest.mark.parametrize(
+    ("lens", "heads", "page", "splits"),
+    [
+        ([1, 15, 64, 65, 1000, 4097], 128, 64, 1),
+        ([0, 17, 300, 2049], 128, 64, 3),
+        ([33, 1000, 8191], 16, 64, 4),
+        ([15, 16, 300, 2049], 20, 16, 3),
+    ],
+)
+def test_matches_reference(
+    config: GluonDecodeConfig, lens: list[int], heads: int, page: int, splits: int
+) -> None:
+    import mla_reference
+    from mla_triton.decode import decode
+    from mla_triton.gluon_decode import gluon_decode
+
+    q, cache, table, seq = _inputs(lens, heads, page, seed=len(lens) + heads)
+    out, lse = gluon_decode(
+        q, cache, table, seq, softmax_scale=SCALE, num_splits=splits, config=config
+    )
+    ref, rlse = mla_reference.decode(q, cache, table, seq, softmax_scale=SCALE)
+    empty = torch.isinf(rlse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (out[empty] == 0).all()
+    full = ~empty
+    o, r = out[full].double(), ref[full].double()
+    rows = (o - r).abs().amax(-1) / r.abs().amax(-1).clamp_min(1e-3)
+    assert rows.max().item() <= 1.5e-2, rows.max().item()
+    assert (lse[full].double() - rlse[full].double()).abs().max().item() <= 2e-5
+    tri, _ = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+    t = tri[full].double()
+    assert ((o - t).abs().amax(-1) / t.abs().amax(-1).clamp_min(1e-3)).max().item() <= 1.5e-2
