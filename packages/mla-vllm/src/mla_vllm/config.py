@@ -11,7 +11,8 @@ engine starts. The configuration is a JSON object, given in vLLM's
       "k": {"format": "nvfp4", "amax": 12.5},  # static amax for prefill and decode
       "v": {"format": "fp8", "amax": {"prefill": 3.0, "decode": 9.0}},
       "p": "nvfp4",
-      "calibration": "/path/calibration.json", # static amax per layer (calibrate())
+      "calibration": "/path/calibration.json", # static amax per layer (calibrate()), or
+                                               # {"from": "checkpoint"|"modelopt", ...}
       "sparsity": {"n": 2, "m": 4, "dense_sink_tokens": 16, "dense_recent_tokens": 64},
       "layers": [                              # later entries win
         {"pattern": "model.layers.0.*", "recipe": "none"},
@@ -263,11 +264,19 @@ class LayerRecipe:
 Calibration = Mapping[str, Mapping[str, Mapping[str, float]]]
 
 
-def load_calibration(obj: object, where: str = "calibration") -> Calibration:
+def load_calibration(
+    obj: object, where: str = "calibration", *, model_path: str | None = None
+) -> Calibration:
     """Validate a calibration document (a path or the parsed JSON object).
 
-    Returns ``{layer: {"prefill"|"decode": {"q"|"k"|"v": amax}}}``.
+    Returns ``{layer: {"prefill"|"decode": {"q"|"k"|"v": amax}}}``. An object with a
+    ``"from"`` key is a ModelOpt source instead (``mla_vllm.checkpoint_amax``;
+    ``model_path``, the served model's directory, is its default checkpoint).
     """
+    if isinstance(obj, Mapping) and "from" in obj:
+        from mla_vllm.checkpoint_amax import load_amax_source
+
+        return load_amax_source(obj, where, model_path)
     doc = _read_json(Path(obj), where) if isinstance(obj, (str, Path)) else obj
     top = _mapping(doc, where)
     _check_keys(top, frozenset({"format", "version", "layers", "meta"}), where)
@@ -323,8 +332,13 @@ class MLAQuantConfig:
     """The dotted path of this configuration, which its errors start with."""
 
     @classmethod
-    def from_obj(cls, obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
-        """Validate a parsed JSON object (or a path to a JSON file) up front."""
+    def from_obj(
+        cls, obj: object, *, where: str = "mla_quant", model_path: str | None = None
+    ) -> MLAQuantConfig:
+        """Validate a parsed JSON object (or a path to a JSON file) up front.
+
+        ``model_path``: the served model's directory (for ``"calibration": {"from": ...}``).
+        """
         source = "<inline>"
         if isinstance(obj, (str, Path)):
             source = str(obj)
@@ -353,7 +367,9 @@ class MLAQuantConfig:
             overrides.append(_Override(pattern, _settings(item, at)))
         calibration: Calibration = {}
         if spec.get("calibration") is not None:
-            calibration = load_calibration(spec["calibration"], f"{where}.calibration")
+            calibration = load_calibration(
+                spec["calibration"], f"{where}.calibration", model_path=model_path
+            )
         observe = _observe(spec.get("observe"), f"{where}.observe")
         kv_path, storage = _kv_path(spec, where)
         config = cls(base, tuple(overrides), calibration, observe, source, kv_path, storage, where)
@@ -475,7 +491,9 @@ def _kv_path(spec: Mapping[str, Any], where: str) -> tuple[str, str]:
     return kv_path, storage
 
 
-def load_config(obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
+def load_config(
+    obj: object, *, where: str = "mla_quant", model_path: str | None = None
+) -> MLAQuantConfig:
     """``MLAQuantConfig`` from a dict, a JSON file path, an existing config or None.
 
     None (no ``mla_quant`` key) means no quantization: every operand ``none``.
@@ -484,7 +502,7 @@ def load_config(obj: object, *, where: str = "mla_quant") -> MLAQuantConfig:
         return obj
     if obj is None:
         return MLAQuantConfig.from_obj({}, where=where)
-    return MLAQuantConfig.from_obj(obj, where=where)
+    return MLAQuantConfig.from_obj(obj, where=where, model_path=model_path)
 
 
 def config_from_vllm(vllm_config: object) -> MLAQuantConfig:
@@ -495,4 +513,6 @@ def config_from_vllm(vllm_config: object) -> MLAQuantConfig:
     """
     extra = getattr(vllm_config, "additional_config", None) or {}
     raw = extra.get("mla_quant") if isinstance(extra, Mapping) else None
-    return load_config(raw, where="additional_config.mla_quant")
+    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    model_path = model if isinstance(model, str) else None
+    return load_config(raw, where="additional_config.mla_quant", model_path=model_path)
