@@ -5,7 +5,8 @@ compiled for sm_90a (``compile_variant``) and its PTX is checked for what the
 design promises: ``S = q Kᵀ`` computed once (36 wgmma ``64 x BLOCK_N/2`` per tile,
 512/16 + 64/16, per warpgroup), ``P V`` as ``64 x 256`` wgmma (the two warpgroups
 split the 512 features), ``cp.async`` tile loads, no local-memory spills, and
-shared memory within the 227 KiB of a CTA.
+shared memory within the 227 KiB of a CTA; ptxas (sm_90a) reports no spills and no
+serialized wgmma.
 
 GPU (skipped without CUDA): bf16 against ``mla_reference.decode`` (float64) with
 the bounds of test_decode_gpu.py (P is rounded to bf16 for the dot: rows 1.5e-2,
@@ -53,6 +54,10 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig) -> None:
     assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
     assert "ttng.warp_group_dot" in c.ttgir
+    # ptxas: no spills, and no serialized wgmma (C7515: an accumulator written by other
+    # instructions inside a wgmma pipeline stage, e.g. an async one across the loop's edge)
+    assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
+    assert "C7515" not in c.ptxas_info, c.ptxas_info
 
 
 def test_one_split_and_fp16_compile() -> None:

@@ -13,6 +13,7 @@ no interpreter): the CPU test and the benchmark's report use it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,12 +191,14 @@ _FLOAT_ARGS = ("score_scale",)
 
 @dataclass(frozen=True)
 class CompiledVariant:
-    """What ``compile_variant`` reports: the PTX text, shared bytes and registers."""
+    """What ``compile_variant`` reports: PTX and TTGIR text, shared memory (bytes), warps,
+    and ``ptxas -v``'s report for sm_90a (registers, spills, performance warnings)."""
 
     ptx: str
     ttgir: str
     shared: int
     num_warps: int
+    ptxas_info: str
 
 
 def compile_variant(
@@ -249,12 +252,30 @@ def compile_variant(
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}
     )
+    ptx = compiled.asm["ptx"]
     return CompiledVariant(
-        ptx=compiled.asm["ptx"],
+        ptx=ptx,
         ttgir=compiled.asm["ttgir"],
         shared=int(compiled.metadata.shared),
         num_warps=int(compiled.metadata.num_warps),
+        ptxas_info=_ptxas_info(ptx),
     )
+
+
+def _ptxas_info(ptx: str) -> str:
+    """``ptxas -v --gpu-name sm_90a`` on ``ptx`` (Triton's bundled ptxas): its report."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", src, "-o", src + ".cubin"]
+        run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return run.stdout + run.stderr
 
 
 def max_shared_bytes() -> int:

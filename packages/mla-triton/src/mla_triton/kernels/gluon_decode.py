@@ -17,8 +17,9 @@ NaN rules and the partial outputs are those of ``decode_kernel.decode_split_kern
 - ``P`` (16-bit) goes to shared memory; ``O += P V`` runs with the two warpgroups
   each owning 256 of the 512 output features (wgmma ``64 x 256``, MN-major B = the
   same tile: V is the first 512 features of the rows K was read from).
-- ``P V`` of tile ``i`` is asynchronous: it overlaps the barrier and the copy issue
-  of tile ``i + 1`` and is waited for only before ``acc`` is rescaled.
+- Copies run ``STAGES - 1`` tiles ahead of the MMAs; per tile the CTA meets at five
+  barriers (buffer reuse, tile landed, the row maximum, P written). The denominators
+  are kept per element of ``S`` and summed once at the end.
 
 Epilogue: one split writes ``out``/``lse``; several write the unnormalized float32
 accumulator and the base-2 ``(m, l)`` to the workspace of ``mla_triton.decode``,
@@ -33,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -44,6 +44,22 @@ BLOCK_H = 64
 """Query heads per CTA (the wgmma M)."""
 _WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
 _HEADS: gl.constexpr = gl.constexpr(BLOCK_H)
+
+
+@gluon.jit
+def _tile_rows(
+    bt_row, start, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks,
+    PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+):  # fmt: skip
+    """Element offsets of the latent rows ``[start, start + BLOCK_N)`` (``[BLOCK_N]`` int64,
+    ``layout``), which of them lie below ``hi``, and which use a block-table entry outside
+    ``[0, num_blocks)`` (those are read from page 0 instead)."""
+    tok = start + gl.arange(0, BLOCK_N, layout)
+    valid = tok < hi
+    page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
+    bad = valid & ((page < 0) | (page >= num_blocks))
+    page = gl.where(bad, 0, page)
+    return page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row, valid, bad
 
 
 @gluon.jit
@@ -66,29 +82,30 @@ def _issue_tile(
     """``cp.async`` the latent rows ``[start, start + BLOCK_N)`` (those below ``hi``) into
     ``kv_smem [BLOCK_N, D1]`` and ``kpe_smem [BLOCK_N, D2]`` and commit them as one group.
 
-    Rows past ``hi`` are zero-filled. Returns whether a used block-table entry lies
-    outside ``[0, num_blocks)`` (that row is read from page 0 instead).
+    Rows past ``hi`` are zero-filled. Returns ``[BLOCK_N]`` flags: the row's block-table
+    entry lies outside the cache. The block table is read once per layout (no layout
+    conversion, hence no barrier, on the way).
     """
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_WARPS, 1], [1, 0])
     ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
-    tok = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, ld))
-    valid = tok < hi
-    page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
-    bad = valid & ((page < 0) | (page >= num_blocks))
-    page = gl.where(bad, 0, page)
-    rows = page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row
+    rows, valid, bad = _tile_rows(
+        bt_row, start, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE,
+        BLOCK_N, gl.SliceLayout(1, ld),
+    )  # fmt: skip
     offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, ld))
     cp.async_copy_global_to_shared(
         kv_smem, kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None]
     )
-    rows_pe = gl.convert_layout(rows, gl.SliceLayout(1, ld_pe))
-    valid_pe = gl.convert_layout(valid, gl.SliceLayout(1, ld_pe))
+    rows_pe, valid_pe, _ = _tile_rows(
+        bt_row, start, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE,
+        BLOCK_N, gl.SliceLayout(1, ld_pe),
+    )  # fmt: skip
     offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, ld_pe))
     cp.async_copy_global_to_shared(
         kpe_smem, kv_ptr + rows_pe[:, None] + D1 + offs_d2[None, :], mask=valid_pe[:, None]
     )
     cp.commit_group()
-    return gl.max(bad.to(gl.int32), axis=0)
+    return bad
 
 
 @gluon.jit
@@ -213,7 +230,10 @@ def gluon_decode_split_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
 
     bt_row = bt_ptr + b * stride_bt_b
-    n_bad = gl.to_tensor(0)
+    bad_layout: gl.constexpr = gl.SliceLayout(
+        1, gl.BlockedLayout([1, 8], [1, 32], [_WARPS, 1], [1, 0])
+    )
+    n_bad = gl.zeros([BLOCK_N], gl.int1, bad_layout)  # a row's page outside the cache, any tile
     for j in gl.static_range(STAGES - 1):
         n_bad |= _issue_tile(
             kv_ring.index(j), kpe_ring.index(j), kv_ptr, bt_row, lo + j * BLOCK_N, hi,
@@ -221,13 +241,13 @@ def gluon_decode_split_kernel(
         )  # fmt: skip
 
     m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([_HEADS], gl.float32, row_s)
-    acc = warpgroup_mma_init(gl.zeros([_HEADS, D1], gl.float32, o_layout))
+    # The denominators stay per element of S until the end: no cross-warpgroup sum per tile.
+    l_el = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([_HEADS, D1], gl.float32, o_layout)
     offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
 
     for i in range(n_tiles):
-        # P V of the previous tile done (this warpgroup), then the CTA: its buffers are free.
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        # Both warpgroups are done with tile i - 1 (its P V was waited for): its buffer is free.
         gl.barrier()
         nxt = i + STAGES - 1
         n_bad |= _issue_tile(
@@ -253,7 +273,7 @@ def gluon_decode_split_kernel(
         m_new = gl.maximum(m_i, gl.ceil(gl.max(t, axis=1)))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(t - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        l_el = l_el * alpha[:, None] + p
         m_i = m_new
 
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -261,10 +281,13 @@ def gluon_decode_split_kernel(
         fence_async_shared()
         gl.barrier()  # both halves of P are in shared memory
         acc = warpgroup_mma(p_smem, kv_tile, acc, is_async=True)
+        # Waited for here, not across the loop's back edge: ptxas serializes every wgmma
+        # of the loop (warning C7515) when an async accumulator crosses it.
+        acc = warpgroup_mma_wait(0, deps=(acc,))
 
-    acc = warpgroup_mma_wait(0, deps=(acc,))
     cp.wait_group(0)
-    l_i = gl.where(n_bad > 0, float("nan"), l_i)
+    l_i = gl.sum(l_el, axis=1)
+    l_i = gl.where(gl.max(n_bad.to(gl.int32), axis=0) > 0, float("nan"), l_i)
 
     # ---- epilogue -------------------------------------------------------------------
     m_o = gl.convert_layout(m_i, row_o)
