@@ -1,0 +1,380 @@
+"""``mla_triton.warmup``: what an engine's calls compile is compiled at warmup.
+
+CPU: ``record_keys`` computes Triton's compile keys (for sm_90) without launching;
+the keys of a sweep of serving-like calls (built the way vLLM 0.33 builds them:
+q as the absorbed pair, block tables and sequence lengths as slices of persistent
+buffers, context-chunk offsets as slices of one buffer, the shadow inside the
+cache rows) must all be among the keys warmup produced, and a call whose geometry
+differs from the warmed one (another block-table width) must not be: the keys see
+Triton's int specialization. The split-count enumeration is checked against a
+brute force of the policy.
+
+GPU (skipped without CUDA; ``TRITON_INTERPRET=0``): after warmup, a sweep of batch
+sizes, sequence lengths, prefill shapes and cache writes launched for real
+compiles nothing new (Triton's in-memory caches keep their size), while a split
+count outside the warmed set does compile (the count can move).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mla_formats import AttentionQuant
+from mla_triton import decode, decode_shadow, prefill, update_cache
+from mla_triton.decode import decode_config, decode_num_splits
+from mla_triton.shadow import shadow_layout
+from mla_triton.warmup import (
+    compile_only,
+    compiled_variants,
+    decode_split_counts,
+    record_keys,
+    warmup_decode,
+    warmup_prefill,
+    warmup_update_cache,
+)
+
+HEADS = 128
+RANK, ROPE, NOPE, VDIM = 512, 64, 128, 128
+PAGE = 64
+SCALE = 192**-0.5
+NVFP4 = AttentionQuant.uniform("nvfp4")
+KV_ONLY = AttentionQuant(k="nvfp4", v="nvfp4")
+FP8 = AttentionQuant.uniform("fp8")
+
+
+@dataclass
+class Engine:
+    """The fixed geometry of one engine: its cache rows (raw + shadow) and block table."""
+
+    rows: torch.Tensor  # [blocks, PAGE, width] in the model dtype
+    width: int  # block-table entries per request
+    max_rows: int
+    max_seq_len: int
+    quant: AttentionQuant | None
+    shadow: bool
+    storage: str = "fp16"
+
+    @property
+    def raw(self) -> torch.Tensor:
+        return self.rows[..., : RANK + ROPE]
+
+    @property
+    def shadow_bytes(self) -> torch.Tensor | None:
+        if not self.shadow:
+            return None
+        assert self.quant is not None
+        need = shadow_layout(self.quant, storage=self.storage).token_bytes
+        return self.rows[..., RANK + ROPE :].view(torch.uint8)[..., :need]
+
+
+def make_engine(
+    quant: AttentionQuant | None,
+    shadow: bool,
+    *,
+    blocks: int,
+    width: int,
+    max_rows: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    device: str,
+) -> Engine:
+    extra = 0
+    if shadow:
+        assert quant is not None
+        extra = shadow_layout(quant).token_bytes // dtype.itemsize
+    rows = torch.zeros(blocks, PAGE, RANK + ROPE + extra, dtype=dtype, device=device)
+    return Engine(rows, width, max_rows, max_seq_len, quant, shadow)
+
+
+def warm(engine: Engine, *, prefill_too: bool = True) -> None:
+    """Everything an engine of this geometry warms (as mla_vllm does)."""
+    warmup_decode(
+        engine.raw,
+        num_heads=HEADS,
+        pages_per_row=engine.width,
+        max_rows=engine.max_rows,
+        max_seq_len=engine.max_seq_len,
+        softmax_scale=SCALE,
+        quant=engine.quant,
+        shadow=engine.shadow_bytes,
+    )
+    shadow = engine.shadow_bytes
+    if shadow is not None:
+        assert engine.quant is not None
+        warmup_update_cache(engine.raw, shadow, quant=engine.quant)
+    if prefill_too:
+        warmup_prefill(
+            num_heads=HEADS,
+            head_dim_qk=NOPE + ROPE,
+            head_dim_v=VDIM,
+            dtype=engine.rows.dtype,
+            device=engine.rows.device,
+            softmax_scale=SCALE,
+            quant=engine.quant,
+        )
+
+
+# ---------------------------------------------------------------------------- serving-like calls
+
+
+def decode_step(engine: Engine, batch: int, lens: list[int], rng: random.Random) -> None:
+    """One decode step as MLAQuantImpl.forward_mqa makes it."""
+    device, dtype = engine.rows.device, engine.rows.dtype
+    blocks = engine.rows.shape[0]
+    q_full = torch.randn(batch + 3, HEADS, NOPE + ROPE, dtype=dtype, device=device)
+    q_nope = torch.randn(batch, HEADS, RANK, dtype=dtype, device=device)  # bmm's output
+    q_pe = q_full[:batch].split([NOPE, ROPE], dim=-1)[1]
+    table_buffer = torch.zeros(engine.max_rows, engine.width, dtype=torch.int32, device=device)
+    lens_buffer = torch.zeros(engine.max_rows, dtype=torch.int32, device=device)
+    for b, n in enumerate(lens):
+        pages = -(-n // PAGE)
+        table_buffer[b, :pages] = torch.tensor(
+            [rng.randrange(blocks) for _ in range(pages)], dtype=torch.int32
+        )
+        lens_buffer[b] = n
+    table, seq_lens = table_buffer[:batch], lens_buffer[:batch]
+    max_seq_len = max(1, min(max(lens), engine.width * PAGE))
+    splits = decode_num_splits(
+        batch, HEADS, max_seq_len, device=None if device == "cpu" else q_nope.device
+    )
+    shadow = engine.shadow_bytes
+    if shadow is None:
+        decode((q_nope, q_pe), engine.raw, table, seq_lens, softmax_scale=SCALE,
+               kv_lora_rank=RANK, quant=engine.quant, num_splits=splits,
+               max_seq_len=max_seq_len, check_values=False)  # fmt: skip
+    else:
+        assert engine.quant is not None
+        decode_shadow((q_nope, q_pe), engine.raw, shadow, table, seq_lens, softmax_scale=SCALE,
+                      quant=engine.quant, storage=engine.storage, kv_lora_rank=RANK,
+                      num_splits=splits, max_seq_len=max_seq_len, check_values=False)  # fmt: skip
+
+
+def cache_write(engine: Engine, tokens: int, rng: random.Random) -> None:
+    """One MLAQuantImpl.do_kv_cache_update on the shadow path (vLLM's layouts)."""
+    shadow = engine.shadow_bytes
+    assert shadow is not None and engine.quant is not None
+    device, dtype = engine.rows.device, engine.rows.dtype
+    kv_lora = torch.randn(tokens, RANK + ROPE, dtype=dtype, device=device)
+    kv_c = torch.randn(tokens, RANK, dtype=dtype, device=device)  # the normed latent
+    k_pe = kv_lora[:, RANK:].unsqueeze(1)  # [T, 1, rope], a view
+    capacity = engine.rows.shape[0] * PAGE
+    slots = torch.tensor(rng.sample(range(capacity), tokens), dtype=torch.int64, device=device)
+    update_cache(kv_c, k_pe.reshape(tokens, -1), engine.raw, slots.flatten(), shadow,
+                 quant=engine.quant, storage=engine.storage, check_values=False)  # fmt: skip
+
+
+def prefill_batch(engine: Engine, lengths: list[int], context: list[int] | None) -> None:
+    """vLLM's prefill of new tokens (causal) and, with ``context``, two context chunks."""
+    device, dtype = engine.rows.device, engine.rows.dtype
+    tokens = sum(lengths)
+    decodes = 5  # decode tokens come first in vLLM's batch: q is a slice after them
+    q = torch.randn(decodes + tokens, HEADS, NOPE + ROPE, dtype=dtype, device=device)[decodes:]
+    kv_nope = torch.randn(tokens, HEADS, NOPE + VDIM, dtype=dtype, device=device)
+    k_nope, v = kv_nope.split([NOPE, VDIM], dim=-1)
+    k_pe = torch.randn(tokens, 1, ROPE, dtype=dtype, device=device)
+    k = torch.cat([k_nope, k_pe.expand(-1, HEADS, -1)], dim=-1)
+    cu_list = [0]
+    for n in lengths:
+        cu_list.append(cu_list[-1] + n)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    longest = max(lengths)
+    prefill(q, k, v, cu, cu, softmax_scale=SCALE, causal=True, quant=engine.quant,
+            return_lse=context is not None, max_seqlen_q=longest, max_seqlen_k=longest)  # fmt: skip
+    if context is None:
+        return
+    # two chunks over the same requests; each chunk's offsets slice one flat buffer
+    flat_q: list[int] = []
+    flat_k: list[int] = []
+    for _ in range(2):
+        flat_q += cu_list
+        ctx = [0]
+        for n in context:
+            ctx.append(ctx[-1] + n)
+        flat_k += ctx
+    q_buffer = torch.tensor(flat_q, dtype=torch.int32, device=device)
+    k_buffer = torch.tensor(flat_k, dtype=torch.int32, device=device)
+    ctx_tokens = sum(context)
+    kv_ctx = torch.randn(ctx_tokens, HEADS, NOPE + VDIM, dtype=dtype, device=device)
+    k_nope_c, v_c = kv_ctx.split([NOPE, VDIM], dim=-1)
+    k_c = torch.cat(
+        [k_nope_c, torch.randn(ctx_tokens, HEADS, ROPE, dtype=dtype, device=device)], -1
+    )
+    step = len(lengths) + 1
+    for chunk in range(2):
+        boundary = slice(chunk * step, (chunk + 1) * step)
+        prefill(q, k_c, v_c, q_buffer[boundary], k_buffer[boundary], softmax_scale=SCALE,
+                causal=False, quant=engine.quant, return_lse=True, max_seqlen_q=longest,
+                max_seqlen_k=max(context))  # fmt: skip
+
+
+def sweep(engine: Engine, rng: random.Random, *, prefill_too: bool = True) -> None:
+    """Serving-like calls: decode batches of many sizes and lengths, prefills, writes."""
+    longest = min(engine.max_seq_len, engine.width * PAGE)
+    for batch in (1, 2, 3, 7, 16, 17, 33, engine.max_rows):
+        for top in (1, 200, 600, 1500, longest):
+            lens = [rng.randrange(1, top + 1) for _ in range(batch)]
+            lens[0] = top
+            decode_step(engine, batch, lens, rng)
+    if engine.shadow:
+        for tokens in (1, 2, 15, 16, 33, 64, 100):
+            cache_write(engine, tokens, rng)
+    if prefill_too:
+        for lengths, context in (
+            ([2], None),
+            ([5, 9], None),
+            ([31], [40]),
+            ([32], [64, 3]),
+            ([40, 7], [100, 1]),
+            ([300], None),
+            ([129, 64, 2], [33, 500, 16]),
+        ):
+            prefill_batch(engine, lengths, context)
+
+
+# ---------------------------------------------------------------------------- CPU
+
+
+def test_split_counts_match_brute_force() -> None:
+    """The enumeration equals the policy over every (rows, max_seq_len) of a grid."""
+    for heads, rows, longest in ((128, 9, 3000), (16, 5, 2100), (128, 70, 700)):
+        block_h = decode_config(heads).block_h
+        brute = {
+            decode_num_splits(b, heads, n, block_h=block_h)
+            for b in range(1, rows + 1)
+            for n in range(1, longest + 1)
+        }
+        assert decode_split_counts(rows, heads, longest, block_h=block_h) == tuple(sorted(brute))
+
+
+def test_split_counts_reach_the_policy_cap() -> None:
+    """At 32k context one short request takes up to 64 splits: all of 1..64 are warmed."""
+    counts = decode_split_counts(64, 128, 32768 + 256, block_h=decode_config(128).block_h)
+    assert counts == tuple(range(1, 65))
+
+
+def test_bad_arguments_are_refused_before_any_launch() -> None:
+    cache = torch.zeros(2, PAGE, RANK + ROPE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="pages_per_row"):
+        warmup_decode(cache, num_heads=HEADS, pages_per_row=0, max_rows=1, max_seq_len=1,
+                      softmax_scale=SCALE)  # fmt: skip
+    shadow = torch.zeros(2, PAGE, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="quant"):
+        warmup_decode(cache, num_heads=HEADS, pages_per_row=1, max_rows=1, max_seq_len=1,
+                      softmax_scale=SCALE, shadow=shadow)  # fmt: skip
+    with pytest.raises(ValueError, match="max_rows"):
+        decode_split_counts(0, HEADS, 10, block_h=64)
+    with pytest.raises(ValueError, match="threads"), compile_only(threads=0):
+        pass
+
+
+def _keys(action: Callable[[], None]) -> set[tuple[str, str]]:
+    with record_keys() as keys:
+        action()
+    return set(keys)
+
+
+CPU_ENGINES = {
+    "nvfp4-on-read": (NVFP4, False),
+    "nvfp4-shadow": (NVFP4, True),
+    "kv-only-shadow": (KV_ONLY, True),
+    "none": (None, False),
+}
+
+
+@pytest.mark.parametrize("name", list(CPU_ENGINES))
+def test_warmup_covers_every_serving_key(name: str) -> None:
+    quant, shadow = CPU_ENGINES[name]
+    engine = make_engine(quant, shadow, blocks=37, width=35, max_rows=40, max_seq_len=2176,
+                         dtype=torch.float16, device="cpu")  # fmt: skip
+    warmed = _keys(lambda: warm(engine))
+    served = _keys(lambda: sweep(engine, random.Random(0)))
+    kernels = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
+    assert "prefill_fwd_kernel" in kernels and any("split" in k for k in kernels), kernels
+    missing = served - warmed
+    assert not missing, f"{len(missing)} serving keys not warmed: {sorted(missing)[:3]}"
+    # the split kernel is keyed once per warmed split count (1 .. 2176 // 256)
+    splits = decode_split_counts(40, HEADS, 2176, block_h=64)
+    split_keys = {key for kernel, key in warmed if kernel.endswith("split_kernel")}
+    assert len(split_keys) == len(splits) == 8
+
+
+def test_other_geometry_keys_differently() -> None:
+    """A block table whose width is another class (16, not 35) keys the split kernel anew.
+
+    (The merge kernel does not read the block table: its keys are shared.)
+    """
+    engine = make_engine(NVFP4, False, blocks=37, width=35, max_rows=4, max_seq_len=1000,
+                         dtype=torch.float16, device="cpu")  # fmt: skip
+    warmed = _keys(lambda: warm(engine, prefill_too=False))
+    other = make_engine(NVFP4, False, blocks=37, width=16, max_rows=4, max_seq_len=1000,
+                        dtype=torch.float16, device="cpu")  # fmt: skip
+    served = _keys(lambda: decode_step(other, 2, [100, 900], random.Random(1)))
+    split = {item for item in served if item[0].endswith("decode_split_kernel")}
+    assert split and not split & warmed
+
+
+def test_compile_only_launches_nothing() -> None:
+    """Under compile_only the outputs stay unwritten (and on CPU nothing compiles)."""
+    cache = torch.zeros(3, PAGE, RANK + ROPE, dtype=torch.float16)
+    q = torch.zeros(1, HEADS, RANK + ROPE, dtype=torch.float16)
+    out = torch.full((1, HEADS, RANK), 7.0, dtype=torch.float16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    with compile_only(threads=1):
+        decode(q, cache, table, lens, softmax_scale=SCALE, out=out, num_splits=1)
+    assert bool((out == 7.0).all())
+
+
+# ---------------------------------------------------------------------------- GPU
+
+_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _total() -> int:
+    return sum(compiled_variants().values())
+
+
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
+def test_nothing_compiles_after_warmup_gpu() -> None:
+    """Warm three engines (nvfp4 on read, nvfp4 shadow, none), then serve a sweep."""
+    engines = [
+        make_engine(
+            quant,
+            shadow,
+            blocks=1001,
+            width=69,
+            max_rows=64,
+            max_seq_len=4352,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
+        for quant, shadow in ((NVFP4, False), (NVFP4, True), (None, False))
+    ]
+    start = time.perf_counter()
+    with compile_only():
+        for engine in engines:
+            warm(engine)
+    seconds = time.perf_counter() - start
+    before = compiled_variants()
+    rng = random.Random(0)
+    for engine in engines:
+        sweep(engine, rng)
+    torch.cuda.synchronize()
+    after = compiled_variants()
+    new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    print(f"warmup: {sum(before.values())} variants in {seconds:.1f} s; new after sweep: {new}")
+    assert not new, f"compiled during the sweep: {new}"
+    # the count does move: a split count beyond the warmed ones (4352 // 256 = 17)
+    engine = engines[0]
+    q = torch.zeros(1, HEADS, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(1, engine.width, dtype=torch.int32, device="cuda")
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    decode(q, engine.raw, table, lens, softmax_scale=SCALE, quant=NVFP4, num_splits=40)
+    assert _total() > sum(after.values())
