@@ -188,8 +188,8 @@ def _bench_shape(
     """Time every implementation at one shape into ``rec["timings"]``."""
     import triton
 
-    from mla_triton.decode import decode, decode_workspace_size
-    from mla_triton.gluon_decode import VARIANTS, gluon_decode
+    from mla_triton.decode import decode, decode_num_splits, decode_workspace_size
+    from mla_triton.gluon_decode import VARIANTS, GluonDecodeConfig, launch_gluon_decode
 
     q, cache, table, seq = make_inputs([length] * batch, heads, 64, seed=7)
     timings: dict[str, Any] = {}
@@ -206,10 +206,23 @@ def _bench_shape(
         )  # fmt: skip
 
     runs: dict[str, Any] = {"triton": triton_run}
+    # the Gluon kernel launched directly on preallocated buffers (no checks on the way)
+    splits = decode_num_splits(batch, heads, length, device=q.device, block_h=64)
+    rec["gluon_splits"] = splits
+    o_g = torch.empty_like(out)
+    l_g = torch.empty_like(lse)
+    wacc = torch.empty(batch * splits * heads * 512, dtype=torch.float32, device=q.device)
+    wml = torch.empty(batch * splits * heads * 2, dtype=torch.float32, device=q.device)
+
+    def gluon_run(cfg: GluonDecodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        launch_gluon_decode(
+            q[..., :512], q[..., 512:], cache, table, seq, o_g, l_g, wacc, wml,
+            softmax_scale=SCALE, num_splits=splits, config=cfg,
+        )  # fmt: skip
+        return o_g, l_g
+
     for cfg in VARIANTS:
-        runs[f"gluon-bn{cfg.block_n}-st{cfg.stages}"] = lambda cfg=cfg: gluon_decode(
-            q, cache, table, seq, softmax_scale=SCALE, config=cfg
-        )
+        runs[f"gluon-bn{cfg.block_n}-st{cfg.stages}"] = lambda cfg=cfg: gluon_run(cfg)
     if with_flashmla:
         try:
             runs["flashmla"] = _flashmla(q, cache, table, seq)
