@@ -44,22 +44,25 @@ BLOCK_H = 64
 """Query heads per CTA (the wgmma M)."""
 _WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
 _HEADS: gl.constexpr = gl.constexpr(BLOCK_H)
+# Register layout of the tile copies: 16 bytes a thread, 8 threads along a 128-byte row
+# segment, 4 rows a warp; the kv_c and k_pe parts share its rows (one block-table lookup).
+_LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
 
 
 @gluon.jit
 def _tile_rows(
     bt_row, start, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks,
-    PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+    PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """Element offsets of the latent rows ``[start, start + BLOCK_N)`` (``[BLOCK_N]`` int64,
-    ``layout``), which of them lie below ``hi``, and which use a block-table entry outside
-    ``[0, num_blocks)`` (those are read from page 0 instead)."""
-    tok = start + gl.arange(0, BLOCK_N, layout)
+    """Element offsets ``[BLOCK_N]`` (int64) of the latent rows ``[start, start + BLOCK_N)``
+    and which of them use a block-table entry outside ``[0, num_blocks)`` (those are
+    read from page 0 instead); rows at or past ``hi`` read no table entry."""
+    tok = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _LD))
     valid = tok < hi
     page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
     bad = valid & ((page < 0) | (page >= num_blocks))
     page = gl.where(bad, 0, page)
-    return page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row, valid, bad
+    return page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row, bad
 
 
 @gluon.jit
@@ -67,45 +70,26 @@ def _issue_tile(
     kv_smem,
     kpe_smem,
     kv_ptr,
-    bt_row,
+    rows,
     start,
     hi,
-    stride_bt_p,
-    stride_kv_page,
-    stride_kv_row,
-    num_blocks,
     D1: gl.constexpr,
     D2: gl.constexpr,
-    PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr,
 ):
-    """``cp.async`` the latent rows ``[start, start + BLOCK_N)`` (those below ``hi``) into
-    ``kv_smem [BLOCK_N, D1]`` and ``kpe_smem [BLOCK_N, D2]`` and commit them as one group.
-
-    Rows past ``hi`` are zero-filled. Returns ``[BLOCK_N]`` flags: the row's block-table
-    entry lies outside the cache. The block table is read once per layout (no layout
-    conversion, hence no barrier, on the way).
-    """
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_WARPS, 1], [1, 0])
-    ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
-    rows, valid, bad = _tile_rows(
-        bt_row, start, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE,
-        BLOCK_N, gl.SliceLayout(1, ld),
-    )  # fmt: skip
-    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, ld))
+    """``cp.async`` the latent rows at ``rows`` (``_tile_rows`` of ``start``; those below
+    ``hi``) into ``kv_smem [BLOCK_N, D1]`` and ``kpe_smem [BLOCK_N, D2]``, one commit group.
+    Rows at or past ``hi`` are zero-filled."""
+    valid = (start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _LD))) < hi
+    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, _LD))
     cp.async_copy_global_to_shared(
         kv_smem, kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None]
     )
-    rows_pe, valid_pe, _ = _tile_rows(
-        bt_row, start, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE,
-        BLOCK_N, gl.SliceLayout(1, ld_pe),
-    )  # fmt: skip
-    offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, ld_pe))
+    offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, _LD))
     cp.async_copy_global_to_shared(
-        kpe_smem, kv_ptr + rows_pe[:, None] + D1 + offs_d2[None, :], mask=valid_pe[:, None]
+        kpe_smem, kv_ptr + rows[:, None] + D1 + offs_d2[None, :], mask=valid[:, None]
     )
     cp.commit_group()
-    return bad
 
 
 @gluon.jit
@@ -230,15 +214,24 @@ def gluon_decode_split_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
 
     bt_row = bt_ptr + b * stride_bt_b
-    bad_layout: gl.constexpr = gl.SliceLayout(
-        1, gl.BlockedLayout([1, 8], [1, 32], [_WARPS, 1], [1, 0])
-    )
-    n_bad = gl.zeros([BLOCK_N], gl.int1, bad_layout)  # a row's page outside the cache, any tile
+    n_bad = gl.zeros([BLOCK_N], gl.int1, gl.SliceLayout(1, _LD))  # a page outside the cache
     for j in gl.static_range(STAGES - 1):
-        n_bad |= _issue_tile(
-            kv_ring.index(j), kpe_ring.index(j), kv_ptr, bt_row, lo + j * BLOCK_N, hi,
-            stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N,
+        rows, bad = _tile_rows(
+            bt_row, lo + j * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
+            num_blocks, PAGE, BLOCK_N,
         )  # fmt: skip
+        n_bad |= bad
+        _issue_tile(
+            kv_ring.index(j), kpe_ring.index(j), kv_ptr, rows, lo + j * BLOCK_N, hi, D1, D2,
+            BLOCK_N,
+        )  # fmt: skip
+    # The block-table lookup runs one tile ahead of the copy issue (its latency hides
+    # behind an iteration).
+    rows_next, bad = _tile_rows(
+        bt_row, lo + (STAGES - 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
+        num_blocks, PAGE, BLOCK_N,
+    )  # fmt: skip
+    n_bad |= bad
 
     m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_s)
     # The denominators stay per element of S until the end: no cross-warpgroup sum per tile.
@@ -250,11 +243,15 @@ def gluon_decode_split_kernel(
         # Both warpgroups are done with tile i - 1 (its P V was waited for): its buffer is free.
         gl.barrier()
         nxt = i + STAGES - 1
-        n_bad |= _issue_tile(
-            kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, bt_row,
-            lo + nxt * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks,
-            D1, D2, PAGE, BLOCK_N,
+        _issue_tile(
+            kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, rows_next,
+            lo + nxt * BLOCK_N, hi, D1, D2, BLOCK_N,
         )  # fmt: skip
+        rows_next, bad = _tile_rows(
+            bt_row, lo + (nxt + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
+            num_blocks, PAGE, BLOCK_N,
+        )  # fmt: skip
+        n_bad |= bad
         cp.wait_group(STAGES - 1)  # tile i has landed (this thread's copies)
         fence_async_shared()
         gl.barrier()  # ... and every thread's
