@@ -105,57 +105,76 @@ def _ok(e: dict[str, Any]) -> bool:
     )
 
 
-def run_checks(deadline: float) -> list[dict[str, Any]]:
+def _case_lens(ci: int, batch: int, lens: list[int] | str | None, length: int) -> list[int]:
+    if lens == "rand":
+        g = torch.Generator().manual_seed(ci)
+        return [int(x) for x in torch.randint(1, length + 1, (batch,), generator=g)]
+    return list(lens) if isinstance(lens, list) else [length] * batch
+
+
+def _check_case(
+    ci: int, case: tuple[str, int, int, list[int] | str | None, int, int, int | None],
+    deadline: float,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One case: the oracle and the Triton decode once, then every Gluon variant."""
     import mla_reference
     from mla_triton.decode import decode
     from mla_triton.gluon_decode import VARIANTS, gluon_decode
 
+    name, batch, heads, lens, length, page, splits = case
+    q, cache, table, seq = make_inputs(_case_lens(ci, batch, lens, length), heads, page, ci)
+    ref, rlse = mla_reference.decode(
+        q, cache, table, seq, softmax_scale=SCALE, compute_dtype=torch.float64
+    )
+    tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+    triton_err = compare(tri, tlse, ref, rlse)
     results: list[dict[str, Any]] = []
-    for ci, (name, batch, heads, lens, length, page, splits) in enumerate(CHECKS):
-        for cfg in VARIANTS:
-            rec: dict[str, Any] = {"case": name, "config": f"bn{cfg.block_n}-st{cfg.stages}"}
-            if time.monotonic() > deadline:
-                rec["status"] = "not run: time budget spent"
-                results.append(rec)
-                print(f"{name:22s} {rec['config']:10s} NOT RUN (budget)", flush=True)
-                continue
-            try:
-                if lens == "rand":
-                    g = torch.Generator().manual_seed(ci)
-                    ll = torch.randint(1, length + 1, (batch,), generator=g).tolist()
-                elif isinstance(lens, list):
-                    ll = list(lens)
-                else:
-                    ll = [length] * batch
-                q, cache, table, seq = make_inputs(ll, heads, page, seed=ci)
-                t0 = time.monotonic()
-                out, lse = gluon_decode(
-                    q, cache, table, seq, softmax_scale=SCALE, num_splits=splits, config=cfg
-                )
-                torch.cuda.synchronize()
-                rec["gluon_first_call_s"] = round(time.monotonic() - t0, 2)
-                ref, rlse = mla_reference.decode(
-                    q, cache, table, seq, softmax_scale=SCALE, compute_dtype=torch.float64
-                )
-                tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
-                rec["vs_reference"] = compare(out, lse, ref, rlse)
-                rec["vs_triton"] = compare(out, lse, tri.to(out.dtype), tlse)
-                rec["triton_vs_reference"] = compare(tri, tlse, ref, rlse)
-                rec["status"] = "pass" if _ok(rec["vs_reference"]) else "FAIL"
-                e = rec["vs_reference"]
-                print(
-                    f"{name:22s} {rec['config']:10s} {rec['status']:4s} row {e['max_row_err']:.2e} "
-                    f"relL2 {e['rel_l2']:.2e} maxabs {e['max_abs']:.2e} lse {e['lse_max_abs']:.1e} "
-                    f"| vs triton row {rec['vs_triton']['max_row_err']:.2e} "
-                    f"| triton row {rec['triton_vs_reference']['max_row_err']:.2e}",
-                    flush=True,
-                )
-            except Exception as exc:  # one case's failure must not end the run
-                rec["status"] = "ERROR"
-                rec["error"] = f"{type(exc).__name__}: {exc}"
-                rec["traceback"] = traceback.format_exc()
-                print(f"{name:22s} {rec['config']:10s} ERROR\n{rec['traceback']}", flush=True)
-            results.append(rec)
+    for cfg in VARIANTS:
+        rec: dict[str, Any] = {"case": name, "config": cfg.name, "triton_vs_reference": triton_err}
+        results.append(rec)
+        if time.monotonic() > deadline:
+            rec["status"] = "not run: time budget spent"
+            print(f"{name:22s} {cfg.name:12s} NOT RUN (budget)", flush=True)
+            continue
+        try:
+            t0 = time.monotonic()
+            out, lse = gluon_decode(
+                q, cache, table, seq, softmax_scale=SCALE, num_splits=splits, config=cfg
+            )
+            torch.cuda.synchronize()
+            rec["gluon_first_call_s"] = round(time.monotonic() - t0, 2)
+            rec["vs_reference"] = e = compare(out, lse, ref, rlse)
+            rec["vs_triton"] = compare(out, lse, tri, tlse)
+            rec["status"] = "pass" if _ok(e) else "FAIL"
+            print(
+                f"{name:22s} {cfg.name:12s} {rec['status']:4s} row {e['max_row_err']:.2e} "
+                f"relL2 {e['rel_l2']:.2e} maxabs {e['max_abs']:.2e} lse {e['lse_max_abs']:.1e} "
+                f"| vs triton row {rec['vs_triton']['max_row_err']:.2e} "
+                f"| triton row {triton_err['max_row_err']:.2e}",
+                flush=True,
+            )
+        except Exception as exc:  # one variant's failure must not end the run
+            rec["status"] = "ERROR"
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            rec["traceback"] = traceback.format_exc()
+            print(f"{name:22s} {cfg.name:12s} ERROR\n{rec['traceback']}", flush=True)
+    return results
+
+
+def run_checks(deadline: float) -> list[dict[str, Any]]:
+    """Every case of ``CHECKS`` (one try/except a case, one a variant)."""
+    results: list[dict[str, Any]] = []
+    for ci, case in enumerate(CHECKS):
+        if time.monotonic() > deadline:
+            results.append({"case": case[0], "status": "not run: time budget spent"})
+            print(f"{case[0]:22s} NOT RUN (budget)", flush=True)
+            continue
+        try:
+            results.extend(_check_case(ci, case, deadline))
+        except Exception as exc:  # the oracle, the Triton decode or the inputs failed
+            tb = traceback.format_exc()
+            results.append({"case": case[0], "status": "ERROR", "error": str(exc), "traceback": tb})
+            print(f"{case[0]:22s} ERROR (inputs, oracle or Triton)\n{tb}", flush=True)
     return results
 
 
@@ -222,7 +241,7 @@ def _bench_shape(
         return o_g, l_g
 
     for cfg in VARIANTS:
-        runs[f"gluon-bn{cfg.block_n}-st{cfg.stages}"] = lambda cfg=cfg: gluon_run(cfg)
+        runs[f"gluon-{cfg.name}"] = lambda cfg=cfg: gluon_run(cfg)
     if with_flashmla:
         try:
             runs["flashmla"] = _flashmla(q, cache, table, seq)

@@ -40,7 +40,7 @@ def _wgmma_shapes(ptx: str) -> dict[str, int]:
     return shapes
 
 
-@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: f"bn{c.block_n}-st{c.stages}")
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.name)
 def test_compiles_for_sm90a(config: GluonDecodeConfig) -> None:
     """Each variant (several splits: the workspace epilogue) compiles to the planned PTX."""
     c = compile_variant(config, num_splits=2)
@@ -48,9 +48,14 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig) -> None:
     assert 0 < c.shared <= max_shared_bytes(), c.shared
     # the ring, q and P alone take this much: a smaller figure means a buffer went missing
     tile = config.block_n * 576 * 2
-    assert c.shared >= config.stages * tile + 64 * 576 * 2 + 64 * config.block_n * 2
+    p_bufs = 2 if config.overlap else 1
+    assert c.shared >= config.stages * tile + 64 * 576 * 2 + p_bufs * 64 * config.block_n * 2
+    # S: 512/16 + 64/16 wgmma a tile (twice in the code with overlap: prologue and loop)
     shapes = _wgmma_shapes(c.ptx)
-    assert shapes == {f"m64n{config.block_n // 2}k16": 36, "m64n256k16": config.block_n // 16}
+    s_count = 36 * (2 if config.overlap else 1)
+    assert shapes == {f"m64n{config.block_n // 2}k16": s_count, "m64n256k16": config.block_n // 16}
+    if config.overlap:  # the softmax runs while P V is in flight
+        assert "wgmma.wait_group.sync.aligned 1;" in c.ptx
     assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
     assert "ttng.warp_group_dot" in c.ttgir
@@ -83,6 +88,8 @@ def test_config_checks() -> None:
         GluonDecodeConfig(block_n=16, stages=2)
     with pytest.raises(ValueError, match=r"config\.stages"):
         GluonDecodeConfig(block_n=64, stages=5)
+    with pytest.raises(ValueError, match=r"config\.overlap"):
+        GluonDecodeConfig(block_n=32, stages=2, overlap=True)
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -113,7 +120,7 @@ def _inputs(
 
 
 @gpu
-@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: f"bn{c.block_n}-st{c.stages}")
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.name)
 @pytest.mark.parametrize(
     ("lens", "heads", "page", "splits"),
     [

@@ -41,21 +41,32 @@ class GluonDecodeConfig:
     Attributes:
         block_n: tokens per tile (32 or 64).
         stages: shared-memory ring depth (2 to 4); ``stages - 1`` tiles are in flight.
+        overlap: issue ``S`` of the next tile before the softmax of this one (needs
+            ``stages >= 3``: two tiles resident while copies run ahead).
     """
 
     block_n: int
     stages: int
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
             raise ValueError(f"config.block_n: expected 32 or 64, got {self.block_n}")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"config.stages: expected 2 to 4, got {self.stages}")
+        if self.overlap and self.stages < 3:
+            raise ValueError(f"config.overlap: needs stages >= 3, got {self.stages}")
+
+    @property
+    def name(self) -> str:
+        """A short label: ``bn64-st2``, ``bn32-st4-ov``."""
+        return f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "")
 
 
 VARIANTS: tuple[GluonDecodeConfig, ...] = (
     GluonDecodeConfig(block_n=64, stages=2),
     GluonDecodeConfig(block_n=32, stages=4),
+    GluonDecodeConfig(block_n=32, stages=4, overlap=True),
 )
 """Every configuration the launcher may pick (the CPU test compiles each)."""
 
@@ -124,8 +135,8 @@ def launch_gluon_decode(
         seq_lens.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         heads, capacity, kv_cache.shape[0], softmax_scale * LOG2E,
         D1=q_nope.shape[2], D2=q_pe.shape[2], PAGE=page, BLOCK_N=config.block_n,
-        STAGES=config.stages, NUM_SPLITS=num_splits, HEAD_GROUPS=head_groups,
-        SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=NUM_WARPS,
+        STAGES=config.stages, OVERLAP=config.overlap, NUM_SPLITS=num_splits,
+        HEAD_GROUPS=head_groups, SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
         merge_h = 16
@@ -230,6 +241,7 @@ def compile_variant(
     }  # fmt: skip
     constexprs: dict[str, Any] = {
         "D1": 512, "D2": 64, "PAGE": page, "BLOCK_N": config.block_n, "STAGES": config.stages,
+        "OVERLAP": config.overlap,
         "NUM_SPLITS": num_splits, "HEAD_GROUPS": 2, "SPLIT_ALIGN_": SPLIT_ALIGN,
     }  # fmt: skip
     signature: dict[str, str] = {}

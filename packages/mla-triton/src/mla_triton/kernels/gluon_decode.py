@@ -93,6 +93,26 @@ def _issue_tile(
 
 
 @gluon.jit
+def _scores(q1_smem, q2_smem, kv_tile, kpe_tile, s_layout: gl.constexpr):
+    """Issue ``S = q1 kvᵀ + q2 kpeᵀ`` (``[64, BLOCK_N]`` float32) as async wgmma."""
+    s = gl.zeros([_HEADS, kv_tile.shape[0]], gl.float32, s_layout)
+    s = warpgroup_mma(q1_smem, kv_tile.permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(q2_smem, kpe_tile.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_el, valid, score_scale):
+    """One tile of the base-2 online softmax with an integer running maximum (exact
+    rescales): ``(P, alpha, m_new, l_el)`` with the denominators kept per element."""
+    t = gl.fma(s, score_scale, s - s)  # the rounded product, NaN if s is not finite
+    t = gl.where(valid[None, :], t, float("-inf"))
+    m_new = gl.maximum(m_i, gl.ceil(gl.max(t, axis=1)))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(t - m_new[:, None])
+    return p, alpha, m_new, l_el * alpha[:, None] + p
+
+
+@gluon.jit
 def _stage_q(
     qn_ptr,
     qp_ptr,
@@ -167,6 +187,7 @@ def gluon_decode_split_kernel(
     PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    OVERLAP: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     HEAD_GROUPS: gl.constexpr,
     SPLIT_ALIGN_: gl.constexpr,
@@ -211,7 +232,6 @@ def gluon_decode_split_kernel(
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, BLOCK_N], dtype)
     kv_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], kv_layout)
     kpe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kpe_layout)
-    p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
 
     bt_row = bt_ptr + b * stride_bt_b
     n_bad = gl.zeros([BLOCK_N], gl.int1, gl.SliceLayout(1, _LD))  # a page outside the cache
@@ -239,48 +259,73 @@ def gluon_decode_split_kernel(
     acc = gl.zeros([_HEADS, D1], gl.float32, o_layout)
     offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
 
-    for i in range(n_tiles):
-        # Both warpgroups are done with tile i - 1 (its P V was waited for): its buffer is free.
+    if OVERLAP:
+        # The softmax of tile i + 1 runs on the ALUs while P V of tile i runs on the
+        # tensor cores (P double-buffered); S of tile i + 1 is issued with it. Tiles i
+        # and i + 1 stay resident, copies run STAGES - 2 tiles ahead. Every wgmma is
+        # waited for before acc is rescaled and before the loop's back edge.
+        p_ring = gl.allocate_shared_memory(dtype, [2, _HEADS, BLOCK_N], p_layout)
+        cp.wait_group(STAGES - 2)
+        fence_async_shared()
         gl.barrier()
-        nxt = i + STAGES - 1
-        _issue_tile(
-            kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, rows_next,
-            lo + nxt * BLOCK_N, hi, D1, D2, BLOCK_N,
-        )  # fmt: skip
-        rows_next, bad = _tile_rows(
-            bt_row, lo + (nxt + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
-            num_blocks, PAGE, BLOCK_N,
-        )  # fmt: skip
-        n_bad |= bad
-        cp.wait_group(STAGES - 1)  # tile i has landed (this thread's copies)
-        fence_async_shared()
-        gl.barrier()  # ... and every thread's
-        kv_tile = kv_ring.index(i % STAGES)
-        kpe_tile = kpe_ring.index(i % STAGES)
-
-        s = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q1_smem, kv_tile.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q2_smem, kpe_tile.permute((1, 0)), s, is_async=True)
+        s = _scores(q1_smem, q2_smem, kv_ring.index(0), kpe_ring.index(0), s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
-
-        # Online softmax in base 2 with an integer running maximum: exact rescales.
-        t = gl.fma(s, score_scale, s - s)  # the rounded product, NaN if s is not finite
-        valid = (lo + i * BLOCK_N + offs_n) < hi
-        t = gl.where(valid[None, :], t, float("-inf"))
-        m_new = gl.maximum(m_i, gl.ceil(gl.max(t, axis=1)))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(t - m_new[:, None])
-        l_el = l_el * alpha[:, None] + p
-        m_i = m_new
-
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.barrier()  # both halves of P are in shared memory
-        acc = warpgroup_mma(p_smem, kv_tile, acc, is_async=True)
-        # Waited for here, not across the loop's back edge: ptxas serializes every wgmma
-        # of the loop (warning C7515) when an async accumulator crosses it.
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, lo + offs_n < hi, score_scale)
+        p_ring.index(0).store(p.to(dtype))
+        for i in range(n_tiles):
+            cp.wait_group(STAGES - 3)  # tile i + 1 has landed (this thread's copies) ...
+            fence_async_shared()  # ... and so has P of tile i (this thread's stores)
+            gl.barrier()  # ... for every thread
+            nx = (i + 1) % STAGES
+            s_next = _scores(q1_smem, q2_smem, kv_ring.index(nx), kpe_ring.index(nx), s_layout)
+            acc = warpgroup_mma(p_ring.index(i % 2), kv_ring.index(i % STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_next,))  # S of tile i + 1 done, P V in flight
+            valid = (lo + (i + 1) * BLOCK_N + offs_n) < hi
+            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, score_scale)
+            p_ring.index((i + 1) % 2).store(p.to(dtype))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            nxt = i + STAGES - 1  # into the buffer of tile i - 1: both warpgroups are past it
+            _issue_tile(
+                kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, rows_next,
+                lo + nxt * BLOCK_N, hi, D1, D2, BLOCK_N,
+            )  # fmt: skip
+            rows_next, bad = _tile_rows(
+                bt_row, lo + (nxt + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page,
+                stride_kv_row, num_blocks, PAGE, BLOCK_N,
+            )  # fmt: skip
+            n_bad |= bad
+    else:
+        p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
+        for i in range(n_tiles):
+            # Both warpgroups are done with tile i - 1 (its P V was waited for): free.
+            gl.barrier()
+            nxt = i + STAGES - 1
+            _issue_tile(
+                kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, rows_next,
+                lo + nxt * BLOCK_N, hi, D1, D2, BLOCK_N,
+            )  # fmt: skip
+            rows_next, bad = _tile_rows(
+                bt_row, lo + (nxt + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page,
+                stride_kv_row, num_blocks, PAGE, BLOCK_N,
+            )  # fmt: skip
+            n_bad |= bad
+            cp.wait_group(STAGES - 1)  # tile i has landed (this thread's copies) ...
+            fence_async_shared()
+            gl.barrier()  # ... and every thread's
+            kv_tile = kv_ring.index(i % STAGES)
+            s = _scores(q1_smem, q2_smem, kv_tile, kpe_ring.index(i % STAGES), s_layout)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            valid = (lo + i * BLOCK_N + offs_n) < hi
+            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, score_scale)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.barrier()  # both halves of P are in shared memory
+            acc = warpgroup_mma(p_smem, kv_tile, acc, is_async=True)
+            # Waited for here, not across the loop's back edge: ptxas serializes every
+            # wgmma of the loop (warning C7515) when an async accumulator crosses it.
+            acc = warpgroup_mma_wait(0, deps=(acc,))
 
     cp.wait_group(0)
     l_i = gl.sum(l_el, axis=1)
