@@ -13,10 +13,14 @@ tensor), and the NaN rule (non-finite V and K in and next to a sequence). Each
 case prints the max abs error and the relative L2 error of out, the max abs error
 of the finite LSEs, and whether the NaN / -inf positions agree.
 
+Then the quantized recipes (fp8 on all four operands, fp8 P alone, nvfp4 Q/K/V
+with fp8 P: Q, K and V by the pre-pass, P in the kernel) against both, at h16.
+
 Timing: ``triton.testing.do_bench`` medians (rep 200 ms) of the Gluon kernel (a
 few tilings) and of ``mla_triton.prefill`` (its default tiling), causal, queries
 = keys, at b4 h128 L4096, b1 h16 L16384 and a varlen batch of 16384 tokens;
-useful TFLOP/s count ``2 Lq Lk (192 + 128)`` per head, halved for causal. With
+useful TFLOP/s count ``2 Lq Lk (192 + 128)`` per head, halved for causal; then
+the fp8 recipe the same way (the Gluon time includes its Q and K/V passes). With
 ``--fa3``, FlashAttention-3 from the vLLM wheel
 (``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``) is timed in
 the same process. Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
@@ -36,6 +40,8 @@ from typing import Any
 
 import torch
 
+from mla_formats import AttentionQuant
+
 DQK, DV = 192, 128
 VARLEN = [8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
 SHAPES: dict[str, tuple[list[int], int]] = {
@@ -44,6 +50,12 @@ SHAPES: dict[str, tuple[list[int], int]] = {
     "varlen16k-h128": (VARLEN, 128),
 }
 CHECK_LENS = [1, 17, 128, 1000, 4096]
+QUANTS: dict[str, AttentionQuant | None] = {
+    "none": None,
+    "fp8": AttentionQuant.uniform("fp8"),
+    "p-fp8": AttentionQuant(p="fp8"),
+    "nvfp4-qkv+p-fp8": AttentionQuant(q="nvfp4", k="nvfp4", p="fp8", v="nvfp4"),
+}
 # (block_m, block_n, num_stages)
 CONFIGS = [(128, 64, 3), (128, 64, 2), (128, 128, 2), (64, 64, 3)]
 
@@ -58,7 +70,7 @@ def _rand(tokens: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tens
 
 def _gluon(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
-    causal: bool, config: tuple[int, int, int] | None = None,
+    causal: bool, config: tuple[int, int, int] | None = None, quant: AttentionQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     from mla_triton.gluon_prefill import GluonPrefillConfig, launch
 
@@ -67,6 +79,7 @@ def _gluon(
     launch(
         q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
         return_lse=True, out=out, lse=lse, max_seqlen_q=max(lens_q, default=0),
+        max_seqlen_k=max(lens_k, default=0), quant=quant,
         config=GluonPrefillConfig(*config) if config else None,
     )  # fmt: skip
     return out, lse
@@ -74,25 +87,25 @@ def _gluon(
 
 def _triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
-    causal: bool,
+    causal: bool, quant: AttentionQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     from mla_triton import prefill
 
     return prefill(
         q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
-        return_lse=True,
+        return_lse=True, quant=quant,
     )  # fmt: skip
 
 
 def _oracle(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
-    causal: bool,
+    causal: bool, quant: AttentionQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     import mla_reference
 
     return mla_reference.prefill(
         q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
-        return_lse=True, compute_dtype=torch.float32,
+        return_lse=True, compute_dtype=torch.float32, quant=quant,
     )  # fmt: skip
 
 
@@ -115,15 +128,16 @@ def _compare(name: str, got: tuple[torch.Tensor, torch.Tensor],
     }  # fmt: skip
 
 
-def _case(name: str, fn: Callable[[], list[dict[str, Any]]], result: dict[str, Any]) -> None:
+def _case(name: str, fn: Callable[[], list[dict[str, Any]]], result: dict[str, Any],
+          tol: float = 1e-2) -> None:  # fmt: skip
     t0 = time.time()
     try:
         rows = fn()
         for row in rows:
             row["case"] = name
             result["checks"].append(row)
-            ok = (row["rel_l2"] < 1e-2 and row["nan_same"] and row["lse_nan_same"]
-                  and row["neg_inf_same"] and row["lse_max_abs"] < 1e-2)  # fmt: skip
+            ok = (row["rel_l2"] < tol and row["nan_same"] and row["lse_nan_same"]
+                  and row["neg_inf_same"] and row["lse_max_abs"] < tol)  # fmt: skip
             row["pass"] = ok
             print(f"{'PASS' if ok else 'FAIL'} {name:34s} vs {row['vs']:8s} max_abs "
                   f"{row['max_abs']:.3e} rel_l2 {row['rel_l2']:.3e} lse {row['lse_max_abs']:.3e} "
@@ -139,7 +153,7 @@ def _check_case(
     lens_q: list[int], lens_k: list[int], heads: int, kv_heads: int, causal: bool,
     strided_v: bool = False, config: tuple[int, int, int] | None = None,
     poison: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
-    oracle: bool = True,
+    oracle: bool = True, quant: AttentionQuant | None = None,
 ) -> Callable[[], list[dict[str, Any]]]:  # fmt: skip
     def run() -> list[dict[str, Any]]:
         gen = torch.Generator(device="cuda").manual_seed(sum(lens_q) + heads)
@@ -151,10 +165,10 @@ def _check_case(
             v = _rand(sum(lens_k), kv_heads, DV, gen)
         if poison is not None:
             poison(q, k, v)
-        got = _gluon(q, k, v, lens_q, lens_k, causal, config)
-        rows = [_compare("triton", got, _triton(q, k, v, lens_q, lens_k, causal))]
+        got = _gluon(q, k, v, lens_q, lens_k, causal, config, quant)
+        rows = [_compare("triton", got, _triton(q, k, v, lens_q, lens_k, causal, quant))]
         if oracle:
-            rows.append(_compare("oracle", got, _oracle(q, k, v, lens_q, lens_k, causal)))
+            rows.append(_compare("oracle", got, _oracle(q, k, v, lens_q, lens_k, causal, quant)))
         return rows
 
     return run
@@ -170,8 +184,22 @@ def _nan_v_outside(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     v[100 + 50 - 1, 0, 3] = float("inf")  # last key of seq 1: visible to its last row only
 
 
+def checks_quant(result: dict[str, Any]) -> None:
+    """Quantized recipes (Q/K/V by the pre-pass, P fp8 in the kernel) at h16."""
+    for name, quant in QUANTS.items():
+        if quant is None:
+            continue
+        for causal in (True, False):
+            tag = f"{name} varlen h16 {'causal' if causal else 'full'}"
+            _case(tag, _check_case(CHECK_LENS, CHECK_LENS, 16, 16, causal, quant=quant),
+                  result, tol=2e-2)  # fmt: skip
+    _case("fp8 gqa h16/kv2 chunked full",
+          _check_case([1, 200, 64], [300, 1000, 64], 16, 2, False,
+                      quant=QUANTS["fp8"]), result, tol=2e-2)  # fmt: skip
+
+
 def checks(result: dict[str, Any]) -> None:
-    """Correctness cases (see the module doc)."""
+    """Correctness cases, recipe none (see the module doc)."""
     for heads in (16, 128):
         for causal in (True, False):
             tag = f"varlen h{heads} {'causal' if causal else 'full'}"
@@ -216,8 +244,8 @@ def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     )  # fmt: skip
 
 
-def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool,
-                result: dict[str, Any]) -> None:  # fmt: skip
+def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict[str, Any],
+                recipe: str = "none") -> None:  # fmt: skip
     from mla_triton import prefill
     from mla_triton.gluon_prefill import GluonPrefillConfig, launch
 
@@ -229,40 +257,45 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool,
     out = torch.empty(total, heads, DV, dtype=q.dtype, device="cuda")
     lse = torch.empty(heads, total, dtype=torch.float32, device="cuda")
 
+    quant = QUANTS[recipe]
+
     def gluon(c: tuple[int, int, int]) -> Callable[[], Any]:
         return lambda: launch(
             q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, return_lse=False,
-            out=out, lse=lse, max_seqlen_q=max(lens), config=GluonPrefillConfig(*c),
+            out=out, lse=lse, max_seqlen_q=max(lens), max_seqlen_k=max(lens), quant=quant,
+            config=GluonPrefillConfig(*c),
         )  # fmt: skip
 
     fns: dict[str, Callable[[], Any]] = {
         "triton": lambda: prefill(
-            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True,
+            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, quant=quant,
             max_seqlen_q=max(lens), max_seqlen_k=max(lens),
         ),
     }  # fmt: skip
-    fns |= {f"gluon{c}": gluon(c) for c in CONFIGS}
-    if fa3:
+    fns |= {f"gluon{c}": gluon(c) for c in (CONFIGS if recipe == "none" else CONFIGS[:2])}
+    if fa3 and recipe == "none":
         fns["fa3"] = _fa3(q, k, v, cu, lens)
     for name, fn in fns.items():
         try:
             fn()
             torch.cuda.synchronize()
             ms = min(_bench(fn), _bench(fn))
-            row = {"shape": shape, "impl": name, "ms": ms, "tflops": _tflops(lens, heads, ms)}
+            row = {"shape": shape, "recipe": recipe, "impl": name, "ms": ms,
+                   "tflops": _tflops(lens, heads, ms)}  # fmt: skip
             result["timings"].append(row)
-            print(f"{shape:16s} {name:22s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s",
-                  flush=True)  # fmt: skip
+            print(f"{shape:16s} {recipe:6s} {name:22s} {ms:8.3f} ms {row['tflops']:7.1f} "
+                  "TFLOP/s", flush=True)  # fmt: skip
         except Exception as exc:
             traceback.print_exc()
-            result["timings"].append({"shape": shape, "impl": name, "error": repr(exc)})
+            result["timings"].append({"shape": shape, "recipe": recipe, "impl": name,
+                                      "error": repr(exc)})  # fmt: skip
 
 
-def timings(result: dict[str, Any], fa3: bool) -> None:
+def timings(result: dict[str, Any], fa3: bool, recipe: str = "none") -> None:
     """Timing rows (see the module doc)."""
     for shape, (lens, heads) in SHAPES.items():
         try:
-            _time_shape(shape, lens, heads, fa3, result)
+            _time_shape(shape, lens, heads, fa3, result, recipe)
         except Exception as exc:
             traceback.print_exc()
             result["timings"].append({"shape": shape, "error": repr(exc)})
@@ -275,6 +308,7 @@ def main() -> None:
     parser.add_argument("--fa3", action="store_true", help="also time FlashAttention-3 (vLLM)")
     parser.add_argument("--no-check", action="store_true", help="timings only")
     parser.add_argument("--no-bench", action="store_true", help="correctness only")
+    parser.add_argument("--no-quant", action="store_true", help="recipe none only")
     args = parser.parse_args()
     import triton
 
@@ -289,14 +323,19 @@ def main() -> None:
     }  # fmt: skip
     print(f"{result['device']}  torch {torch.__version__}  triton {triton.__version__}  ({smi})")
     t0 = time.time()
-    if not args.no_check:
-        checks(result)
-        _write(args.out, result)
-    print(f"checks: {sum(bool(r.get('pass')) for r in result['checks'])} of "
-          f"{len(result['checks'])} passed ({time.time() - t0:.0f}s)", flush=True)  # fmt: skip
-    if not args.no_bench:
-        timings(result, args.fa3)
-    _write(args.out, result)
+    steps: list[tuple[bool, Callable[[], None]]] = [
+        (not args.no_check, lambda: checks(result)),
+        (not args.no_bench, lambda: timings(result, args.fa3)),
+        (not args.no_check and not args.no_quant, lambda: checks_quant(result)),
+        (not args.no_bench and not args.no_quant, lambda: timings(result, False, "fp8")),
+    ]
+    for wanted, step in steps:
+        if wanted:
+            step()
+            _write(args.out, result)  # after every step: a cut-off run keeps its rows
+            passed = sum(bool(r.get("pass")) for r in result["checks"])
+            print(f"-- checks passed: {passed} of {len(result['checks'])}; "
+                  f"{time.time() - t0:.0f}s", flush=True)  # fmt: skip
     print(f"total {time.time() - t0:.0f}s")
 
 

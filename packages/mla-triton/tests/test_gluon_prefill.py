@@ -7,12 +7,14 @@ from ``benchmarks/gluon_prefill.py`` and the GPU test below on an H200.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -24,18 +26,18 @@ from mla_triton import gluon_prefill as gp
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a block may use on sm90
 _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 
-# (dtype, Dqk, Dv, config, causal, return_lse): the default tiling in each mode, fp16,
-# head dims 128/64, and the other tilings the benchmark sweeps.
+# (dtype, Dqk, Dv, config, causal, return_lse, quant): the default tiling, head dims
+# 128/64, the other tilings the benchmark sweeps (fp16, not causal, without LSE),
+# and the quantized variant (dynamic Q and K scales, P fp8, fp16 P V).
 DEFAULT = gp.GluonPrefillConfig()
+FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fp8": True, "pv_dtype": torch.float16}
+VARIANTS: list[tuple[torch.dtype, int, int, gp.GluonPrefillConfig, bool, bool, dict[str, Any]]]
 VARIANTS = [
-    (torch.bfloat16, 192, 128, DEFAULT, True, True),
-    (torch.bfloat16, 192, 128, DEFAULT, True, False),
-    (torch.bfloat16, 192, 128, DEFAULT, False, True),
-    (torch.float16, 192, 128, DEFAULT, False, False),
-    (torch.bfloat16, 128, 64, DEFAULT, True, True),
-    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(128, 64, 2), True, True),
-    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(128, 128, 2), True, True),
-    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(64, 64, 3), True, True),
+    (torch.bfloat16, 192, 128, DEFAULT, True, True, {}),
+    (torch.bfloat16, 128, 64, DEFAULT, True, False, {}),
+    (torch.float16, 192, 128, gp.GluonPrefillConfig(128, 128, 2), False, True, {}),
+    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(64, 64, 3), False, False, {}),
+    (torch.float16, 192, 128, DEFAULT, True, True, FP8),
 ]
 
 
@@ -51,28 +53,49 @@ def _resources(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", text.splitlines()[-1])}
 
 
-@pytest.mark.parametrize(
-    ("dtype", "dim", "dim_v", "config", "causal", "lse"),
-    VARIANTS,
-    ids=[str(i) for i in range(len(VARIANTS))],
-)
-def test_compiles_for_sm90a(
-    dtype: torch.dtype, dim: int, dim_v: int, config: Any, causal: bool, lse: bool
-) -> None:
-    kernel: Any = gp.compile_sm90(dtype, dim, dim_v, config, causal=causal, return_lse=lse)
-    ptx: str = kernel.asm["ptx"]
-    assert ".target sm_90a" in ptx
-    # wgmma: Q K^T over Dqk / 16 k-steps and P V over block_n / 16, per 64-row warpgroup
-    n_wgmma = ptx.count("wgmma.mma_async")
-    assert n_wgmma >= dim // 16 + config.block_n // 16
-    assert "cp.async.bulk.tensor.2d" in ptx  # TMA loads
-    assert "mbarrier.try_wait" in ptx
-    assert 0 < kernel.metadata.shared <= SMEM_LIMIT
-    assert ("st.global.b32" in ptx or "st.global.f32" in ptx) == lse  # LSE stores only if asked
-    usage = _resources(kernel.asm["cubin"])
-    assert usage["REG"] <= 255
-    if config == DEFAULT:
-        assert usage["LOCAL"] == 0 and usage["STACK"] == 0  # no spills at the default tiling
+def compile_stats() -> list[dict[str, Any]]:
+    """Compile every variant for sm_90a; what the tests check of each (PTX, resources)."""
+    stats = []
+    for dtype, dim, dim_v, config, causal, lse, quant in VARIANTS:
+        kernel: Any = gp.compile_sm90(
+            dtype, dim, dim_v, config, causal=causal, return_lse=lse, **quant
+        )
+        ptx: str = kernel.asm["ptx"]
+        stats.append({
+            "sm_90a": ".target sm_90a" in ptx, "wgmma": ptx.count("wgmma.mma_async"),
+            "tma": "cp.async.bulk.tensor.2d" in ptx, "mbarrier": "mbarrier.try_wait" in ptx,
+            "shared": kernel.metadata.shared,
+            "lse_store": "st.global.b32" in ptx or "st.global.f32" in ptx,
+            "fp8_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
+        } | _resources(kernel.asm["cubin"]))  # fmt: skip
+    return stats
+
+
+def test_every_variant_compiles_for_sm90a() -> None:
+    """Under ``TRITON_INTERPRET=1`` (CI) Triton's reductions are interpreter functions,
+    which Gluon cannot compile: the variants then compile in one child process."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        code = "import json, test_gluon_prefill as t; print(json.dumps(t.compile_stats()))"
+        env = os.environ | {"TRITON_INTERPRET": "0"}
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        stats = json.loads(done.stdout.strip().splitlines()[-1])
+    else:
+        stats = compile_stats()
+    for (_, dim, _, config, _, lse, quant), got in zip(VARIANTS, stats, strict=True):
+        variant = (dim, config, lse, quant)
+        assert got["sm_90a"] and got["tma"] and got["mbarrier"], variant
+        # wgmma: Q K^T over Dqk / 16 k-steps and P V over block_n / 16, per warpgroup
+        assert got["wgmma"] >= dim // 16 + config.block_n // 16, variant
+        assert 0 < got["shared"] <= SMEM_LIMIT, variant
+        assert got["lse_store"] == lse, variant  # LSE stores only if asked
+        assert got["fp8_cvt"] == quant.get("p_fp8", False), variant  # P's fp8 QDQ
+        assert got["REG"] <= 255, variant
+        if config == DEFAULT:  # no spills at the default tiling
+            assert got["LOCAL"] == 0 and got["STACK"] == 0, variant
 
 
 def _qkv(dim: int = 192, dim_v: int = 128, dtype: torch.dtype = torch.bfloat16) -> Any:
@@ -84,7 +107,7 @@ def _qkv(dim: int = 192, dim_v: int = 128, dtype: torch.dtype = torch.bfloat16) 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"quant": AttentionQuant.uniform("fp8")}, "quant"),
+        ({"quant": AttentionQuant.uniform("nvfp4")}, "quant"),
         ({"quant": AttentionQuant(p="nvfp4")}, "quant"),
         ({"sparsity": NMSparsity(2, 4)}, "sparsity"),
         ({"dtype": torch.float32}, "q"),
@@ -174,3 +197,70 @@ def test_matches_the_oracle_on_a_gpu(causal: bool) -> None:
     )  # fmt: skip
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-3, rtol=1e-4)
+
+
+class _Capture:
+    """Stands in for ``gluon_prefill_kernel``: records the grid and arguments of a launch."""
+
+    def __init__(self) -> None:
+        self.grid: Any = None
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+
+    def __getitem__(self, grid: Any) -> Any:
+        self.grid = grid
+
+        def run(*args: Any, **kwargs: Any) -> None:
+            self.args, self.kwargs = args, kwargs
+
+        return run
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the K/V pass on CPU")
+@pytest.mark.parametrize("k_amax", ["dynamic", 896.0])
+def test_launch_passes_factored_operands_and_scales(
+    monkeypatch: pytest.MonkeyPatch, k_amax: Literal["dynamic"] | float
+) -> None:
+    """fp8 (dynamic Q, K dynamic or static, static P and V): the kernel gets Q, K and V
+    factored by the pass, the dynamic per-token scales, the static ones folded in."""
+    from mla_formats import OperandQuant, qdq_factored
+    from mla_triton.kernels import gluon_prefill as kernels
+
+    capture = _Capture()
+    monkeypatch.setattr(kernels, "gluon_prefill_kernel", capture)
+    monkeypatch.setattr(gp, "unsupported", lambda *a: None)
+    gen = torch.Generator().manual_seed(0)
+    lens = [3, 18]
+    q = torch.randn(21, 2, 192, generator=gen).half()
+    k = torch.randn(21, 1, 192, generator=gen).half()
+    v = torch.randn(21, 1, 128, generator=gen).half()
+    cu = torch.tensor([0, 3, 21], dtype=torch.int32)
+    quant = AttentionQuant(
+        q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
+        v=OperandQuant("fp8", 3.0),
+    )  # fmt: skip
+    out = torch.empty(21, 2, 128, dtype=torch.float16)
+    lse = torch.empty(2, 21)
+    gp.launch(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, out=out,
+              lse=lse, max_seqlen_q=max(lens), quant=quant)  # fmt: skip
+    q_desc, k_desc, v_desc, _, _, qs, ks = capture.args[:7]
+    q_ref, q_gs = qdq_factored(q, quant.q)
+    k_ref, k_gs = qdq_factored(k, quant.k)
+    v_ref, v_gs = qdq_factored(v, quant.v, axis=0)  # static: per-tensor, any axis
+    assert q_desc.base.dtype == torch.float16 and v_desc.base.dtype == torch.float16
+    torch.testing.assert_close(q_desc.base.float(), q_ref, atol=0, rtol=0)
+    torch.testing.assert_close(k_desc.base.float(), k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v_desc.base.float(), v_ref, atol=0, rtol=0)
+    torch.testing.assert_close(qs, q_gs[..., 0], atol=0, rtol=0)
+    dynamic = k_amax == "dynamic"
+    if dynamic:
+        torch.testing.assert_close(ks, k_gs[..., 0], atol=0, rtol=0)
+    qk_scale, p_inv_gs, out_scale = capture.args[9:12]
+    # dynamic scales stay per token, static ones are folded in (K: 896 / 448)
+    assert qk_scale == pytest.approx(0.1 * gp.LOG2E * (1.0 if dynamic else 2.0))
+    assert p_inv_gs == pytest.approx(448.0 / 2.0) and out_scale == pytest.approx(
+        2.0 / 448.0 * float(v_gs.flatten()[0])
+    )  # fmt: skip
+    assert capture.kwargs["Q_DYNAMIC"] and capture.kwargs["K_DYNAMIC"] == dynamic
+    assert capture.kwargs["P_FMT"] == 1
+    assert capture.grid == (1, 2, 2)

@@ -1,11 +1,14 @@
-"""Hopper (sm90) prefill in Gluon: launcher of ``kernels.gluon_prefill`` (recipe none).
+"""Hopper (sm90) prefill in Gluon: launcher of ``kernels.gluon_prefill``.
 
 ``launch`` takes the tensors ``mla_triton.prefill`` has already checked (SPEC 5) and
-computes what ``prefill`` computes for recipe none (fp16 / bf16), with TMA loads,
-wgmma and mbarriers instead of Triton's generic pipeline. What it does not cover
-(quantized operands, N:M sparsity, float32, head dims other than multiples of 64
-up to 256 for Q/K and 64 or 128 for V) raises ``ValueError`` naming the argument;
-``unsupported`` gives the same reason without raising, for a dispatcher.
+computes what ``prefill`` computes (fp16 / bf16), with TMA loads, wgmma and
+mbarriers instead of Triton's generic pipeline. Q, K and V are QDQ'd (any format)
+in passes before attention, by ``mla_triton.prefill.quantize_kv`` (Q through its K
+path), into factored values (fp16 where both operands of a dot are quantized,
+else the input dtype, exact either way); P is QDQ'd in the kernel (fp8). What it
+does not cover (nvfp4 P, N:M sparsity, float32, head dims other than multiples of
+64 up to 256 for Q/K and 64 or 128 for V) raises ``ValueError`` naming the
+argument; ``unsupported`` gives the same reason without raising, for a dispatcher.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from mla_formats import AttentionQuant, NMSparsity
+from mla_formats import AttentionQuant, NMSparsity, OperandQuant
+from mla_triton.prefill import quantize_kv
 
 __all__ = ["GluonPrefillConfig", "compile_sm90", "launch", "unsupported"]
 
@@ -53,10 +57,8 @@ def unsupported(
     sparsity: NMSparsity | None,
 ) -> str | None:
     """Why ``launch`` cannot take these (checked) inputs, naming the argument; None if it can."""
-    if quant is not None and not all(
-        op.format.name == "none" for op in (quant.q, quant.k, quant.p, quant.v)
-    ):
-        return "quant: the Gluon prefill covers recipe none only (no quantized operand)"
+    if quant is not None and quant.p.format.name not in ("none", "fp8"):
+        return f"quant: the Gluon prefill quantizes P to fp8 or not at all, got {quant.p.format}"
     if sparsity is not None:
         return "sparsity: the Gluon prefill has no N:M sparsity"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -106,6 +108,7 @@ def launch(
     out: torch.Tensor,
     lse: torch.Tensor,
     max_seqlen_q: int,
+    max_seqlen_k: int | None = None,
     quant: AttentionQuant | None = None,
     sparsity: NMSparsity | None = None,
     config: GluonPrefillConfig | None = None,
@@ -115,7 +118,9 @@ def launch(
     ``q [T, H, Dqk]``, ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]`` (fp16 or bf16, unit
     stride on the head dim), ``cu_q`` / ``cu_k`` int32 ``[B + 1]`` offsets on q's
     device, ``out [T, H, Dv]`` in q's dtype, ``lse [H, T]`` float32 (written when
-    ``return_lse``), ``max_seqlen_q`` the longest query sequence (sizes the grid).
+    ``return_lse``), ``max_seqlen_q`` the longest query sequence (sizes the grid),
+    ``max_seqlen_k`` the longest key sequence (sizes the K/V pass only; any value is
+    correct, ``max_seqlen_q`` by default).
     """
     reason = unsupported(q, v, quant, sparsity)
     if reason is not None:
@@ -134,25 +139,68 @@ def launch(
         return out
     from mla_triton.kernels.gluon_prefill import gluon_prefill_kernel
 
+    quant = quant or AttentionQuant()
+    qq, kq, pq, vq = quant.q, quant.k, quant.p, quant.v
+    q_fmt, k_fmt, p_fmt, v_fmt = (op.format.name != "none" for op in (qq, kq, pq, vq))
+    qk_dtype = torch.float16 if q_fmt and k_fmt else q.dtype
+    pv_dtype = torch.float16 if p_fmt and v_fmt else q.dtype
+    ones = torch.ones(1, dtype=torch.float32, device=q.device)
+    q_scales = k_scales = ones
+    if k_fmt or v_fmt:
+        k, v, k_scales = quantize_kv(
+            k, v, cu_k, quant, max_seqlen_k=max_seqlen_k or max_seqlen_q, k_dtype=qk_dtype,
+            v_dtype=pv_dtype,
+        )  # fmt: skip
+    if q_fmt:  # Q through the pass's K path (V left alone: format none)
+        q, _, q_scales = quantize_kv(
+            q, q, cu_q, AttentionQuant(k=qq), max_seqlen_k=max_seqlen_q, k_dtype=qk_dtype
+        )
+    q_dynamic, k_dynamic = q_fmt and qq.is_dynamic, k_fmt and kq.is_dynamic
+    qk_scale = softmax_scale * LOG2E * _static_gs(qq) * _static_gs(kq)
+    p_gs = _global_scale(pq)
+
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     bm, bn = config.block_m, config.block_n
     grid = (triton.cdiv(max_seqlen_q, bm), heads, batch)
     gluon_prefill_kernel[grid](
         _descriptor(q, [bm, _CHUNK]), _descriptor(k, [bn, _CHUNK]), _descriptor(v, [bn, dim_v]),
-        out, lse, cu_q, cu_k, softmax_scale * LOG2E, heads // kv_heads,
-        q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        **_constexprs(dim, dim_v, config, causal, return_lse),
+        out, lse, q_scales, k_scales, cu_q, cu_k, qk_scale, 1.0 / p_gs,
+        p_gs * _global_scale(vq), heads // kv_heads, q.stride(1), k.stride(1), v.stride(1),
+        q_scales.stride(0) if q_dynamic else 0, k_scales.stride(0) if k_dynamic else 0,
+        out.stride(0), out.stride(1), lse.stride(0),
+        **_constexprs(dim, dim_v, config, causal, return_lse, q_dynamic, k_dynamic, p_fmt),
     )  # fmt: skip
     return out
 
 
+def _global_scale(op: OperandQuant) -> float:
+    """A static operand's global scale ``amax / unit_amax`` in float32 (1 if none/dynamic)."""
+    if op.is_identity or op.is_dynamic:
+        return 1.0
+    amax = torch.tensor(op.static_amax(), dtype=torch.float32)
+    return float(amax / op.format.unit_amax)
+
+
+def _static_gs(op: OperandQuant) -> float:
+    """The global scale folded into ``qk_scale``: static ones (dynamic: per token)."""
+    return 1.0 if op.is_dynamic else _global_scale(op)
+
+
 def _constexprs(
-    dim: int, dim_v: int, config: GluonPrefillConfig, causal: bool, return_lse: bool
+    dim: int,
+    dim_v: int,
+    config: GluonPrefillConfig,
+    causal: bool,
+    return_lse: bool,
+    q_dynamic: bool = False,
+    k_dynamic: bool = False,
+    p_fp8: bool = False,
 ) -> dict[str, int | bool]:
     """The kernel's compile-time arguments (``num_warps`` too)."""
     return {
         "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-        "NUM_STAGES": config.num_stages, "CAUSAL": causal, "RETURN_LSE": return_lse,
+        "NUM_STAGES": config.num_stages, "CAUSAL": causal, "Q_DYNAMIC": q_dynamic,
+        "K_DYNAMIC": k_dynamic, "P_FMT": int(p_fp8), "RETURN_LSE": return_lse,
         "num_warps": config.num_warps,
     }  # fmt: skip
 
@@ -165,8 +213,13 @@ def compile_sm90(
     *,
     causal: bool,
     return_lse: bool,
+    q_dynamic: bool = False,
+    k_dynamic: bool = False,
+    p_fp8: bool = False,
+    pv_dtype: torch.dtype | None = None,
 ) -> object:
-    """Compile the kernel for sm_90a without a GPU (as ``launch`` would specialize it);
+    """Compile the kernel for sm_90a without a GPU (as ``launch`` would specialize it;
+    ``dtype`` that of Q, K and out, ``pv_dtype`` that of V and P, ``dtype`` by default);
     returns Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.metadata.shared`` bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -174,21 +227,23 @@ def compile_sm90(
 
     from mla_triton.kernels.gluon_prefill import gluon_prefill_kernel
 
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-    def desc(block: list[int]) -> str:
+    def desc(block: list[int], of: torch.dtype) -> str:
+        gl_dtype = gl.bfloat16 if of == torch.bfloat16 else gl.float16
         layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-        return f"tensordesc<{name}[{','.join(map(str, block))}],{layout!r}>"
+        return f"tensordesc<{names[of]}[{','.join(map(str, block))}],{layout!r}>"
 
-    bm, bn = config.block_m, config.block_n
+    bm, bn, pv = config.block_m, config.block_n, pv_dtype or dtype
     signature = {
-        "q_desc": desc([bm, _CHUNK]), "k_desc": desc([bn, _CHUNK]), "v_desc": desc([bn, dim_v]),
-        "Out": f"*{name}", "Lse": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
-        "qk_scale": "fp32", "group": "i32", "stride_qh": "i32", "stride_kh": "i32",
-        "stride_vh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
+        "q_desc": desc([bm, _CHUNK], dtype), "k_desc": desc([bn, _CHUNK], dtype),
+        "v_desc": desc([bn, dim_v], pv), "Out": f"*{names[dtype]}", "Lse": "*fp32",
+        "QS": "*fp32", "KS": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+        "qk_scale": "fp32", "p_inv_gs": "fp32", "out_scale": "fp32", "group": "i32",
+        "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",
+        "stride_kst": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
     }  # fmt: skip
-    constexprs = _constexprs(dim, dim_v, config, causal, return_lse)
+    constexprs = _constexprs(dim, dim_v, config, causal, return_lse, q_dynamic, k_dynamic, p_fp8)
     signature |= dict.fromkeys(constexprs, "constexpr")
     source = GluonASTSource(gluon_prefill_kernel, signature, constexprs=constexprs)
     return triton.compile(

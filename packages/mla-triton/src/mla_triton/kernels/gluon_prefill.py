@@ -1,8 +1,10 @@
 """Varlen MLA prefill for Hopper (sm90) in Gluon: TMA, wgmma, mbarriers (SPEC 3 to 5).
 
-Recipe none (fp16 / bf16 operands, fp32 accumulators); the numbers follow
-docs/numerics.md as ``prefill_kernel.prefill_fwd_kernel`` computes them (the
-integer running maximum, ``l`` summed from P, the NaN rule).
+fp16 / bf16 operands, fp32 accumulators; the numbers follow docs/numerics.md as
+``prefill_kernel.prefill_fwd_kernel`` computes them (the integer running maximum,
+``l`` summed from the unquantized P, the NaN rule). Q, K and V arrive raw or as
+factored QDQ values from a pass before attention (the launcher's; dynamic global
+scales per token in ``QS`` / ``KS``); P is QDQ'd here between the two MMAs (fp8).
 
 Schedule
 --------
@@ -91,10 +93,16 @@ def _issue_qk(
 
 @gluon.jit
 def _softmax(
-    s, m_i, l_i, start_n, mid, seq_len_k, q_pos, qk_scale, s_layout: gl.constexpr,
-    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_inv_gs,
+    s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr,
 ):  # fmt: skip
-    """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout)."""
+    """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout: P's
+    factored fp8 value with ``P_FMT == 1``, ``l`` summed before that QDQ)."""
+    if K_DYNAMIC:  # K's per-key global scales (static ones live in row_scale)
+        key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        col_gs = gl.load(ks_base + key_pos * stride_kst, mask=key_pos < seq_len_k, other=1.0)
+        s = s * gl.expand_dims(col_gs, 0)
     s = gl.where(s == float("-inf"), float("nan"), s)  # an infinite raw operand
     if start_n >= mid:
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -102,11 +110,13 @@ def _softmax(
         if CAUSAL:
             visible = visible & (gl.expand_dims(key_pos, 0) <= gl.expand_dims(q_pos, 1))
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=1) * qk_scale))
+    m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=1) * row_scale))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)  # exact power of two (0 on the first tile)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    p = gl.exp2(gl.fma(s, gl.expand_dims(row_scale, 1), -gl.expand_dims(m_use, 1)))
     l_i = l_i * alpha + gl.sum(p, axis=1)
+    if P_FMT == 1:  # E4M3(min(p / gs, 448)), the conversion saturating (p >= 0 or NaN)
+        p = (p * p_inv_gs).to(gl.float8e4nv).to(gl.float32)
     return p, alpha, m_new, l_i
 
 
@@ -150,13 +160,19 @@ def gluon_prefill_kernel(
     v_desc,
     Out,
     Lse,
+    QS,
+    KS,
     cu_seqlens_q,
     cu_seqlens_k,
     qk_scale,
+    p_inv_gs,
+    out_scale,
     group,
     stride_qh,
     stride_kh,
     stride_vh,
+    stride_qst,
+    stride_kst,
     stride_ot,
     stride_oh,
     stride_lh,
@@ -166,15 +182,22 @@ def gluon_prefill_kernel(
     BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
+    Q_DYNAMIC: gl.constexpr,
+    K_DYNAMIC: gl.constexpr,
+    P_FMT: gl.constexpr,
     RETURN_LSE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Attention of ``BLOCK_M`` queries of one head of one sequence (recipe none).
+    """Attention of ``BLOCK_M`` queries of one head of one sequence.
 
     Descriptors: Q ``[T, cols]`` blocks ``[BLOCK_M, 64]``, K ``[Tk, cols]`` blocks
     ``[BLOCK_N, 64]``, V ``[Tk, cols]`` blocks ``[BLOCK_N, DV]`` (see the module doc);
     ``stride_*h`` the head strides in elements; Out ``[T, H, DV]``; Lse ``[H, T]``
-    float32. ``qk_scale`` = softmax_scale * log2(e); ``group`` = H / Hkv.
+    float32. Q and K are raw or factored QDQ values (from the launcher's pre-pass);
+    ``QS [T, H]`` / ``KS [Tk, Hkv]`` their per-token global scales when dynamic.
+    ``qk_scale`` = softmax_scale * log2(e) times the static Q and K global scales;
+    ``P_FMT`` 0 (none) or 1 (fp8, ``p_inv_gs`` = 1 / P's global scale);
+    ``out_scale`` = P's times V's global scale; ``group`` = H / Hkv.
     """
     NQ: gl.constexpr = DQK // CHUNK
     gl.static_assert(DQK % CHUNK == 0)
@@ -188,7 +211,8 @@ def gluon_prefill_kernel(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = q_desc.dtype
+    dtype: gl.constexpr = q_desc.dtype  # Q and K
+    pv_dtype: gl.constexpr = v_desc.dtype  # P and V
 
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
@@ -217,7 +241,7 @@ def gluon_prefill_kernel(
 
         q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, CHUNK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
+        v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -247,6 +271,11 @@ def gluon_prefill_kernel(
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         row_nan = gl.zeros([BLOCK_M], gl.int1, row_s)
+        row_scale = gl.full([BLOCK_M], qk_scale, gl.float32, row_s)
+        if Q_DYNAMIC:
+            qs = QS + (q_start + offs_m).to(gl.int64) * stride_qst + head
+            row_scale = row_scale * gl.load(qs, mask=offs_m < seq_len_q, other=1.0)
+        ks_base = KS + k_start.to(gl.int64) * stride_kst + kv_head
         acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
         mbarrier.wait(q_bar, 0)
 
@@ -254,8 +283,9 @@ def gluon_prefill_kernel(
             s = _issue_qk(q_smem, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
             s = warpgroup_mma_wait(0, deps=(s,))
             p, alpha, m_i, l_i = _softmax(
-                s, m_i, l_i, 0, mid, seq_len_k, q_pos, qk_scale, s_layout, BLOCK_N, CAUSAL
-            )
+                s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
+                p_inv_gs, s_layout, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+            )  # fmt: skip
             for j in range(1, n_tiles):
                 s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
                 prev = j - 1
@@ -263,13 +293,13 @@ def gluon_prefill_kernel(
                     v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, s_layout, BLOCK_N, DV,
                     CAUSAL, NUM_STAGES, num_warps,
                 )  # fmt: skip
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 p, alpha, m_i, l_i = _softmax(
-                    s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, qk_scale, s_layout,
-                    BLOCK_N, CAUSAL,
+                    s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
+                    stride_kst, p_inv_gs, s_layout, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
                 )  # fmt: skip
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 nxt = prev + NUM_STAGES
@@ -283,7 +313,7 @@ def gluon_prefill_kernel(
                 v_smem, v_bars, last, mid, seq_len_k, q_pos, row_nan, s_layout, BLOCK_N, DV,
                 CAUSAL, NUM_STAGES, num_warps,
             )  # fmt: skip
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -295,7 +325,7 @@ def gluon_prefill_kernel(
 
         # -- epilogue ------------------------------------------------------------
         empty = l_i == 0.0
-        inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
+        inv_l = gl.convert_layout(out_scale / gl.where(empty, 1.0, l_i), row_o)
         out = acc * gl.expand_dims(inv_l, 1)  # acc is 0 on empty rows
         poison = gl.sum(acc - acc, axis=1)  # NaN for a row with a non-finite element
         poison = gl.where(gl.convert_layout(row_nan, row_o), float("nan"), poison)
