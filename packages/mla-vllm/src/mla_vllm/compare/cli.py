@@ -1,0 +1,233 @@
+"""``mla-compare MODEL --prompts FILE --recipe R [--recipe R ...]``: the command line.
+
+Every input is checked here before any engine starts (prompts, their lengths, the
+recipes, through ``mla_vllm.config``); then the native engine and one engine per
+recipe run, each in its own process (``engine.launch``), ``--jobs`` at a time, under
+a rich progress display; the report is written as JSON and PNG and shown as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from mla_vllm.compare.inputs import (
+    check_lengths,
+    load_prompts,
+    model_max_len,
+    parse_recipes,
+    tokenize,
+)
+from mla_vllm.compare.report import build_report, plot, table
+
+__all__ = ["BACKENDS", "build_parser", "main", "run"]
+
+BACKENDS = ("TRITON_MLA", "FLASHMLA")
+NATIVE = "native"
+Launcher = Callable[[Mapping[str, Any], Path], dict[str, Any]]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``mla-compare``."""
+    p = argparse.ArgumentParser(
+        prog="mla-compare",
+        description="KL, top-1 agreement, perplexity and per-layer attention error of "
+        "MLA_QUANT recipes against the native MLA backend, on one model.",
+    )
+    p.add_argument("model", help="model directory (or hub id) as vLLM takes it")
+    p.add_argument("--prompts", required=True, help=".jsonl, .json or text file of prompts")
+    p.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="[NAME=]RECIPE",
+        help="an mla_quant JSON object, a JSON file, or a format name (repeat for more)",
+    )
+    p.add_argument("--backend", choices=BACKENDS, default="TRITON_MLA", help="the native backend")
+    p.add_argument("--top-k", type=int, default=20, help="prompt logprobs per position (>= 2)")
+    p.add_argument(
+        "--greedy-tokens", type=int, default=0, help="greedy tokens per prompt (0: no greedy pass)"
+    )
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16"))
+    p.add_argument("--tokenizer", default=None, help="tokenizer for text prompts (default: model)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture CUDA graphs (decode steps replayed from a graph are not observed)",
+    )
+    p.add_argument(
+        "--observe-interval",
+        type=_positive_int,
+        default=1,
+        help="observe every N-th attention call (recipes without their own observe)",
+    )
+    p.add_argument(
+        "--tie-margin",
+        type=float,
+        default=0.05,
+        help="top-2 margin (nats) below which a position is a near tie",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        help="engines at once (one GPU each at TP=1 is not needed: small models share one)",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="seconds per engine")
+    p.add_argument("--out", default="mla-compare-out", help="output directory")
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.top_k < 2:
+        raise ValueError(f"--top-k: expected >= 2, got {args.top_k}")
+    if args.greedy_tokens < 0:
+        raise ValueError(f"--greedy-tokens: expected >= 0, got {args.greedy_tokens}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(
+            f"--gpu-memory-utilization: expected in (0, 1], got {args.gpu_memory_utilization}"
+        )
+    if args.tie_margin < 0.0:
+        raise ValueError(f"--tie-margin: expected >= 0, got {args.tie_margin}")
+
+
+def _with_observe(config: Mapping[str, Any], interval: int) -> dict[str, Any]:
+    out = dict(config)
+    out.setdefault("observe", {"enabled": True, "interval": interval})
+    return out
+
+
+def _specs(
+    args: argparse.Namespace, prompts: list[list[int]], recipes: Any
+) -> dict[str, dict[str, Any]]:
+    common = {
+        "model": args.model,
+        "prompts": prompts,
+        "top_k": args.top_k,
+        "greedy_tokens": args.greedy_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+        "enforce_eager": not args.cuda_graphs,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "max_num_seqs": args.max_num_seqs,
+        "seed": 0,
+    }
+    specs = {NATIVE: {**common, "name": NATIVE, "backend": args.backend, "mla_quant": None}}
+    for r in recipes:
+        specs[r.name] = {
+            **common,
+            "name": r.name,
+            "backend": "MLA_QUANT",
+            "mla_quant": _with_observe(r.config, args.observe_interval),
+        }
+    return specs
+
+
+def run(
+    argv: Sequence[str] | None = None,
+    *,
+    launcher: Launcher | None = None,
+    console: Any = None,
+) -> dict[str, Any]:
+    """Parse, check, run every engine (``launcher``, default ``engine.launch``), report."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    console = console or Console()
+    max_len = model_max_len(args.model, args.max_model_len)
+    prompts = tokenize(load_prompts(args.prompts), args.model, args.tokenizer)
+    check_lengths(prompts, max_len)
+    recipes = parse_recipes(args.recipe, args.model)
+    if NATIVE in {r.name for r in recipes}:
+        raise ValueError(f"--recipe: {NATIVE!r} names the native run; choose another name")
+    ids = [list(p.ids or ()) for p in prompts]
+    specs = _specs(args, ids, recipes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if launcher is None:
+        from mla_vllm.compare.engine import launch
+
+        def launcher(spec: Mapping[str, Any], workdir: Path) -> dict[str, Any]:
+            return launch(spec, workdir, timeout=args.timeout)
+
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task(f"{len(specs)} engines", total=len(specs))
+        tasks = {name: progress.add_task(f"{name}: waiting", total=1) for name in specs}
+
+        def one(name: str) -> dict[str, Any]:
+            progress.update(tasks[name], description=f"{name}: running")
+            try:
+                return launcher(specs[name], out / "engines")
+            finally:
+                progress.update(tasks[name], completed=1, description=f"{name}: done")
+                progress.advance(overall)
+
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures: dict[str, Future[dict[str, Any]]] = {n: pool.submit(one, n) for n in specs}
+            for name, future in futures.items():
+                try:
+                    results[name] = future.result()
+                except Exception as exc:  # one failed recipe does not hide the others
+                    errors[name] = str(exc)
+    if NATIVE in errors:
+        raise RuntimeError(f"the native engine failed: {errors[NATIVE]}")
+    meta = {
+        "model": args.model,
+        "prompts_file": args.prompts,
+        "prompts": len(ids),
+        "prompt_tokens": sum(map(len, ids)),
+        "top_k": args.top_k,
+        "greedy_tokens": args.greedy_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "cuda_graphs": args.cuda_graphs,
+    }
+    report = build_report(
+        results[NATIVE],
+        {n: r for n, r in results.items() if n != NATIVE},
+        recipes={r.name: specs[r.name]["mla_quant"] for r in recipes},
+        errors=errors,
+        meta=meta,
+        tie_margin=args.tie_margin,
+    )
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    plot(report, out / "report.png")
+    console.print(table(report))
+    console.print(f"report: {out / 'report.json'}, plot: {out / 'report.png'}")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: 0 when every engine ran, 1 when a recipe failed, 2 on bad input."""
+    try:
+        report = run(argv)
+    except ValueError as exc:
+        print(f"mla-compare: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"mla-compare: {exc}", file=sys.stderr)
+        return 1
+    return 1 if any("error" in e for e in report["recipes"].values()) else 0

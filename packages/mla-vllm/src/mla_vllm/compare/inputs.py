@@ -1,0 +1,249 @@
+"""``mla-compare``'s inputs: prompts (text or token ids) and recipes, checked before any engine.
+
+Prompt files:
+
+- ``.jsonl``: one prompt a line: a JSON string (text), a list of token ids, or an
+  object with ``"text"`` / ``"prompt"`` (text) or ``"token_ids"`` / ``"prompt_token_ids"``;
+- ``.json``: a list of the same;
+- anything else (``.txt``): one text prompt per non-empty line.
+
+Text goes through the model's tokenizer (``transformers.AutoTokenizer``) here, in the
+parent process, so every engine is fed the same token ids.
+
+Recipes (``--recipe``): ``[NAME=]VALUE`` where VALUE is an ``mla_quant`` JSON object,
+the path of a JSON file holding one, or a format name (``nvfp4`` for
+``{"recipe": "nvfp4"}``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mla_formats import FORMATS
+from mla_vllm.config import MLAQuantConfig
+
+__all__ = [
+    "TOKENIZER_FILES",
+    "Prompt",
+    "Recipe",
+    "check_lengths",
+    "load_prompts",
+    "model_max_len",
+    "parse_recipe",
+    "parse_recipes",
+    "tokenize",
+]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_NAME = re.compile(r"^(?P<name>[A-Za-z0-9_.+-]+)=(?P<value>.+)$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its text (None for token ids) and, once tokenized, its ids."""
+
+    where: str
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+
+
+def _prompt(item: object, where: str) -> Prompt:
+    if isinstance(item, str):
+        return Prompt(where, text=item)
+    if isinstance(item, list):
+        if not item or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            raise ValueError(f"{where}: expected a non-empty list of token ids (integers)")
+        if min(item) < 0:
+            raise ValueError(f"{where}: token ids must be >= 0, got {min(item)}")
+        return Prompt(where, ids=tuple(item))
+    if isinstance(item, Mapping):
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in item:
+                return _prompt(list(item[key]) if isinstance(item[key], list) else None, where)
+        for key in ("text", "prompt"):
+            if key in item and isinstance(item[key], str):
+                return Prompt(where, text=item[key])
+        raise ValueError(
+            f"{where}: expected a 'text'/'prompt' string or 'token_ids' list, got keys "
+            f"{sorted(map(str, item))}"
+        )
+    raise ValueError(
+        f"{where}: expected text, a list of token ids or an object, got {type(item).__name__}"
+    )
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a ``.jsonl``, ``.json`` or text file (module docstring)."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ValueError(f"prompts: cannot read {str(file)!r}: {exc.strerror or exc}") from None
+    prompts: list[Prompt] = []
+    if file.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"prompts: {file.name} line {n}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not valid JSON: {exc}") from None
+            prompts.append(_prompt(item, where))
+    elif file.suffix == ".json":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"prompts: {file.name} is not valid JSON: {exc}") from None
+        if not isinstance(items, list):
+            raise ValueError(f"prompts: {file.name}: expected a JSON list of prompts")
+        prompts = [_prompt(item, f"prompts: {file.name}[{i}]") for i, item in enumerate(items)]
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                prompts.append(Prompt(f"prompts: {file.name} line {n}", text=line))
+    if not prompts:
+        raise ValueError(f"prompts: {str(file)!r} holds no prompt")
+    return prompts
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenize(prompts: Sequence[Prompt], model: str, tokenizer: str | None = None) -> list[Prompt]:
+    """Every prompt with its token ids; text through ``tokenizer`` (default: the model's).
+
+    A text prompt with no tokenizer to use is a ``ValueError`` naming the prompt.
+    """
+    texts = [p for p in prompts if p.ids is None]
+    if not texts:
+        return list(prompts)
+    source = tokenizer or model
+    local = Path(source)
+    if local.is_dir() and not _has_tokenizer(local):
+        raise ValueError(
+            f"{texts[0].where}: text, but {str(local)!r} has no tokenizer "
+            f"({', '.join(TOKENIZER_FILES)}); give token ids ([1, 2, 3]) or --tokenizer"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{texts[0].where}: cannot load the tokenizer {source!r}: {exc}") from None
+    out: list[Prompt] = []
+    for p in prompts:
+        if p.ids is not None:
+            out.append(p)
+            continue
+        ids = tok(p.text)["input_ids"]
+        if not ids:
+            raise ValueError(f"{p.where}: the tokenizer made no token of {p.text!r}")
+        out.append(Prompt(p.where, p.text, tuple(int(t) for t in ids)))
+    return out
+
+
+def model_max_len(model: str, given: int | None) -> int | None:
+    """``given``, else ``max_position_embeddings`` of a local ``config.json`` (or None)."""
+    if given is not None:
+        if given < 2:
+            raise ValueError(f"max_model_len: expected >= 2, got {given}")
+        return given
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def check_lengths(prompts: Sequence[Prompt], max_model_len: int | None) -> None:
+    """Every prompt has 2+ tokens (one predicted position) and fits ``max_model_len``."""
+    for p in prompts:
+        n = len(p.ids or ())
+        if n < 2:
+            raise ValueError(f"{p.where}: {n} token(s); a prompt needs 2 or more")
+        if max_model_len is not None and n > max_model_len:
+            raise ValueError(
+                f"{p.where}: {n} tokens, longer than max_model_len {max_model_len} "
+                "(shorten it or raise --max-model-len)"
+            )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named ``mla_quant`` configuration (validated)."""
+
+    name: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _default_name(obj: Mapping[str, Any], fallback: str) -> str:
+    name = obj.get("recipe") if isinstance(obj.get("recipe"), str) else fallback
+    if obj.get("kv_path") == "shadow":
+        name = f"{name}-shadow"
+    if obj.get("calibration") is not None:
+        name = f"{name}-calibrated"
+    return str(name)
+
+
+def parse_recipe(spec: str, index: int, model_path: str | None = None) -> Recipe:
+    """One ``--recipe`` value (module docstring), validated as an ``mla_quant`` object."""
+    where = f"--recipe {spec!r}"
+    name: str | None = None
+    value = spec.strip()
+    match = None if value.startswith("{") else _NAME.match(value)
+    if match is not None:
+        name, value = match["name"], match["value"].strip()
+    obj: object
+    if value.startswith("{"):
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON: {exc}") from None
+        fallback = f"recipe{index}"
+    elif value in FORMATS:
+        obj = {"recipe": value}
+        fallback = value
+    else:
+        file = Path(value)
+        if not file.is_file():
+            raise ValueError(
+                f"{where}: no such recipe file {value!r}, and not a format name "
+                f"({', '.join(sorted(FORMATS))}) or a JSON object"
+            )
+        try:
+            obj = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: {value!r} is not valid JSON: {exc}") from None
+        if isinstance(obj, Mapping) and set(obj) == {"mla_quant"}:
+            obj = obj["mla_quant"]  # an --additional-config file
+        fallback = file.stem
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    MLAQuantConfig.from_obj(obj, where=f"{where}: mla_quant", model_path=model_path)
+    return Recipe(name or _default_name(obj, fallback), dict(obj))
+
+
+def parse_recipes(specs: Sequence[str], model_path: str | None = None) -> list[Recipe]:
+    """Every ``--recipe``; repeated names get ``-2``, ``-3``, ..."""
+    if not specs:
+        raise ValueError("--recipe: give at least one recipe")
+    recipes: list[Recipe] = []
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        recipe = parse_recipe(spec, i, model_path)
+        count = seen.get(recipe.name, 0) + 1
+        seen[recipe.name] = count
+        if count > 1:
+            recipe = Recipe(f"{recipe.name}-{count}", recipe.config)
+        recipes.append(recipe)
+    return recipes
