@@ -85,14 +85,19 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
 def _descriptor(x: torch.Tensor, block: list[int]) -> object:
     """TMA descriptor of ``x [T, H, D]`` as ``[T, (H - 1) * stride_h + D]`` rows of
     stride ``stride_t`` (column ``h * stride_h + d`` is ``x[t, h, d]``)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tokens, heads, dim = x.shape
     cols = (heads - 1) * x.stride(1) + dim
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-    return TensorDescriptor(x, [tokens, cols], [x.stride(0), 1], block, layout)
+    return TensorDescriptor(x, [tokens, cols], [x.stride(0), 1], block, _layout(block, x.dtype))
+
+
+def _layout(block: list[int], dtype: torch.dtype) -> object:
+    """The shared-memory layout of a TMA block: NVMMA, the widest swizzle that fits."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
 
 
 def launch(
@@ -222,7 +227,6 @@ def compile_sm90(
     ``dtype`` that of Q, K and out, ``pv_dtype`` that of V and P, ``dtype`` by default);
     returns Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.metadata.shared`` bytes)."""
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_triton.kernels.gluon_prefill import gluon_prefill_kernel
@@ -230,9 +234,7 @@ def compile_sm90(
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
     def desc(block: list[int], of: torch.dtype) -> str:
-        gl_dtype = gl.bfloat16 if of == torch.bfloat16 else gl.float16
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-        return f"tensordesc<{names[of]}[{','.join(map(str, block))}],{layout!r}>"
+        return f"tensordesc<{names[of]}[{','.join(map(str, block))}],{_layout(block, of)!r}>"
 
     bm, bn, pv = config.block_m, config.block_n, pv_dtype or dtype
     signature = {
