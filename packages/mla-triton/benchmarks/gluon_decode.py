@@ -299,9 +299,37 @@ def run_bench(deadline: float, with_flashmla: bool) -> list[dict[str, Any]]:
     return results
 
 
+def compile_report() -> list[dict[str, Any]]:
+    """Every variant compiled for sm_90a here (no GPU needed): shared memory, registers,
+    wgmma instructions and barriers in the PTX (bf16, page 64, two splits)."""
+    import re
+
+    from mla_triton.gluon_decode import VARIANTS, compile_variant
+
+    rows = []
+    for cfg in VARIANTS:
+        c = compile_variant(cfg, num_splits=2)
+        regs = re.search(r"Used (\d+) registers", c.ptxas_info)
+        wgmma: dict[str, int] = {}
+        for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", c.ptx):
+            wgmma[m] = wgmma.get(m, 0) + 1
+        row = {
+            "config": cfg.name,
+            "shared_bytes": c.shared,
+            "registers": int(regs.group(1)) if regs else None,
+            "spills": "0 bytes spill stores, 0 bytes spill loads" not in c.ptxas_info,
+            "serialized_wgmma_C7515": "C7515" in c.ptxas_info,
+            "wgmma": wgmma,
+            "bar_sync": len(re.findall(r"\bbar\.sync\b", c.ptx)),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plan", choices=("check", "bench", "all"), default="all")
+    ap.add_argument("--plan", choices=("check", "bench", "all", "compile"), default="all")
     ap.add_argument("--out", default=None, help="directory for gluon_decode.json")
     ap.add_argument("--flashmla", action="store_true", help="time FlashMLA bf16 too (vLLM)")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop starting cases after this")
@@ -319,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         report["triton"] = f"import failed: {exc}"
     print(json.dumps(report), flush=True)
+    if args.plan == "compile":
+        report["compile"] = compile_report()
     if args.plan in ("check", "all"):
         # checks get at most 60% of the budget, the timings the rest
         report["checks"] = run_checks(
