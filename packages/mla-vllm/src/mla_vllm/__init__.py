@@ -14,6 +14,7 @@ Modules, each importing only those above it:
 - ``workspace`` (decode scratch), ``shadow`` (shadow bytes: layout and planning),
   ``targets`` (a model or a ``vllm.LLM``; its MLA layers);
 - ``decode`` (the decode step, in named steps), ``prefill`` (the prefill backend);
+- ``warmup`` (every kernel variant compiled in vLLM's kernel warm-up, issue 15);
 - ``backend`` (impl, metadata builder, attention backend);
 - ``install`` (in place, and back), ``stats`` (error statistics);
 - ``calibration`` (static amaxes).

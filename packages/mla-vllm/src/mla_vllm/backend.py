@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.v1.attention.backend import max_decode_query_len
 from vllm.v1.attention.backends.mla.triton_mla import (
@@ -40,6 +41,7 @@ from mla_vllm.plugin import BACKEND_NAME
 from mla_vllm.prefill import MLAQuantPrefillBackend
 from mla_vllm.shadow import LayerShadow, layer_shadow, shadow_spec, split_cache
 from mla_vllm.state import LayerState, layer_errors
+from mla_vllm.warmup import register as register_warmup
 from mla_vllm.workspace import reserve_decode_workspace
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "quant_impl_from",
 ]
 
+logger = init_logger("vllm.mla_vllm.backend")
 _NOTED: list[VllmConfig] = []  # the VllmConfig of the last MLAQuantImpl built here
 
 
@@ -86,17 +89,21 @@ class MLAQuantImpl(TritonMLAImpl):
     mla_layer: LayerState | None
     mla_prefill: MLAQuantPrefillBackend | None
     mla_shadow: LayerShadow | None
+    mla_warm_width: int | None
+    """Block-table width the warmup compiled decode for (None: not warmed, or checked)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._mla_init()
         config_from_vllm(self._vllm_config)  # validate mla_quant before weights load
         _note_vllm_config(self._vllm_config)  # MLAQuantBackend.customize_spec reads it
+        register_warmup(self._vllm_config)  # compiled in vLLM's kernel_warmup (mla_vllm.warmup)
 
     def _mla_init(self) -> None:
         self.mla_layer = None
         self.mla_prefill = None
         self.mla_shadow = None
+        self.mla_warm_width = None
 
     def bind(self, name: str, config: MLAQuantConfig, vllm_config: VllmConfig | None) -> None:
         """Attach the recipe of layer ``name`` and this layer's prefill backend."""
@@ -217,6 +224,9 @@ class MLAQuantImpl(TritonMLAImpl):
         if attn_metadata.decode is None:
             raise ValueError("attn_metadata.decode: forward_mqa needs decode metadata")
         query = q if isinstance(q, torch.Tensor) else (q[0], q[1])
+        if self.mla_warm_width is not None:
+            _check_warm_width(state.name, self.mla_warm_width, attn_metadata.decode.block_table)
+            self.mla_warm_width = None
         cache, shadow_bytes = self._split(kv_c_and_k_pe_cache)
         shadow = None
         if shadow_bytes is not None and self.mla_shadow is not None:
@@ -278,6 +288,16 @@ class MLAQuantImpl(TritonMLAImpl):
             )
         finally:
             prefill_md.prefill_backend = native
+
+
+def _check_warm_width(name: str, width: int, block_table: torch.Tensor) -> None:
+    """Warn when the first decode's block table is not the width the warmup compiled for."""
+    if int(block_table.shape[1]) != width or int(block_table.stride(0)) != width:
+        logger.warning(
+            "MLA_QUANT warmup compiled decode for block tables of %d pages per request; layer "
+            "%r decodes with shape %s, strides %s: its kernels compile again on first use",
+            width, name, tuple(block_table.shape), tuple(block_table.stride()),
+        )  # fmt: skip
 
 
 def mla_layers(context: Mapping[str, Any], names: Iterable[str] | None = None) -> dict[str, Any]:

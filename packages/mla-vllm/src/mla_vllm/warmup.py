@@ -1,0 +1,235 @@
+"""Compile MLA_QUANT's kernels at engine start, not during inference (issue 15).
+
+vLLM 0.33's GPU model runner holds a JIT-warmup registry while it builds the model;
+every ``MLAQuantImpl`` registers ``ENGINE_WARMUP`` there with the engine's
+``VllmConfig`` (one registration per engine: the same kernel object and config).
+vLLM's ``kernel_warmup`` runs the registry after the KV cache is allocated and
+before CUDA graphs are captured and its JIT monitor is switched on; it calls
+``EngineWarmup.get_warmup_keys`` (one ``Plan`` per distinct decode, prefill and
+cache-write variant set among the model's ``MLA_QUANT`` layers: recipe, path,
+cache geometry) and then ``compile_many``, which runs ``mla_triton.warmup`` for
+every plan inside one ``compile_only`` (a thread pool; nothing is launched).
+
+What a plan compiles (``mla_triton.warmup``): decode for every split count the
+policy can pick for up to ``max_num_seqs`` x the decode query length rows and up
+to ``max_model_len`` tokens (on read, or from the shadow), prefill for new tokens
+(with and without LSE) and context chunks, the shadow's cache write, and, with
+``observe`` on, the unquantized reference calls. ``MLA_QUANT_WARMUP=0`` turns it
+off; ``MLA_QUANT_WARMUP_THREADS`` sets the pool size (default: CPUs, at most 16).
+vLLM skips the registry when ``kernel_config.enable_jit_warmup`` is off (eager
+mode), and an in-place ``install`` after start finds no registry: then the
+kernels compile on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry, VllmJitKernel
+
+from mla_triton.warmup import (
+    compile_only,
+    compiled_variants,
+    warmup_decode,
+    warmup_prefill,
+    warmup_update_cache,
+)
+
+__all__ = ["ENGINE_WARMUP", "ENV", "EngineWarmup", "Plan", "block_table_width", "register"]
+
+ENV = "MLA_QUANT_WARMUP"
+THREADS_ENV = "MLA_QUANT_WARMUP_THREADS"
+logger = init_logger("vllm.mla_vllm.warmup")  # under vLLM's logger: its handlers print it
+
+
+def enabled() -> bool:
+    """False when ``MLA_QUANT_WARMUP`` is ``0`` (or ``false``/``off``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One variant set to compile: ``kind`` (decode, prefill, update) of layer ``layer``."""
+
+    kind: str
+    layer: str
+
+
+def block_table_width(vllm_config: Any, page: int) -> int:
+    """Pages per request of vLLM's block table (its row stride keys the decode kernel).
+
+    ``cdiv(max_model_len, page)`` rounded as vLLM's ``get_block_table_width`` does
+    (to 128 tokens), for the KV cache's page size ``page``.
+    """
+    from vllm.v1.worker.block_table import get_block_table_width
+
+    max_len = int(vllm_config.model_config.max_model_len)
+    return int(get_block_table_width(-(-max_len // page), page))
+
+
+def _max_rows(vllm_config: Any) -> int:
+    from vllm.v1.attention.backend import max_decode_query_len
+
+    return int(vllm_config.scheduler_config.max_num_seqs) * int(max_decode_query_len(vllm_config))
+
+
+class EngineWarmup(VllmJitKernel[Plan]):
+    """vLLM's JIT-warmup entry for every ``MLA_QUANT`` layer of an engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._layers: dict[str, Any] = {}
+        self._config: Any = None
+
+    def get_warmup_keys(self, vllm_config: Any) -> list[Plan]:
+        """One plan per distinct variant set of the config's ``MLA_QUANT`` layers."""
+        if not enabled():
+            logger.info("MLA_QUANT warmup: off (%s=0)", ENV)
+            return []
+        self._config = vllm_config
+        context = vllm_config.compilation_config.static_forward_context
+        self._layers = {
+            name: layer
+            for name, layer in context.items()
+            if isinstance(layer, MLAAttention) and _quantized(layer.impl)
+        }
+        seen: dict[tuple[Any, ...], Plan] = {}
+        for name, layer in self._layers.items():
+            for kind, signature in _signatures(layer):
+                seen.setdefault((kind, *signature), Plan(kind, name))
+        return list(seen.values())
+
+    def compile(self, compile_key: Plan) -> None:
+        self.compile_many([compile_key])
+
+    def compile_many(self, compile_keys: Iterable[Plan]) -> None:
+        """Compile every plan's variants in one thread pool; log the count and time."""
+        plans = list(compile_keys)
+        if not plans:
+            return
+        before = sum(compiled_variants().values())
+        start = time.perf_counter()
+        threads = os.environ.get(THREADS_ENV)
+        with compile_only(int(threads) if threads else None):
+            self.run_plans(plans)
+        seconds = time.perf_counter() - start
+        after = sum(compiled_variants().values())
+        message = "MLA_QUANT warmup: %d plans (%s) over %d layers: %d kernel variants in %.1f s"
+        kinds = ", ".join(sorted({p.kind for p in plans}))
+        logger.info(message, len(plans), kinds, len(self._layers), after - before, seconds)
+
+    def run_plans(self, plans: Iterable[Plan]) -> None:
+        """The warmup calls of ``plans`` (as returned by the last ``get_warmup_keys``).
+
+        Launches for real unless inside ``mla_triton.warmup.compile_only`` (or
+        ``record_keys``, which computes the keys).
+        """
+        with torch.inference_mode():
+            for plan in plans:
+                _compile(plan, self._layers[plan.layer], self._config)
+
+
+ENGINE_WARMUP = EngineWarmup()
+
+
+def register(vllm_config: Any) -> None:
+    """Register the engine's warmup with the registry vLLM holds now (no-op if none)."""
+    if vllm_config is not None:
+        JitWarmupRegistry.register(ENGINE_WARMUP, vllm_config)
+
+
+def _quantized(impl: Any) -> bool:
+    """An ``MLAQuantImpl`` (recognised by its methods: backend imports this module)."""
+    return all(hasattr(impl, name) for name in ("mla_shadow", "mla_warm_width", "_split", "_state"))
+
+
+def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def _signatures(layer: Any) -> list[tuple[str, tuple[Any, ...]]]:
+    """``(kind, what keys its kernels)`` of one bound ``MLA_QUANT`` layer."""
+    impl = layer.impl
+    state = impl._state(layer)
+    recipe = state.recipe
+    observe = bool(state.observe.enabled)
+    dims = (impl.num_heads, impl.qk_nope_head_dim + impl.qk_rope_head_dim, impl.v_head_dim)
+    out: list[tuple[str, tuple[Any, ...]]] = [
+        ("prefill", (recipe.prefill, recipe.sparsity, dims, observe, str(_dtype(layer))))
+    ]
+    cache = getattr(layer, "kv_cache", None)
+    if isinstance(cache, torch.Tensor) and cache.numel():
+        raw, shadow = impl._split(cache)
+        layout = None if impl.mla_shadow is None else impl.mla_shadow.layout
+        geometry = (*_geometry(raw), None if shadow is None else _geometry(shadow))
+        out.append(("decode", (recipe.decode, layout, observe, impl.num_heads, *geometry)))
+        if shadow is not None:
+            out.append(("update", (layout, *geometry)))
+    return out
+
+
+def _dtype(layer: Any) -> torch.dtype:
+    cache = getattr(layer, "kv_cache", None)
+    if isinstance(cache, torch.Tensor) and cache.numel():
+        return cache.dtype
+    return torch.get_default_dtype()
+
+
+def _compile(plan: Plan, layer: Any, vllm_config: Any) -> None:
+    """Run ``mla_triton.warmup`` for one plan (inside ``compile_only``)."""
+    impl = layer.impl
+    state = impl._state(layer)
+    recipe = state.recipe
+    observe = bool(state.observe.enabled)
+    if plan.kind == "prefill":
+        cache = getattr(layer, "kv_cache", None)
+        if isinstance(cache, torch.Tensor) and cache.numel():
+            device = cache.device
+        else:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dims: dict[str, Any] = {
+            "num_heads": impl.num_heads,
+            "head_dim_qk": impl.qk_nope_head_dim + impl.qk_rope_head_dim,
+            "head_dim_v": impl.v_head_dim,
+            "dtype": vllm_config.model_config.dtype,
+            "device": device,
+            "softmax_scale": impl.scale,
+        }
+        quant = None if recipe.prefill.is_identity else recipe.prefill
+        warmup_prefill(quant=quant, sparsity=recipe.sparsity, **dims)
+        if observe and (quant is not None or recipe.sparsity is not None):
+            warmup_prefill(context=False, **dims)  # the observed call's unquantized reference
+        return
+    raw, shadow = impl._split(layer.kv_cache)
+    decode_quant = None if recipe.decode.is_identity else recipe.decode
+    if plan.kind == "update":
+        assert impl.mla_shadow is not None and shadow is not None
+        warmup_update_cache(
+            raw, shadow, quant=impl.mla_shadow.quant, storage=impl.mla_shadow.storage,
+            kv_lora_rank=impl.kv_lora_rank,
+        )  # fmt: skip
+        return
+    width = block_table_width(vllm_config, int(raw.shape[1]))
+    impl.mla_warm_width = width
+    common: dict[str, Any] = {
+        "num_heads": impl.num_heads,
+        "pages_per_row": width,
+        "max_rows": _max_rows(vllm_config),
+        "max_seq_len": int(vllm_config.model_config.max_model_len),
+        "softmax_scale": impl.scale,
+        "kv_lora_rank": impl.kv_lora_rank,
+    }
+    if shadow is not None and impl.mla_shadow is not None:
+        warmup_decode(raw, quant=impl.mla_shadow.quant, shadow=shadow,
+                      storage=impl.mla_shadow.storage, **common)  # fmt: skip
+    else:
+        warmup_decode(raw, quant=decode_quant, **common)
+    if observe and decode_quant is not None:
+        warmup_decode(raw, quant=None, **common)  # observe_error's reference
