@@ -57,7 +57,7 @@ QUANTS: dict[str, AttentionQuant | None] = {
     "nvfp4-qkv+p-fp8": AttentionQuant(q="nvfp4", k="nvfp4", p="fp8", v="nvfp4"),
 }
 # (block_m, block_n, num_stages)
-CONFIGS = [(128, 64, 3), (128, 64, 2), (128, 128, 2), (64, 64, 3)]
+CONFIGS = [(128, 64, 3), (128, 128, 2), (128, 64, 4), (128, 64, 2), (64, 64, 3)]
 
 
 def _cu(lens: list[int]) -> torch.Tensor:

@@ -136,7 +136,9 @@ def test_recipe_none_is_not_refused_for_its_quant() -> None:
     assert reason is not None and "Hopper" in reason  # only the device is wrong on CPU
 
 
-@pytest.mark.parametrize(("field", "value"), [("block_m", 32), ("block_n", 256), ("num_stages", 0)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("block_m", 32), ("block_n", 256), ("num_stages", 1), ("num_stages", 5)]
+)
 def test_config_rejects(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=f"config.{field}"):
         gp.GluonPrefillConfig(**{field: value})

@@ -30,7 +30,8 @@ _CHUNK = 64  # columns of one Q / K shared tile
 @dataclass(frozen=True)
 class GluonPrefillConfig:
     """Tiling of ``gluon_prefill_kernel``: ``block_m`` queries (64 or 128; 16 rows a
-    warp), ``block_n`` keys (64 or 128) per tile, ``num_stages`` K/V buffers (1 to 4)."""
+    warp), ``block_n`` keys (64 or 128) per tile, ``num_stages`` K/V buffers (2 to 4: the loads of a tile are issued
+    once the MMAs of the tile ``num_stages`` before it are done)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -41,8 +42,8 @@ class GluonPrefillConfig:
             raise ValueError(f"config.block_m: expected 64 or 128, got {self.block_m!r}")
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 4:
-            raise ValueError(f"config.num_stages: expected 1 to 4, got {self.num_stages!r}")
+        if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 4:
+            raise ValueError(f"config.num_stages: expected 2 to 4, got {self.num_stages!r}")
 
     @property
     def num_warps(self) -> int:

@@ -122,34 +122,36 @@ def _softmax(
 
 @gluon.jit
 def _sanitize_v(
-    v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan, s_layout: gl.constexpr,
-    BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr,
-    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N: gl.constexpr,
+    DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Wait for V tile ``tile``; on a masked tile zero its rows past the sequence end
     and its non-finite rows in shared memory, and flag the query rows that see a
-    non-finite one. Returns the updated flags ``row_nan``."""
+    non-finite one (causal: the rows at or after the first such key; else all).
+    Works on 32-row slices in V's dtype to keep registers free. Returns ``row_nan``."""
     stage = tile % NUM_STAGES
     mbarrier.wait(v_bars.index(stage), (tile // NUM_STAGES) & 1)
     start_n = tile * BLOCK_N
     if start_n >= mid:
+        SUB: gl.constexpr = 32
         v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         buf = v_smem.index(stage)
-        v = buf.load(v_layout).to(gl.float32)
-        key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-        row = gl.sum(v - v, axis=1)  # NaN for a row with a non-finite element
-        bad = row != row
-        drop = bad | (key_pos >= seq_len_k)
-        v = gl.where(gl.expand_dims(drop, 1), 0.0, v)
-        buf.store(v.to(buf.dtype))
+        first_bad = seq_len_k  # the first visible key with a non-finite v row
+        for c in gl.static_range(BLOCK_N // SUB):
+            sub = buf.slice(c * SUB, SUB, dim=0)
+            v = sub.load(v_layout)
+            key_pos = start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
+            row = gl.sum((v - v).to(gl.float32), axis=1)  # NaN for a non-finite row
+            bad = row != row
+            sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
+            bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
+            first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
         fence_async_shared()
         gl.barrier()
-        bad_s = gl.convert_layout(bad & (key_pos < seq_len_k), gl.SliceLayout(0, s_layout))
-        key_s = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        sees = gl.expand_dims(bad_s, 0)
-        if CAUSAL:
-            sees = sees & (gl.expand_dims(key_s, 0) <= gl.expand_dims(q_pos, 1))
-        row_nan = row_nan | (gl.max(sees.to(gl.int32), axis=1) > 0)
+        if CAUSAL:  # noqa: SIM108
+            row_nan = row_nan | (q_pos >= first_bad)
+        else:
+            row_nan = row_nan | (first_bad < seq_len_k)
     return row_nan
 
 
@@ -289,11 +291,11 @@ def gluon_prefill_kernel(
             for j in range(1, n_tiles):
                 s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
                 prev = j - 1
-                row_nan = _sanitize_v(
-                    v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, s_layout, BLOCK_N, DV,
-                    CAUSAL, NUM_STAGES, num_warps,
-                )  # fmt: skip
                 p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
+                row_nan = _sanitize_v(
+                    v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
+                    NUM_STAGES, num_warps,
+                )  # fmt: skip
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))
@@ -309,11 +311,11 @@ def gluon_prefill_kernel(
                         v_col, BLOCK_N, NQ, NUM_STAGES,
                     )  # fmt: skip
             last = n_tiles - 1
-            row_nan = _sanitize_v(
-                v_smem, v_bars, last, mid, seq_len_k, q_pos, row_nan, s_layout, BLOCK_N, DV,
-                CAUSAL, NUM_STAGES, num_warps,
-            )  # fmt: skip
             p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
+            row_nan = _sanitize_v(
+                v_smem, v_bars, last, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
+                NUM_STAGES, num_warps,
+            )  # fmt: skip
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
