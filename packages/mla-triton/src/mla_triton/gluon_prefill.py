@@ -30,8 +30,8 @@ _CHUNK = 64  # columns of one Q / K shared tile
 @dataclass(frozen=True)
 class GluonPrefillConfig:
     """Tiling of ``gluon_prefill_kernel``: ``block_m`` queries (64 or 128; 16 rows a
-    warp), ``block_n`` keys (64 or 128) per tile, ``num_stages`` K/V buffers (2 to 4: the loads of a tile are issued
-    once the MMAs of the tile ``num_stages`` before it are done)."""
+    warp), ``block_n`` keys (64 or 128) per tile, ``num_stages`` K/V buffers (2 to 4:
+    a tile's loads are issued once the MMAs of the tile ``num_stages`` before it end)."""
 
     block_m: int = 128
     block_n: int = 64
