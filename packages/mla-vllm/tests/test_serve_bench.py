@@ -1,0 +1,116 @@
+"""``benchmarks/serve.py`` on CPU: arguments, configurations, log scan, JSON and plot.
+
+The plot and JSON are written from a made-up result list (a test of the writing
+code, not a result); without a GPU the benchmark exits 2 with a message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+
+
+@pytest.fixture(scope="module")
+def serve() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configurations(serve: ModuleType) -> None:
+    args = serve.parse_args(["--configs", "FLASHMLA,quant-nvfp4kv-shadow,quant-fp8:nowarm"])
+    flash, kv, fp8 = args.config_list
+    assert (flash.backend, flash.mla_quant, flash.warmup) == ("FLASHMLA", None, True)
+    assert kv.mla_quant == {"k": "nvfp4", "v": "nvfp4", "kv_path": "shadow"}
+    assert (fp8.mla_quant, fp8.warmup) == ({"recipe": "fp8"}, False)
+    assert args.tag == "L4-b64-p4096-g256"
+    assert serve.parse_config("quant-none").mla_quant == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--configs", "quant-nvfp5"], "unknown configuration 'quant-nvfp5'"),
+        (["--configs", "quant-none-shadow"], "recipe none stores no shadow"),
+        (["--configs", "TRITON_MLA:nowarm"], "only applies to quant-*"),
+        (["--gen", "1"], "--gen: expected at least 2"),
+        (["--batch", "0"], "--batch: expected a positive int"),
+    ],
+)
+def test_bad_arguments(
+    serve: ModuleType, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_is_deepseek_v3_attention(serve: ModuleType) -> None:
+    config = serve.model_config(6, 33000)
+    assert config["num_hidden_layers"] == config["first_k_dense_replace"] == 6
+    assert (config["hidden_size"], config["num_attention_heads"], config["q_lora_rank"]) == (
+        7168, 128, 1536,
+    )  # fmt: skip
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["v_head_dim"]) == (
+        512,
+        64,
+        128,
+    )
+    assert config["intermediate_size"] == 18432 and config["max_position_embeddings"] == 33000
+
+
+def test_log_scan(serve: ModuleType) -> None:
+    log = (
+        "INFO 12-01 mla_vllm.warmup: MLA_QUANT warmup: 3 plans (decode, prefill, update) over 4 "
+        "layers: 61 kernel variants in 12.3 s\n"
+        "WARNING 12-01 [jit_monitor.py:131] Triton kernel JIT compilation during inference: "
+        "prefill_fwd_kernel. This causes a latency spike; consider extending warmup to cover "
+        "this shape/config.\n"
+        "WARNING Triton kernel JIT compilation during inference: decode_split_kernel (x=1). \n"
+    )
+    found = serve.scan_log(log)
+    assert found["jit_warnings"] == 2
+    assert found["jit_kernels"] == ["prefill_fwd_kernel", "decode_split_kernel"]
+    assert found["mla_warmup"] == [
+        "MLA_QUANT warmup: 3 plans (decode, prefill, update) over 4 layers: 61 kernel variants "
+        "in 12.3 s"
+    ]
+    assert serve.scan_log("no warnings")["jit_warnings"] == 0
+
+
+def test_results_json_and_plot(serve: ModuleType, tmp_path: Path) -> None:
+    args = serve.parse_args(["--out", str(tmp_path), "--tag", "fake"])
+    fake = [
+        {"name": "FLASHMLA", "status": "ok", "engine_start_s": 46.0, "cold_s": 3.1, "warm_s": 3.4,
+         "first_batch_s": 49.1, "prefill_tok_s": 150000.0, "decode_tok_s": 10000.0},
+        {"name": "quant-nvfp4", "status": "ok", "engine_start_s": 60.0, "cold_s": 4.0,
+         "warm_s": 3.8, "first_batch_s": 64.0, "cold_over_warm": 1.05, "decode_tok_s": 9300.0,
+         "jit_warnings": 0},
+        {"name": "quant-nvfp4-shadow", "status": "timeout after 200 s", "engine_start_s": 85.0},
+    ]  # fmt: skip
+    path = serve.write_results(fake, args, {"command": "test"})
+    doc = json.loads(path.read_text())
+    assert [r["name"] for r in doc["results"]] == [r["name"] for r in fake]
+    lines = doc["summary"].splitlines()
+    assert "0.93x" in lines[2] and "1.00x" in lines[1]
+    assert "[timeout after 200 s]" in lines[3]
+    png = path.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_without_a_gpu_it_exits_2(
+    serve: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert serve.main(["--out", str(tmp_path)]) == 2
+    assert "serve_bench: FAIL: needs a CUDA GPU" in capsys.readouterr().out
