@@ -355,3 +355,21 @@ def vllm_e2e(session: nox.Session) -> None:
     """
     _install_vllm(session)
     session.run("python", str(ROOT / "tests-vllm-e2e" / "run_e2e.py"), *session.posargs)
+
+
+@nox.session
+def serve_bench(session: nox.Session) -> None:
+    """The serving benchmark (packages/mla-vllm/benchmarks/serve.py) on a CUDA GPU (not in CI).
+
+    Fails at once, before installing anything, without an NVIDIA device; the script
+    itself exits 2 without CUDA or vLLM. Arguments after ``--`` go to serve.py
+    (``--out``, ``--layers``, ``--batch``, ``--prompt``, ``--gen``, ``--configs``, ...).
+    """
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        session.error(
+            "serve_bench: needs a CUDA GPU (no /dev/nvidia* device here); the serving "
+            "benchmark starts real vLLM engines and does not run on CPU"
+        )
+    _install_vllm(session)
+    script = PACKAGES / "mla-vllm" / "benchmarks" / "serve.py"
+    session.run("python", str(script), *session.posargs)
