@@ -13,14 +13,16 @@ tensor), and the NaN rule (non-finite V and K in and next to a sequence). Each
 case prints the max abs error and the relative L2 error of out, the max abs error
 of the finite LSEs, and whether the NaN / -inf positions agree.
 
-Then the quantized recipes (fp8 on all four operands, fp8 P alone, nvfp4 Q/K/V
-with fp8 P: Q, K and V by the pre-pass, P in the kernel) against both, at h16.
+Then the quantized recipes (fp8 and nvfp4 on all four operands, fp8 or nvfp4 P
+alone, nvfp4 Q/K/V with fp8 P: Q, K and V by the pre-pass, P in the kernel)
+against both, at h16.
 
 Timing: ``triton.testing.do_bench`` medians (rep 200 ms) of the Gluon kernel (a
 few tilings) and of ``mla_triton.prefill`` (its default tiling), causal, queries
 = keys, at b4 h128 L4096, b1 h16 L16384 and a varlen batch of 16384 tokens;
 useful TFLOP/s count ``2 Lq Lk (192 + 128)`` per head, halved for causal; then
-the fp8 recipe the same way (the Gluon time includes its Q and K/V passes). With
+the fp8 and nvfp4 recipes the same way (the Gluon times include their Q and K/V
+passes). With
 ``--fa3``, FlashAttention-3 from the vLLM wheel
 (``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``) is timed in
 the same process. Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
@@ -55,6 +57,8 @@ QUANTS: dict[str, AttentionQuant | None] = {
     "fp8": AttentionQuant.uniform("fp8"),
     "p-fp8": AttentionQuant(p="fp8"),
     "nvfp4-qkv+p-fp8": AttentionQuant(q="nvfp4", k="nvfp4", p="fp8", v="nvfp4"),
+    "nvfp4": AttentionQuant.uniform("nvfp4"),
+    "p-nvfp4": AttentionQuant(p="nvfp4"),
 }
 # (block_m, block_n, num_stages)
 CONFIGS = [(128, 64, 3), (128, 128, 2), (128, 64, 4), (128, 64, 2), (64, 64, 3)]
@@ -328,6 +332,7 @@ def main() -> None:
         (not args.no_bench, lambda: timings(result, args.fa3)),
         (not args.no_check and not args.no_quant, lambda: checks_quant(result)),
         (not args.no_bench and not args.no_quant, lambda: timings(result, False, "fp8")),
+        (not args.no_bench and not args.no_quant, lambda: timings(result, False, "nvfp4")),
     ]
     for wanted, step in steps:
         if wanted:

@@ -30,7 +30,8 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # 128/64, the other tilings the benchmark sweeps (fp16, not causal, without LSE),
 # and the quantized variant (dynamic Q and K scales, P fp8, fp16 P V).
 DEFAULT = gp.GluonPrefillConfig()
-FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fp8": True, "pv_dtype": torch.float16}
+FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1, "pv_dtype": torch.float16}
+NVFP4 = {"q_dynamic": True, "p_fmt": 2, "pv_dtype": torch.float16}
 VARIANTS: list[tuple[torch.dtype, int, int, gp.GluonPrefillConfig, bool, bool, dict[str, Any]]]
 VARIANTS = [
     (torch.bfloat16, 192, 128, DEFAULT, True, True, {}),
@@ -38,6 +39,7 @@ VARIANTS = [
     (torch.float16, 192, 128, gp.GluonPrefillConfig(128, 128, 2), False, True, {}),
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(64, 64, 3), False, False, {}),
     (torch.float16, 192, 128, DEFAULT, True, True, FP8),
+    (torch.float16, 192, 128, DEFAULT, True, True, NVFP4),
 ]
 
 
@@ -92,7 +94,8 @@ def test_every_variant_compiles_for_sm90a() -> None:
         assert got["wgmma"] >= dim // 16 + config.block_n // 16, variant
         assert 0 < got["shared"] <= SMEM_LIMIT, variant
         assert got["lse_store"] == lse, variant  # LSE stores only if asked
-        assert got["fp8_cvt"] == quant.get("p_fp8", False), variant  # P's fp8 QDQ
+        # P's QDQ: fp8 codes, or the nvfp4 block scales (E4M3 too)
+        assert got["fp8_cvt"] == (quant.get("p_fmt", 0) > 0), variant
         assert got["REG"] <= 255, variant
         if config == DEFAULT:  # no spills at the default tiling
             assert got["LOCAL"] == 0 and got["STACK"] == 0, variant
@@ -107,8 +110,6 @@ def _qkv(dim: int = 192, dim_v: int = 128, dtype: torch.dtype = torch.bfloat16) 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"quant": AttentionQuant.uniform("nvfp4")}, "quant"),
-        ({"quant": AttentionQuant(p="nvfp4")}, "quant"),
         ({"sparsity": NMSparsity(2, 4)}, "sparsity"),
         ({"dtype": torch.float32}, "q"),
         ({"dim": 160}, "q"),
@@ -257,7 +258,8 @@ def test_launch_passes_factored_operands_and_scales(
     dynamic = k_amax == "dynamic"
     if dynamic:
         torch.testing.assert_close(ks, k_gs[..., 0], atol=0, rtol=0)
-    qk_scale, p_inv_gs, out_scale = capture.args[9:12]
+    qk_scale, p_gs, p_inv_gs, out_scale = capture.args[9:13]
+    assert p_gs == pytest.approx(2.0 / 448.0)
     # dynamic scales stay per token, static ones are folded in (K: 896 / 448)
     assert qk_scale == pytest.approx(0.1 * gp.LOG2E * (1.0 if dynamic else 2.0))
     assert p_inv_gs == pytest.approx(448.0 / 2.0) and out_scale == pytest.approx(

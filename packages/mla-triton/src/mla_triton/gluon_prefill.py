@@ -5,10 +5,11 @@ computes what ``prefill`` computes (fp16 / bf16), with TMA loads, wgmma and
 mbarriers instead of Triton's generic pipeline. Q, K and V are QDQ'd (any format)
 in passes before attention, by ``mla_triton.prefill.quantize_kv`` (Q through its K
 path), into factored values (fp16 where both operands of a dot are quantized,
-else the input dtype, exact either way); P is QDQ'd in the kernel (fp8). What it
-does not cover (nvfp4 P, N:M sparsity, float32, head dims other than multiples of
-64 up to 256 for Q/K and 64 or 128 for V) raises ``ValueError`` naming the
-argument; ``unsupported`` gives the same reason without raising, for a dispatcher.
+else the input dtype, exact either way); P is QDQ'd in the kernel between the two
+MMAs (fp8 or nvfp4). What it does not cover (N:M sparsity, float32, head dims
+other than multiples of 64 up to 256 for Q/K and 64 or 128 for V) raises
+``ValueError`` naming the argument; ``unsupported`` gives the same reason without
+raising, for a dispatcher.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = ["GluonPrefillConfig", "compile_sm90", "launch", "unsupported"]
 
 LOG2E = 1.4426950408889634
 _CHUNK = 64  # columns of one Q / K shared tile
+_FORMATS = {"none": 0, "fp8": 1, "nvfp4": 2}  # the kernel's format codes
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,8 @@ def unsupported(
     quant: AttentionQuant | None,
     sparsity: NMSparsity | None,
 ) -> str | None:
-    """Why ``launch`` cannot take these (checked) inputs, naming the argument; None if it can."""
-    if quant is not None and quant.p.format.name not in ("none", "fp8"):
-        return f"quant: the Gluon prefill quantizes P to fp8 or not at all, got {quant.p.format}"
+    """Why ``launch`` cannot take these (checked) inputs, naming the argument; None if it
+    can. Every recipe ``quant`` may give is covered (Q/K/V by the pass, P fp8 or nvfp4)."""
     if sparsity is not None:
         return "sparsity: the Gluon prefill has no N:M sparsity"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -147,7 +148,7 @@ def launch(
 
     quant = quant or AttentionQuant()
     qq, kq, pq, vq = quant.q, quant.k, quant.p, quant.v
-    q_fmt, k_fmt, p_fmt, v_fmt = (op.format.name != "none" for op in (qq, kq, pq, vq))
+    q_fmt, k_fmt, p_fmt, v_fmt = (_FORMATS[op.format.name] for op in (qq, kq, pq, vq))
     qk_dtype = torch.float16 if q_fmt and k_fmt else q.dtype
     pv_dtype = torch.float16 if p_fmt and v_fmt else q.dtype
     ones = torch.ones(1, dtype=torch.float32, device=q.device)
@@ -161,7 +162,7 @@ def launch(
         q, _, q_scales = quantize_kv(
             q, q, cu_q, AttentionQuant(k=qq), max_seqlen_k=max_seqlen_q, k_dtype=qk_dtype
         )
-    q_dynamic, k_dynamic = q_fmt and qq.is_dynamic, k_fmt and kq.is_dynamic
+    q_dynamic, k_dynamic = q_fmt != 0 and qq.is_dynamic, k_fmt != 0 and kq.is_dynamic
     qk_scale = softmax_scale * LOG2E * _static_gs(qq) * _static_gs(kq)
     p_gs = _global_scale(pq)
 
@@ -170,8 +171,9 @@ def launch(
     grid = (triton.cdiv(max_seqlen_q, bm), heads, batch)
     gluon_prefill_kernel[grid](
         _descriptor(q, [bm, _CHUNK]), _descriptor(k, [bn, _CHUNK]), _descriptor(v, [bn, dim_v]),
-        out, lse, q_scales, k_scales, cu_q, cu_k, qk_scale, 1.0 / p_gs,
-        p_gs * _global_scale(vq), heads // kv_heads, q.stride(1), k.stride(1), v.stride(1),
+        out, lse, q_scales, k_scales, cu_q, cu_k, qk_scale, p_gs,
+        1.0 / (6.0 * p_gs) if p_fmt == 2 else 1.0 / p_gs, p_gs * _global_scale(vq),
+        heads // kv_heads, q.stride(1), k.stride(1), v.stride(1),
         q_scales.stride(0) if q_dynamic else 0, k_scales.stride(0) if k_dynamic else 0,
         out.stride(0), out.stride(1), lse.stride(0),
         **_constexprs(dim, dim_v, config, causal, return_lse, q_dynamic, k_dynamic, p_fmt),
@@ -200,13 +202,13 @@ def _constexprs(
     return_lse: bool,
     q_dynamic: bool = False,
     k_dynamic: bool = False,
-    p_fp8: bool = False,
+    p_fmt: int = 0,
 ) -> dict[str, int | bool]:
     """The kernel's compile-time arguments (``num_warps`` too)."""
     return {
         "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
         "NUM_STAGES": config.num_stages, "CAUSAL": causal, "Q_DYNAMIC": q_dynamic,
-        "K_DYNAMIC": k_dynamic, "P_FMT": int(p_fp8), "RETURN_LSE": return_lse,
+        "K_DYNAMIC": k_dynamic, "P_FMT": p_fmt, "RETURN_LSE": return_lse,
         "num_warps": config.num_warps,
     }  # fmt: skip
 
@@ -221,7 +223,7 @@ def compile_sm90(
     return_lse: bool,
     q_dynamic: bool = False,
     k_dynamic: bool = False,
-    p_fp8: bool = False,
+    p_fmt: int = 0,
     pv_dtype: torch.dtype | None = None,
 ) -> object:
     """Compile the kernel for sm_90a without a GPU (as ``launch`` would specialize it;
@@ -242,11 +244,12 @@ def compile_sm90(
         "q_desc": desc([bm, _CHUNK], dtype), "k_desc": desc([bn, _CHUNK], dtype),
         "v_desc": desc([bn, dim_v], pv), "Out": f"*{names[dtype]}", "Lse": "*fp32",
         "QS": "*fp32", "KS": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
-        "qk_scale": "fp32", "p_inv_gs": "fp32", "out_scale": "fp32", "group": "i32",
+        "qk_scale": "fp32", "p_gs": "fp32", "p_inv_gs": "fp32", "out_scale": "fp32",
+        "group": "i32",
         "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",
         "stride_kst": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
     }  # fmt: skip
-    constexprs = _constexprs(dim, dim_v, config, causal, return_lse, q_dynamic, k_dynamic, p_fp8)
+    constexprs = _constexprs(dim, dim_v, config, causal, return_lse, q_dynamic, k_dynamic, p_fmt)
     signature |= dict.fromkeys(constexprs, "constexpr")
     source = GluonASTSource(gluon_prefill_kernel, signature, constexprs=constexprs)
     return triton.compile(

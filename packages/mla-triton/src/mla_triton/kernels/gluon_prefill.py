@@ -50,6 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla_triton import qdq_device as dev
+
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns of one Q / K shared tile (128 bytes)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -93,8 +95,9 @@ def _issue_qk(
 
 @gluon.jit
 def _softmax(
-    s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_inv_gs,
-    s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_gs,
+    p_inv_gs, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr,
     K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr,
 ):  # fmt: skip
     """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout: P's
@@ -117,6 +120,8 @@ def _softmax(
     l_i = l_i * alpha + gl.sum(p, axis=1)
     if P_FMT == 1:  # E4M3(min(p / gs, 448)), the conversion saturating (p >= 0 or NaN)
         p = (p * p_inv_gs).to(gl.float8e4nv).to(gl.float32)
+    elif P_FMT == 2:  # NVFP4 along the keys: blocks of 16 at multiples of 16 (the tile's)
+        p = dev.nvfp4_qdq_p(p, p_gs, p_inv_gs, BLOCK_M, BLOCK_N, True)
     return p, alpha, m_new, l_i
 
 
@@ -167,6 +172,7 @@ def gluon_prefill_kernel(
     cu_seqlens_q,
     cu_seqlens_k,
     qk_scale,
+    p_gs,
     p_inv_gs,
     out_scale,
     group,
@@ -198,7 +204,8 @@ def gluon_prefill_kernel(
     float32. Q and K are raw or factored QDQ values (from the launcher's pre-pass);
     ``QS [T, H]`` / ``KS [Tk, Hkv]`` their per-token global scales when dynamic.
     ``qk_scale`` = softmax_scale * log2(e) times the static Q and K global scales;
-    ``P_FMT`` 0 (none) or 1 (fp8, ``p_inv_gs`` = 1 / P's global scale);
+    ``P_FMT`` 0 (none), 1 (fp8) or 2 (nvfp4), ``p_gs`` P's global scale and
+    ``p_inv_gs`` ``1 / p_gs`` (fp8) or ``1 / (6 p_gs)`` (nvfp4);
     ``out_scale`` = P's times V's global scale; ``group`` = H / Hkv.
     """
     NQ: gl.constexpr = DQK // CHUNK
@@ -286,7 +293,7 @@ def gluon_prefill_kernel(
             s = warpgroup_mma_wait(0, deps=(s,))
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
-                p_inv_gs, s_layout, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+                p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
             )  # fmt: skip
             for j in range(1, n_tiles):
                 s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
@@ -301,7 +308,8 @@ def gluon_prefill_kernel(
                 s = warpgroup_mma_wait(1, deps=(s,))
                 p, alpha, m_i, l_i = _softmax(
                     s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
-                    stride_kst, p_inv_gs, s_layout, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+                    stride_kst, p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC,
+                    P_FMT,
                 )  # fmt: skip
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 nxt = prev + NUM_STAGES
