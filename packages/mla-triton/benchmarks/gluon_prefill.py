@@ -140,6 +140,10 @@ def _case(name: str, fn: Callable[[], list[dict[str, Any]]], result: dict[str, A
         for row in rows:
             row["case"] = name
             result["checks"].append(row)
+            if "error" in row:
+                row["pass"] = False
+                print(f"ERROR {name} vs {row['vs']}: {row['error']}", flush=True)
+                continue
             ok = (row["rel_l2"] < tol and row["nan_same"] and row["lse_nan_same"]
                   and row["neg_inf_same"] and row["lse_max_abs"] < tol)  # fmt: skip
             row["pass"] = ok
@@ -172,7 +176,12 @@ def _check_case(
         got = _gluon(q, k, v, lens_q, lens_k, causal, config, quant)
         rows = [_compare("triton", got, _triton(q, k, v, lens_q, lens_k, causal, quant))]
         if oracle:
-            rows.append(_compare("oracle", got, _oracle(q, k, v, lens_q, lens_k, causal, quant)))
+            try:
+                ref = _oracle(q, k, v, lens_q, lens_k, causal, quant)
+                rows.append(_compare("oracle", got, ref))
+            except Exception as exc:  # e.g. out of memory at H 128, L 4096
+                traceback.print_exc()
+                rows.append({"vs": "oracle", "error": repr(exc)})
         return rows
 
     return run
@@ -193,7 +202,7 @@ def checks_quant(result: dict[str, Any]) -> None:
     for name, quant in QUANTS.items():
         if quant is None:
             continue
-        for causal in (True, False):
+        for causal in (True, False) if name in ("fp8", "nvfp4") else (True,):
             tag = f"{name} varlen h16 {'causal' if causal else 'full'}"
             _case(tag, _check_case(CHECK_LENS, CHECK_LENS, 16, 16, causal, quant=quant),
                   result, tol=2e-2)  # fmt: skip
