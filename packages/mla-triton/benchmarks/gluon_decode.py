@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from mla_formats import AttentionQuant
+
 SCALE = 576**-0.5
 ROW_TOL = 1.5e-2  # P in bf16 for the dot: test_decode_gpu.TOL_P_BF16
 LSE_TOL = 2e-5
@@ -47,6 +49,19 @@ CHECKS: list[tuple[str, int, int, list[int] | str | None, int, int, int | None]]
     ("b4-h20-page16-s3", 4, 20, [15, 16, 300, 2049], 0, 16, 3),
     ("b4-h128-page128", 4, 128, [17, 300, 2049, 5000], 0, 128, 1),
 ]
+# fp8 (q̂, K̂ = V̂, P̂ of AttentionQuant.uniform("fp8")): a CPU oracle (a quantized q's
+# global scale divides as the SPEC says only there: test_decode_gpu.py), so small cases.
+CHECKS_FP8: list[tuple[str, int, int, list[int] | str | None, int, int, int | None]] = [
+    ("fp8-b4-h128-mixed", 4, 128, [1, 65, 1000, 4097], 0, 64, 1),
+    ("fp8-b4-h16-mixed-s3", 4, 16, [0, 64, 129, 2049], 0, 64, 3),
+]
+RECIPES: dict[str, AttentionQuant | None] = {
+    "none": None,
+    "fp8": AttentionQuant.uniform("fp8"),
+}
+PHASE_SHARES = {("none", "check"): 4.0, ("none", "bench"): 3.0, ("fp8", "check"): 1.5,
+                ("fp8", "bench"): 2.0}  # fmt: skip
+"""Relative time budget of each (recipe, phase)."""
 BENCH: list[tuple[str, int, int, int]] = [
     ("b128-h128-L8192", 128, 128, 8192),
     ("b32-h128-L32768", 32, 128, 32768),
@@ -90,19 +105,22 @@ def compare(
         "max_abs": float(diff.abs().max()) if diff.numel() else 0.0,
         "rel_l2": float(diff.norm() / r[full].norm().clamp_min(1e-30)) if diff.numel() else 0.0,
         "max_row_err": float(row.max()) if row.numel() else 0.0,
+        "n_rows": int(row.numel()),
+        "n_rows_over_4e-3": int((row > 4e-3).sum()),
         "lse_max_abs": float((lse[full].double() - rlse[full].double()).abs().max())
         if row.numel()
         else 0.0,
     }
 
 
-def _ok(e: dict[str, Any]) -> bool:
-    return bool(
-        e["finite"]
-        and e["empty_ok"]
-        and e["max_row_err"] <= ROW_TOL
-        and e["lse_max_abs"] <= LSE_TOL
-    )
+def _ok(e: dict[str, Any], p_quantized: bool = False) -> bool:
+    """test_decode_gpu.py's bounds: P in bf16 rows 1.5e-2; P quantized (exact products)
+    rows 4e-3 but for at most 2% of them (a P code next to a midpoint may flip), < 0.5."""
+    if p_quantized:
+        rows = e["n_rows_over_4e-3"] <= max(1, int(0.02 * e["n_rows"])) and e["max_row_err"] <= 0.5
+    else:
+        rows = e["max_row_err"] <= ROW_TOL
+    return bool(e["finite"] and e["empty_ok"] and rows and e["lse_max_abs"] <= LSE_TOL)
 
 
 def _case_lens(ci: int, batch: int, lens: list[int] | str | None, length: int) -> list[int]:
@@ -114,7 +132,7 @@ def _case_lens(ci: int, batch: int, lens: list[int] | str | None, length: int) -
 
 def _check_case(
     ci: int, case: tuple[str, int, int, list[int] | str | None, int, int, int | None],
-    deadline: float,
+    deadline: float, quant: AttentionQuant | None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """One case: the oracle and the Triton decode once, then every Gluon variant."""
     import mla_reference
@@ -123,10 +141,17 @@ def _check_case(
 
     name, batch, heads, lens, length, page, splits = case
     q, cache, table, seq = make_inputs(_case_lens(ci, batch, lens, length), heads, page, ci)
-    ref, rlse = mla_reference.decode(
-        q, cache, table, seq, softmax_scale=SCALE, compute_dtype=torch.float64
-    )
-    tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+    if quant is None:
+        ref, rlse = mla_reference.decode(
+            q, cache, table, seq, softmax_scale=SCALE, compute_dtype=torch.float64
+        )
+    else:
+        ref, rlse = mla_reference.decode(
+            q.cpu(), cache.cpu(), table.cpu(), seq.cpu(), softmax_scale=SCALE, quant=quant
+        )
+        ref, rlse = ref.to(q.device), rlse.to(q.device)
+    tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits)
+    p_quantized = quant is not None and not quant.p.is_identity
     triton_err = compare(tri, tlse, ref, rlse)
     results: list[dict[str, Any]] = []
     for cfg in VARIANTS:
@@ -139,13 +164,14 @@ def _check_case(
         try:
             t0 = time.monotonic()
             out, lse = gluon_decode(
-                q, cache, table, seq, softmax_scale=SCALE, num_splits=splits, config=cfg
-            )
+                q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits,
+                config=cfg,
+            )  # fmt: skip
             torch.cuda.synchronize()
             rec["gluon_first_call_s"] = round(time.monotonic() - t0, 2)
             rec["vs_reference"] = e = compare(out, lse, ref, rlse)
             rec["vs_triton"] = compare(out, lse, tri, tlse)
-            rec["status"] = "pass" if _ok(e) else "FAIL"
+            rec["status"] = "pass" if _ok(e, p_quantized) else "FAIL"
             print(
                 f"{name:22s} {cfg.name:12s} {rec['status']:4s} row {e['max_row_err']:.2e} "
                 f"relL2 {e['rel_l2']:.2e} maxabs {e['max_abs']:.2e} lse {e['lse_max_abs']:.1e} "
@@ -161,19 +187,28 @@ def _check_case(
     return results
 
 
-def run_checks(deadline: float) -> list[dict[str, Any]]:
-    """Every case of ``CHECKS`` (one try/except a case, one a variant)."""
-    results: list[dict[str, Any]] = []
-    for ci, case in enumerate(CHECKS):
+def run_checks(
+    deadline: float, recipe: str = "none", results: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Every case of ``CHECKS`` (``CHECKS_FP8`` for fp8) into ``results`` (one try/except
+    a case, one a variant)."""
+    results = [] if results is None else results
+    quant = RECIPES[recipe]
+    for ci, case in enumerate(CHECKS if quant is None else CHECKS_FP8):
         if time.monotonic() > deadline:
             results.append({"case": case[0], "status": "not run: time budget spent"})
             print(f"{case[0]:22s} NOT RUN (budget)", flush=True)
             continue
         try:
-            results.extend(_check_case(ci, case, deadline))
+            for rec in _check_case(ci, case, deadline, quant):
+                rec["recipe"] = recipe
+                results.append(rec)
         except Exception as exc:  # the oracle, the Triton decode or the inputs failed
             tb = traceback.format_exc()
-            results.append({"case": case[0], "status": "ERROR", "error": str(exc), "traceback": tb})
+            results.append(
+                {"case": case[0], "recipe": recipe, "status": "ERROR", "error": str(exc),
+                 "traceback": tb}
+            )  # fmt: skip
             print(f"{case[0]:22s} ERROR (inputs, oracle or Triton)\n{tb}", flush=True)
     return results
 
@@ -202,13 +237,27 @@ def _flashmla(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, seq: to
 
 
 def _bench_shape(
-    rec: dict[str, Any], batch: int, heads: int, length: int, deadline: float, with_flashmla: bool
-) -> None:
+    rec: dict[str, Any], batch: int, heads: int, length: int, deadline: float,
+    with_flashmla: bool, quant: AttentionQuant | None,
+) -> None:  # fmt: skip
     """Time every implementation at one shape into ``rec["timings"]``."""
     import triton
 
-    from mla_triton.decode import decode, decode_num_splits, decode_workspace_size
-    from mla_triton.gluon_decode import VARIANTS, GluonDecodeConfig, launch_gluon_decode
+    from mla_triton.decode import (
+        _check,
+        _operand,
+        _stage_q,
+        decode,
+        decode_num_splits,
+        decode_workspace_size,
+    )
+    from mla_triton.gluon_decode import (
+        VARIANTS,
+        GluonDecodeConfig,
+        GluonRecipe,
+        gluon_recipe,
+        launch_gluon_decode,
+    )
 
     q, cache, table, seq = make_inputs([length] * batch, heads, 64, seed=7)
     timings: dict[str, Any] = {}
@@ -220,8 +269,8 @@ def _bench_shape(
 
     def triton_run() -> tuple[torch.Tensor, torch.Tensor]:
         return decode(
-            q, cache, table, seq, softmax_scale=SCALE, workspace=ws, out=out, lse=lse,
-            check_values=False,
+            q, cache, table, seq, softmax_scale=SCALE, quant=quant, workspace=ws, out=out,
+            lse=lse, check_values=False,
         )  # fmt: skip
 
     runs: dict[str, Any] = {"triton": triton_run}
@@ -230,19 +279,27 @@ def _bench_shape(
     rec["gluon_splits"] = splits
     o_g = torch.empty_like(out)
     l_g = torch.empty_like(lse)
-    wacc = torch.empty(batch * splits * heads * 512, dtype=torch.float32, device=q.device)
-    wml = torch.empty(batch * splits * heads * 2, dtype=torch.float32, device=q.device)
+    recipe = gluon_recipe(quant)
+    assert isinstance(recipe, GluonRecipe), recipe
+    c = _check(q, cache, table, seq, SCALE, 512, quant, None)
+    qo = _operand((quant or AttentionQuant()).q)
+    ws_g = torch.empty(decode_workspace_size(batch, heads, length, num_splits=splits),
+                       dtype=torch.uint8, device=q.device)  # fmt: skip
 
     def gluon_run(cfg: GluonDecodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        # q̂ (when q is quantized) by decode's q kernel into the workspace, then the split
+        # kernel and the merge: what a decode call through the Gluon path launches
+        wacc, wml, qn, qp, qs = _stage_q(c, qo, recipe.mma_f16, splits, 512, ws_g, l_g)
         launch_gluon_decode(
-            q[..., :512], q[..., 512:], cache, table, seq, o_g, l_g, wacc, wml,
-            softmax_scale=SCALE, num_splits=splits, config=cfg,
+            qn, qp, cache, table, seq, o_g, l_g, wacc, wml, softmax_scale=SCALE,
+            num_splits=splits, config=cfg, recipe=recipe,
+            q_scale=qs if recipe.q_scaled else None,
         )  # fmt: skip
         return o_g, l_g
 
     for cfg in VARIANTS:
         runs[f"gluon-{cfg.name}"] = lambda cfg=cfg: gluon_run(cfg)
-    if with_flashmla:
+    if with_flashmla and quant is None:
         try:
             runs["flashmla"] = _flashmla(q, cache, table, seq)
         except Exception as exc:
@@ -281,17 +338,25 @@ def _bench_shape(
             )
 
 
-def run_bench(deadline: float, with_flashmla: bool) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
+def run_bench(
+    deadline: float, with_flashmla: bool, recipe: str = "none",
+    results: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every shape of ``BENCH`` with ``recipe`` into ``results`` (FlashMLA: quant none)."""
+    results = [] if results is None else results
     for name, batch, heads, length in BENCH:
-        rec: dict[str, Any] = {"shape": name, "flops": flops(batch, heads, length)}
+        rec: dict[str, Any] = {
+            "shape": name,
+            "recipe": recipe,
+            "flops": flops(batch, heads, length),
+        }
         results.append(rec)
         if time.monotonic() > deadline:
             rec["status"] = "not run: time budget spent"
             print(f"{name}: NOT RUN (budget)", flush=True)
             continue
         try:
-            _bench_shape(rec, batch, heads, length, deadline, with_flashmla)
+            _bench_shape(rec, batch, heads, length, deadline, with_flashmla, RECIPES[recipe])
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"
             print(traceback.format_exc(), flush=True)
@@ -300,21 +365,24 @@ def run_bench(deadline: float, with_flashmla: bool) -> list[dict[str, Any]]:
 
 
 def compile_report() -> list[dict[str, Any]]:
-    """Every variant compiled for sm_90a here (no GPU needed): shared memory, registers,
-    wgmma instructions and barriers in the PTX (bf16, page 64, two splits)."""
+    """Every variant and recipe compiled for sm_90a here (no GPU needed): shared memory,
+    registers, wgmma instructions and barriers in the PTX (bf16, page 64, two splits)."""
     import re
 
-    from mla_triton.gluon_decode import VARIANTS, compile_variant
+    from mla_triton.gluon_decode import VARIANTS, GluonRecipe, compile_variant, gluon_recipe
 
     rows = []
-    for cfg in VARIANTS:
-        c = compile_variant(cfg, num_splits=2)
+    for (name, quant), cfg in [(r, v) for r in RECIPES.items() for v in VARIANTS]:
+        recipe = gluon_recipe(quant)
+        assert isinstance(recipe, GluonRecipe), recipe
+        c = compile_variant(cfg, num_splits=2, recipe=recipe)
         regs = re.search(r"Used (\d+) registers", c.ptxas_info)
         wgmma: dict[str, int] = {}
         for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", c.ptx):
             wgmma[m] = wgmma.get(m, 0) + 1
         row = {
             "config": cfg.name,
+            "recipe": name,
             "shared_bytes": c.shared,
             "registers": int(regs.group(1)) if regs else None,
             "spills": "0 bytes spill stores, 0 bytes spill loads" not in c.ptxas_info,
@@ -333,9 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="directory for gluon_decode.json")
     ap.add_argument("--flashmla", action="store_true", help="time FlashMLA bf16 too (vLLM)")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop starting cases after this")
+    ap.add_argument("--recipes", default="none", help="comma-separated: none, fp8")
     args = ap.parse_args(argv)
     start = time.monotonic()
-    deadline = start + args.budget_s
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
@@ -349,22 +417,34 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report), flush=True)
     if args.plan == "compile":
         report["compile"] = compile_report()
-    if args.plan in ("check", "all"):
-        # checks get at most 60% of the budget, the timings the rest
-        report["checks"] = run_checks(
-            start + 0.6 * args.budget_s if args.plan == "all" else deadline
-        )
-    if args.plan in ("bench", "all"):
-        report["bench"] = run_bench(deadline, args.flashmla)
+    out_dir = args.out or os.environ.get("OUT")
+
+    def save() -> None:  # after every phase: a run killed at its time limit keeps the rest
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "gluon_decode.json"), "w") as f:
+                json.dump(report, f, indent=1)
+
+    recipes = [r for r in args.recipes.split(",") if r]
+    checks: list[dict[str, Any]] = report.setdefault("checks", [])
+    bench: list[dict[str, Any]] = report.setdefault("bench", [])
+    # the budget in shares per recipe and phase (checks, then timings), in order; time a
+    # phase leaves unused goes to the next ones
+    phases = [(r, ph) for r in recipes for ph in ("check", "bench")
+              if args.plan in (ph, "all")]  # fmt: skip
+    shares = [PHASE_SHARES.get((r, ph), 1.0) for r, ph in phases]
+    for k, (recipe, phase) in enumerate(phases):
+        until = start + args.budget_s * sum(shares[: k + 1]) / sum(shares)
+        if phase == "check":
+            run_checks(until, recipe, checks)
+        else:
+            run_bench(until, args.flashmla, recipe, bench)
+        save()
     report["wall_s"] = round(time.monotonic() - start, 1)
     bad = [c for c in report.get("checks", []) if c.get("status") != "pass"]
     print(f"checks: {len(report.get('checks', [])) - len(bad)} pass, {len(bad)} not passed; "
           f"wall {report['wall_s']} s", flush=True)  # fmt: skip
-    out_dir = args.out or os.environ.get("OUT")
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "gluon_decode.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    save()
     return 0 if not bad else 1
 
 

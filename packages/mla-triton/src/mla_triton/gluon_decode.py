@@ -22,11 +22,14 @@ import torch
 from mla_formats import AttentionQuant
 
 __all__ = [
+    "UNQUANTIZED",
     "GluonDecodeConfig",
+    "GluonRecipe",
     "compile_variant",
     "gluon_decode",
     "gluon_decode_config",
     "gluon_decode_supported",
+    "gluon_recipe",
     "launch_gluon_decode",
 ]
 
@@ -77,17 +80,68 @@ def gluon_decode_config(num_heads: int) -> GluonDecodeConfig:
     return VARIANTS[0]
 
 
+@dataclass(frozen=True)
+class GluonRecipe:
+    """What the Gluon kernel needs of an ``AttentionQuant`` (the ones it implements).
+
+    Attributes:
+        q_scaled: q is quantized (fp8, static or dynamic): the kernel reads q̂ and its
+            global scales, which ``decode``'s ``decode_q_kernel`` writes.
+        kv_fp8: K and V are fp8 with one static power-of-two global scale, so K̂ = V̂
+            (quantized once per tile, in place).
+        p_fmt: 0 (P not quantized) or 1 (fp8).
+        k_gs, v_gs, p_gs: static global scales (1.0 when not quantized).
+    """
+
+    q_scaled: bool = False
+    kv_fp8: bool = False
+    p_fmt: int = 0
+    k_gs: float = 1.0
+    v_gs: float = 1.0
+    p_gs: float = 1.0
+
+    @property
+    def mma_f16(self) -> bool:
+        """The MMAs run on float16 operands (q̂ and K̂ both factored), else the input dtype."""
+        return self.q_scaled and self.kv_fp8
+
+
+UNQUANTIZED = GluonRecipe()
+
+
+def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
+    """The ``GluonRecipe`` of ``quant``, or the reason the Gluon kernel does not take it.
+
+    Implemented: q none or fp8 (static or dynamic); K and V both none, or both fp8 with
+    the same static power-of-two global scale; P none or fp8.
+    """
+    from mla_triton.decode import _operand
+
+    if quant is None:
+        return UNQUANTIZED
+    qo, ko, vo, po = (_operand(op) for op in (quant.q, quant.k, quant.v, quant.p))
+    if 2 in (qo.code, ko.code, vo.code, po.code):
+        return "nvfp4 is not implemented in the Gluon kernel yet"
+    if (ko.code, vo.code) not in ((0, 0), (1, 1)):
+        return "K and V must be both none or both fp8 in the Gluon kernel"
+    if ko.code == 1 and (ko.dynamic or not ko.pow2 or ko.gs != vo.gs or vo.dynamic):
+        return "fp8 K and V need one static power-of-two global scale in the Gluon kernel"
+    return GluonRecipe(
+        q_scaled=qo.code != 0, kv_fp8=ko.code == 1, p_fmt=po.code, k_gs=ko.gs, v_gs=vo.gs,
+        p_gs=po.gs,
+    )  # fmt: skip
+
+
 def gluon_decode_supported(
     q_dtype: torch.dtype, quant: AttentionQuant | None, kv_lora_rank: int, rope: int
 ) -> str | None:
     """None when the Gluon kernel implements the call, else the reason it does not."""
     if q_dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q_dtype} (16-bit only)"
-    if quant is not None and not all(op.is_identity for op in (quant.q, quant.k, quant.v, quant.p)):
-        return "quantized recipes are not implemented in the Gluon kernel yet"
     if (kv_lora_rank, rope) != (512, 64):
         return f"kv_lora_rank {kv_lora_rank} + rope {rope} (512 + 64 only)"
-    return None
+    recipe = gluon_recipe(quant)
+    return recipe if isinstance(recipe, str) else None
 
 
 def _kernel() -> Any:
@@ -110,9 +164,14 @@ def launch_gluon_decode(
     softmax_scale: float,
     num_splits: int,
     config: GluonDecodeConfig,
+    recipe: GluonRecipe = UNQUANTIZED,
+    q_scale: torch.Tensor | None = None,
 ) -> None:
     """Launch the Gluon split kernel, then (``num_splits > 1``) the Triton merge.
 
+    With ``recipe.q_scaled``, ``q_nope``/``q_pe`` are q̂ (factored, float16 when
+    ``recipe.mma_f16``, else the input dtype) and ``q_scale [B, H]`` float32 their
+    global scales, as ``decode``'s ``_stage_q`` leaves them in the workspace.
     Shapes: ``q_nope [B, H, 512]``, ``q_pe [B, H, 64]``, ``kv_cache [blocks, page, 576]``,
     ``block_table [B, pages]``, ``seq_lens [B]``, ``out [B, H, 512]``, ``lse [B, H]``;
     with several splits ``wacc`` float32 ``[B * splits * H * 512]`` and ``wml`` float32
@@ -128,21 +187,27 @@ def launch_gluon_decode(
     page = kv_cache.shape[1]
     capacity = block_table.shape[1] * page
     head_groups = -(-heads // BLOCK_H)
+    if recipe.q_scaled and q_scale is None:
+        raise ValueError("q_scale: a quantized q needs its global scales [B, H]")
     _kernel()[(head_groups * num_splits * batch,)](
-        q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, wacc, wml,
+        q_nope, q_pe, lse if q_scale is None else q_scale, kv_cache, block_table, seq_lens,
+        out, lse, wacc, wml,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), block_table.stride(1),
         seq_lens.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        heads, capacity, kv_cache.shape[0], softmax_scale * LOG2E,
+        heads, capacity, kv_cache.shape[0], softmax_scale * LOG2E * recipe.k_gs,
+        1.0 / recipe.k_gs, 1.0 / recipe.p_gs, recipe.p_gs * recipe.v_gs,
         D1=q_nope.shape[2], D2=q_pe.shape[2], PAGE=page, BLOCK_N=config.block_n,
-        STAGES=config.stages, OVERLAP=config.overlap, NUM_SPLITS=num_splits,
+        STAGES=config.stages, OVERLAP=config.overlap, Q_SCALED=recipe.q_scaled,
+        KV_FP8=recipe.kv_fp8, P_FMT=recipe.p_fmt, NUM_SPLITS=num_splits,
         HEAD_GROUPS=head_groups, SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
         merge_h = 16
         decode_merge_kernel[(-(-heads // merge_h), batch)](
             wacc, wml, seq_lens, out, lse, seq_lens.stride(0), out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1), heads, capacity, 1.0, D1=q_nope.shape[2],
+            lse.stride(0), lse.stride(1), heads, capacity, recipe.p_gs * recipe.v_gs,
+            D1=q_nope.shape[2],
             BLOCK_H=merge_h, NUM_SPLITS=num_splits, SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=4,
         )  # fmt: skip
 
@@ -154,24 +219,34 @@ def gluon_decode(
     seq_lens: torch.Tensor,
     *,
     softmax_scale: float,
+    quant: AttentionQuant | None = None,
     num_splits: int | None = None,
     config: GluonDecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unquantized decode through the Gluon kernel (benchmarks and tests).
+    """``mla_triton.decode`` through the Gluon kernel (benchmarks and tests).
 
     ``q [B, H, 576]`` and the cache in float16/bfloat16 on an sm90 GPU; the inputs
     go through ``mla_triton.decode``'s checks first (a ValueError names a bad
-    argument), the split count is ``decode``'s policy for 64 heads per CTA.
-    Returns ``(out [B, H, 512] in q's dtype, lse [B, H] float32)``.
+    argument), q̂ is staged by ``decode``'s own q kernel, the split count is
+    ``decode``'s policy for 64 heads per CTA. ``quant``: the recipes of
+    ``gluon_recipe``. Returns ``(out [B, H, 512] in q's dtype, lse [B, H] float32)``.
     """
-    from mla_triton.decode import _check, _check_num_splits, decode_num_splits
+    from mla_triton.decode import (
+        _check,
+        _check_num_splits,
+        _operand,
+        _stage_q,
+        decode_num_splits,
+    )
 
-    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, 512, None, None)
-    reason = gluon_decode_supported(c.q_nope.dtype, None, 512, c.rope)
+    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, 512, quant, None)
+    reason = gluon_decode_supported(c.q_nope.dtype, quant, 512, c.rope)
     if reason is not None:
-        raise ValueError(f"q: the Gluon decode does not take this call: {reason}")
+        raise ValueError(f"quant: the Gluon decode does not take this call: {reason}")
     if q.device.type != "cuda":
         raise ValueError(f"q: the Gluon decode runs on a CUDA device, got {q.device}")
+    recipe = gluon_recipe(quant)
+    assert isinstance(recipe, GluonRecipe)
     cfg = config if config is not None else gluon_decode_config(c.heads)
     splits = (
         _check_num_splits(num_splits)
@@ -180,14 +255,12 @@ def gluon_decode(
     )
     out = torch.empty(c.batch, c.heads, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(c.batch, c.heads, dtype=torch.float32, device=q.device)
-    if splits > 1:
-        wacc = torch.empty(c.batch * splits * c.heads * 512, dtype=torch.float32, device=q.device)
-        wml = torch.empty(c.batch * splits * c.heads * 2, dtype=torch.float32, device=q.device)
-    else:
-        wacc = wml = lse
+    qo = _operand(quant.q) if quant is not None else _operand(AttentionQuant().q)
+    wacc, wml, q_nope, q_pe, q_scale = _stage_q(c, qo, recipe.mma_f16, splits, 512, None, lse)
     launch_gluon_decode(
-        c.q_nope, c.q_pe, kv_cache, block_table, seq_lens, out, lse, wacc, wml,
-        softmax_scale=c.scale, num_splits=splits, config=cfg,
+        q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, wacc, wml,
+        softmax_scale=c.scale, num_splits=splits, config=cfg, recipe=recipe,
+        q_scale=q_scale if recipe.q_scaled else None,
     )  # fmt: skip
     return out, lse
 
@@ -197,7 +270,7 @@ def gluon_decode(
 
 _POINTERS = ("qn_ptr", "qp_ptr", "kv_ptr", "bt_ptr", "seq_lens_ptr", "out_ptr", "lse_ptr",
              "wacc_ptr", "wml_ptr")  # fmt: skip
-_FLOAT_ARGS = ("score_scale",)
+_FLOAT_ARGS = ("score_scale", "k_inv_gs", "p_inv_gs", "out_scale")
 
 
 @dataclass(frozen=True)
@@ -219,12 +292,14 @@ def compile_variant(
     num_splits: int = 1,
     page: int = 64,
     index_dtype: str = "i32",
+    recipe: GluonRecipe = UNQUANTIZED,
 ) -> CompiledVariant:
     """Compile the Gluon split kernel for sm_90a on any machine (no GPU needed).
 
-    ``dtype``: ``"bf16"`` or ``"fp16"``; ``num_splits``, ``page``: the constexprs the
-    launch would pass; integer strides and sizes are marked divisible by 16 as the
-    JIT marks a multiple of 16 (a 576-wide row and a 64-row page are).
+    ``dtype``: ``"bf16"`` or ``"fp16"`` (the cache and output; q̂ is float16 when
+    ``recipe.mma_f16``); ``num_splits``, ``page``, ``recipe``: what the launch would
+    pass; integer strides and sizes are marked divisible by 16 as the JIT marks a
+    multiple of 16 (a 576-wide row and a 64-row page are).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -234,15 +309,17 @@ def compile_variant(
     from mla_triton.kernels.gluon_decode import NUM_WARPS
 
     fn = _kernel()
+    q_dtype = "fp16" if recipe.mma_f16 else dtype
     ptr_types = {
-        "qn_ptr": f"*{dtype}", "qp_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}",
+        "qn_ptr": f"*{q_dtype}", "qp_ptr": f"*{q_dtype}", "qgs_ptr": "*fp32", "kv_ptr": f"*{dtype}",
         "bt_ptr": f"*{index_dtype}", "seq_lens_ptr": f"*{index_dtype}",
         "out_ptr": f"*{dtype}", "lse_ptr": "*fp32", "wacc_ptr": "*fp32", "wml_ptr": "*fp32",
     }  # fmt: skip
     constexprs: dict[str, Any] = {
         "D1": 512, "D2": 64, "PAGE": page, "BLOCK_N": config.block_n, "STAGES": config.stages,
-        "OVERLAP": config.overlap,
-        "NUM_SPLITS": num_splits, "HEAD_GROUPS": 2, "SPLIT_ALIGN_": SPLIT_ALIGN,
+        "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled, "KV_FP8": recipe.kv_fp8,
+        "P_FMT": recipe.p_fmt, "NUM_SPLITS": num_splits, "HEAD_GROUPS": 2,
+        "SPLIT_ALIGN_": SPLIT_ALIGN,
     }  # fmt: skip
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}

@@ -37,6 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla_triton import qdq_device as dev
+
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 NUM_WARPS = 8
 """Warps per CTA: two warpgroups (the kernel's layouts assume it)."""
@@ -101,15 +103,45 @@ def _scores(q1_smem, q2_smem, kv_tile, kpe_tile, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_el, valid, score_scale):
+def _softmax_step(s, m_i, l_el, valid, row_scale, RAW: gl.constexpr):
     """One tile of the base-2 online softmax with an integer running maximum (exact
-    rescales): ``(P, alpha, m_new, l_el)`` with the denominators kept per element."""
-    t = gl.fma(s, score_scale, s - s)  # the rounded product, NaN if s is not finite
+    rescales): ``(P, alpha, m_new, l_el)`` with the denominators kept per element.
+
+    ``row_scale [64]``: softmax scale times log2(e) (and q's, K's global scales).
+    ``RAW`` (an operand read raw): an infinite score becomes NaN, as in the Triton kernel.
+    """
+    # raw: the rounded product plus (s - s), NaN where s is not finite
+    t = gl.fma(s, row_scale[:, None], s - s) if RAW else s * row_scale[:, None]
     t = gl.where(valid[None, :], t, float("-inf"))
     m_new = gl.maximum(m_i, gl.ceil(gl.max(t, axis=1)))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - m_new[:, None])
     return p, alpha, m_new, l_el * alpha[:, None] + p
+
+
+@gluon.jit
+def _qdq_tile_fp8(kv_raw, kpe_raw, kv_mma, kpe_mma, k_inv_gs):
+    """K̂ = V̂ of one resident tile, in place: the factored E4M3 values of the raw rows
+    times ``k_inv_gs`` (a power of two), in the MMA's 16-bit type (exact). Each thread
+    rewrites the elements it read, 16384 elements at a time (registers; each piece costs
+    a barrier the compiler adds, as it cannot see that no other thread's elements are
+    touched); the caller fences and meets at a barrier."""
+    D1: gl.constexpr = kv_raw.shape[1]
+    W: gl.constexpr = min(D1, 16384 // kv_raw.shape[0])
+    for c in gl.static_range(D1 // W):
+        x = kv_raw.slice(c * W, W, dim=1).load(_LD).to(gl.float32)
+        y = dev.e4m3_round_hw(gl.fma(x, k_inv_gs, x - x), True)
+        kv_mma.slice(c * W, W, dim=1).store(y.to(kv_mma.dtype))
+    x2 = kpe_raw.load(_LD).to(gl.float32)
+    kpe_mma.store(dev.e4m3_round_hw(gl.fma(x2, k_inv_gs, x2 - x2), True).to(kpe_mma.dtype))
+
+
+@gluon.jit
+def _p_hat(p, p_inv_gs, P_FMT: gl.constexpr):
+    """P̂ (factored) for the P V MMA: fp8 along the tokens (per element), or P itself."""
+    if P_FMT == 1:
+        p = dev.fp8_qdq_p(p, p_inv_gs, True)
+    return p
 
 
 @gluon.jit
@@ -158,6 +190,7 @@ def _stage_q(
 def gluon_decode_split_kernel(
     qn_ptr,
     qp_ptr,
+    qgs_ptr,
     kv_ptr,
     bt_ptr,
     seq_lens_ptr,
@@ -181,24 +214,34 @@ def gluon_decode_split_kernel(
     num_heads,
     capacity,
     num_blocks,
-    score_scale,  # softmax_scale * log2(e)
+    score_scale,  # softmax_scale * log2(e), times K's static global scale
+    k_inv_gs,
+    p_inv_gs,
+    out_scale,  # gs_p * gs_v
     D1: gl.constexpr,
     D2: gl.constexpr,
     PAGE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     OVERLAP: gl.constexpr,
+    Q_SCALED: gl.constexpr,
+    KV_FP8: gl.constexpr,
+    P_FMT: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     HEAD_GROUPS: gl.constexpr,
     SPLIT_ALIGN_: gl.constexpr,
 ):
-    """Stage 1 of the unquantized recipe: one (head group, split, request).
+    """Stage 1: one (head group, split, request).
 
     Shapes as ``decode_kernel.decode_split_kernel``: q ``[B, H, D1]`` + ``[B, H, D2]``,
     cache rows ``D1 + D2`` wide, out ``[B, H, D1]`` and lse ``[B, H]`` (one split) or
     workspace acc ``[B, NUM_SPLITS, H, D1]`` and ``(m, l)`` ``[B, NUM_SPLITS, H, 2]``.
+    Recipes: ``Q_SCALED``: q is q̂ (factored, by ``decode_q_kernel``) with its global
+    scales ``qgs [B, H]``; ``KV_FP8``: K̂ = V̂ (fp8, one static power-of-two global scale)
+    quantized in place once the tile has landed; ``P_FMT`` 0 or 1 (fp8).
     """
-    dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    dtype: gl.constexpr = kv_ptr.dtype.element_ty  # the raw cache
+    mma: gl.constexpr = qn_ptr.dtype.element_ty  # q (or q̂), K̂, V̂ and P̂ in the MMAs
     # S [64, BLOCK_N]: each warpgroup half of the tokens; O [64, D1]: half the features.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
@@ -225,13 +268,21 @@ def gluon_decode_split_kernel(
 
     q1_smem, q2_smem = _stage_q(
         qn_ptr, qp_ptr, b, hg, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, num_heads,
-        dtype, D1, D2,
+        mma, D1, D2,
     )  # fmt: skip
+    row_scale = gl.full([_HEADS], score_scale, gl.float32, row_s)
+    if Q_SCALED:
+        offs_hs = hg * _HEADS + gl.arange(0, _HEADS, row_s)
+        row_scale *= gl.load(qgs_ptr + b * num_heads + offs_hs, mask=offs_hs < num_heads, other=1.0)
+    RAW: gl.constexpr = (not KV_FP8) or (not Q_SCALED)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
     kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, BLOCK_N], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, BLOCK_N], mma)
     kv_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], kv_layout)
     kpe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kpe_layout)
+    # the same buffers as the MMAs read them (K̂ = V̂ rewritten in place in their type)
+    kv_mma = kv_ring._reinterpret(mma)
+    kpe_mma = kpe_ring._reinterpret(mma)
 
     bt_row = bt_ptr + b * stride_bt_b
     n_bad = gl.zeros([BLOCK_N], gl.int1, gl.SliceLayout(1, _LD))  # a page outside the cache
@@ -264,25 +315,38 @@ def gluon_decode_split_kernel(
         # tensor cores (P double-buffered); S of tile i + 1 is issued with it. Tiles i
         # and i + 1 stay resident, copies run STAGES - 2 tiles ahead. Every wgmma is
         # waited for before acc is rescaled and before the loop's back edge.
-        p_ring = gl.allocate_shared_memory(dtype, [2, _HEADS, BLOCK_N], p_layout)
+        p_ring = gl.allocate_shared_memory(mma, [2, _HEADS, BLOCK_N], p_layout)
         cp.wait_group(STAGES - 2)
+        if KV_FP8:
+            _qdq_tile_fp8(
+                kv_ring.index(0), kpe_ring.index(0), kv_mma.index(0), kpe_mma.index(0), k_inv_gs
+            )
         fence_async_shared()
         gl.barrier()
-        s = _scores(q1_smem, q2_smem, kv_ring.index(0), kpe_ring.index(0), s_layout)
+        s = _scores(q1_smem, q2_smem, kv_mma.index(0), kpe_mma.index(0), s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, lo + offs_n < hi, score_scale)
-        p_ring.index(0).store(p.to(dtype))
+        p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, lo + offs_n < hi, row_scale, RAW)
+        p_ring.index(0).store(_p_hat(p, p_inv_gs, P_FMT).to(mma))
         for i in range(n_tiles):
             cp.wait_group(STAGES - 3)  # tile i + 1 has landed (this thread's copies) ...
+            nx = (i + 1) % STAGES
+            if KV_FP8:
+                gl.barrier()  # every thread's copies of tile i + 1 have landed
+                _qdq_tile_fp8(
+                    kv_ring.index(nx),
+                    kpe_ring.index(nx),
+                    kv_mma.index(nx),
+                    kpe_mma.index(nx),
+                    k_inv_gs,
+                )
             fence_async_shared()  # ... and so has P of tile i (this thread's stores)
             gl.barrier()  # ... for every thread
-            nx = (i + 1) % STAGES
-            s_next = _scores(q1_smem, q2_smem, kv_ring.index(nx), kpe_ring.index(nx), s_layout)
-            acc = warpgroup_mma(p_ring.index(i % 2), kv_ring.index(i % STAGES), acc, is_async=True)
+            s_next = _scores(q1_smem, q2_smem, kv_mma.index(nx), kpe_mma.index(nx), s_layout)
+            acc = warpgroup_mma(p_ring.index(i % 2), kv_mma.index(i % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_next,))  # S of tile i + 1 done, P V in flight
             valid = (lo + (i + 1) * BLOCK_N + offs_n) < hi
-            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, score_scale)
-            p_ring.index((i + 1) % 2).store(p.to(dtype))
+            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, row_scale, RAW)
+            p_ring.index((i + 1) % 2).store(_p_hat(p, p_inv_gs, P_FMT).to(mma))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             nxt = i + STAGES - 1  # into the buffer of tile i - 1: both warpgroups are past it
@@ -296,7 +360,7 @@ def gluon_decode_split_kernel(
             )  # fmt: skip
             n_bad |= bad
     else:
-        p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
+        p_smem = gl.allocate_shared_memory(mma, [_HEADS, BLOCK_N], p_layout)
         for i in range(n_tiles):
             # Both warpgroups are done with tile i - 1 (its P V was waited for): free.
             gl.barrier()
@@ -311,15 +375,25 @@ def gluon_decode_split_kernel(
             )  # fmt: skip
             n_bad |= bad
             cp.wait_group(STAGES - 1)  # tile i has landed (this thread's copies) ...
+            cur = i % STAGES
+            if KV_FP8:
+                gl.barrier()  # every thread's copies have landed
+                _qdq_tile_fp8(
+                    kv_ring.index(cur),
+                    kpe_ring.index(cur),
+                    kv_mma.index(cur),
+                    kpe_mma.index(cur),
+                    k_inv_gs,
+                )
             fence_async_shared()
             gl.barrier()  # ... and every thread's
-            kv_tile = kv_ring.index(i % STAGES)
-            s = _scores(q1_smem, q2_smem, kv_tile, kpe_ring.index(i % STAGES), s_layout)
+            kv_tile = kv_mma.index(cur)
+            s = _scores(q1_smem, q2_smem, kv_tile, kpe_mma.index(cur), s_layout)
             s = warpgroup_mma_wait(0, deps=(s,))
             valid = (lo + i * BLOCK_N + offs_n) < hi
-            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, score_scale)
+            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, row_scale, RAW)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_smem.store(p.to(dtype))
+            p_smem.store(_p_hat(p, p_inv_gs, P_FMT).to(mma))
             fence_async_shared()
             gl.barrier()  # both halves of P are in shared memory
             acc = warpgroup_mma(p_smem, kv_tile, acc, is_async=True)
@@ -341,7 +415,7 @@ def gluon_decode_split_kernel(
         l_o = gl.where(poisoned, float("nan"), l_o)
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
         keep = (seq_len > 0) | poisoned
-        inv_l = gl.where(keep, 1.0 / l_safe, 0.0)
+        inv_l = gl.where(keep, out_scale / l_safe, 0.0)
         o = acc * inv_l[:, None]
         row_sum = gl.sum(acc, axis=1)
         o = o + (row_sum - row_sum)[:, None]  # a non-finite row is NaN in every feature
