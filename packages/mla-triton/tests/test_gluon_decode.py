@@ -13,8 +13,8 @@ GPU (skipped without CUDA): bf16 against ``mla_reference.decode`` (float64) with
 the bounds of test_decode_gpu.py (P not quantized is rounded to bf16 for the dot:
 rows 1.5e-2; P quantized: exact products, rows 4e-3 but for at most 2% of the rows
 (a P code next to a rounding midpoint may flip), each below 0.5; LSE 2e-5) and
-against ``mla_triton.decode`` (the same algorithm, a different summation order). The
-oracle of a quantized q runs on the CPU (test_decode_gpu.py's docstring says why).
+against ``mla_triton.decode`` (the same algorithm, a different summation order), with
+test_decode_gpu.py's inputs, CPU oracle and checks.
 """
 
 from __future__ import annotations
@@ -129,56 +129,6 @@ def _sm90() -> bool:
 
 
 gpu = pytest.mark.skipif(not _sm90(), reason="GPU suite: needs an sm90 CUDA GPU")
-
-
-def _inputs(
-    lens: list[int], heads: int, page: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    used = [max(1, -(-n // page)) for n in lens]
-    total = sum(used) + 2
-    cache = torch.randn(total, page, 576, generator=g).to("cuda", torch.bfloat16)
-    perm = torch.randperm(total, generator=g)
-    table = torch.zeros(len(lens), max(used), dtype=torch.int32)
-    k = 0
-    for b, n in enumerate(used):
-        table[b, :n] = perm[k : k + n]
-        k += n
-    q = (torch.randn(len(lens), heads, 576, generator=g) * 0.5).to("cuda", torch.bfloat16)
-    return q, cache, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
-
-
-def _oracle(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    table: torch.Tensor,
-    seq: torch.Tensor,
-    quant: AttentionQuant | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mla_reference.decode`` in float64: on the GPU for quant None, else on the CPU."""
-    import mla_reference
-
-    if quant is None:
-        return mla_reference.decode(q, cache, table, seq, softmax_scale=SCALE)
-    out, lse = mla_reference.decode(
-        q.cpu(), cache.cpu(), table.cpu(), seq.cpu(), softmax_scale=SCALE, quant=quant
-    )
-    return out.to(q.device), lse.to(q.device)
-
-
-def _row_errors(o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    o, r = o.double(), r.double()
-    return (o - r).abs().amax(-1) / r.abs().amax(-1).clamp_min(1e-3)
-
-
-def _check_rows(err: torch.Tensor, p_quantized: bool) -> None:
-    if not p_quantized:
-        assert err.max().item() <= 1.5e-2, err.max().item()
-        return
-    assert int((err > 4e-3).sum()) <= max(1, int(0.02 * err.numel())), err
-    assert err.max().item() <= 0.5, err.max().item()
-
-
 GPU_RECIPES = {
     "none": None,
     "fp8": AttentionQuant.uniform("fp8"),
@@ -201,21 +151,18 @@ GPU_RECIPES = {
 def test_matches_reference(
     recipe: str, config: GluonDecodeConfig, lens: list[int], heads: int, page: int, splits: int
 ) -> None:
+    """Against the oracle (test_decode_gpu's inputs, CPU oracle and bounds) and against
+    ``mla_triton.decode`` with the same bounds."""
+    from test_decode_gpu import check, make_inputs, reference
+
     from mla_triton.decode import decode
     from mla_triton.gluon_decode import gluon_decode
 
     quant = GPU_RECIPES[recipe]
-    q, cache, table, seq = _inputs(lens, heads, page, seed=len(lens) + heads)
+    q, cache, table, seq = make_inputs(lens, heads, page, seed=len(lens) + heads)
     out, lse = gluon_decode(
         q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits, config=config
     )
-    ref, rlse = _oracle(q, cache, table, seq, quant)
-    empty = torch.isinf(rlse)
-    assert torch.equal(torch.isinf(lse), empty)
-    assert (out[empty] == 0).all()
-    full = ~empty
-    p_quantized = quant is not None and not quant.p.is_identity
-    _check_rows(_row_errors(out[full], ref[full]), p_quantized)
-    assert (lse[full].double() - rlse[full].double()).abs().max().item() <= 2e-5
-    tri, _ = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits)
-    _check_rows(_row_errors(out[full], tri[full]), p_quantized)
+    check(out, lse, *reference(q, cache, table, seq, quant), quant)
+    tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits)
+    check(out, lse, tri, tlse, quant)
