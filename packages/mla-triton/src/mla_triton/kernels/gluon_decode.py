@@ -95,6 +95,24 @@ def _issue_tile(
 
 
 @gluon.jit
+def _advance(
+    kv_ring, kpe_ring, kv_ptr, rows, t, lo, hi, bt_row, stride_bt_p, stride_kv_page,
+    stride_kv_row, num_blocks, D1: gl.constexpr, D2: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Copy tile ``t`` of the split (``rows``: its row offsets) into its ring slot and
+    look up the rows of tile ``t + 1``: ``_tile_rows``'s ``(rows, bad)``."""
+    _issue_tile(
+        kv_ring.index(t % STAGES), kpe_ring.index(t % STAGES), kv_ptr, rows,
+        lo + t * BLOCK_N, hi, D1, D2, BLOCK_N,
+    )  # fmt: skip
+    return _tile_rows(
+        bt_row, lo + (t + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
+        num_blocks, PAGE, BLOCK_N,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _scores(q1_smem, q2_smem, kv_tile, kpe_tile, s_layout: gl.constexpr):
     """Issue ``S = q1 kvᵀ + q2 kpeᵀ`` (``[64, BLOCK_N]`` float32) as async wgmma."""
     s = gl.zeros([_HEADS, kv_tile.shape[0]], gl.float32, s_layout)
@@ -285,24 +303,17 @@ def gluon_decode_split_kernel(
     kpe_mma = kpe_ring._reinterpret(mma)
 
     bt_row = bt_ptr + b * stride_bt_b
-    n_bad = gl.zeros([BLOCK_N], gl.int1, gl.SliceLayout(1, _LD))  # a page outside the cache
+    # The block-table lookup runs one tile ahead of the copy issue (its latency hides
+    # behind an iteration); n_bad: a row whose page lies outside the cache, any tile.
+    rows_next, n_bad = _tile_rows(
+        bt_row, lo, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE, BLOCK_N
+    )
     for j in gl.static_range(STAGES - 1):
-        rows, bad = _tile_rows(
-            bt_row, lo + j * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
-            num_blocks, PAGE, BLOCK_N,
+        rows_next, bad = _advance(
+            kv_ring, kpe_ring, kv_ptr, rows_next, j, lo, hi, bt_row, stride_bt_p,
+            stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N, STAGES,
         )  # fmt: skip
         n_bad |= bad
-        _issue_tile(
-            kv_ring.index(j), kpe_ring.index(j), kv_ptr, rows, lo + j * BLOCK_N, hi, D1, D2,
-            BLOCK_N,
-        )  # fmt: skip
-    # The block-table lookup runs one tile ahead of the copy issue (its latency hides
-    # behind an iteration).
-    rows_next, bad = _tile_rows(
-        bt_row, lo + (STAGES - 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
-        num_blocks, PAGE, BLOCK_N,
-    )  # fmt: skip
-    n_bad |= bad
 
     m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_s)
     # The denominators stay per element of S until the end: no cross-warpgroup sum per tile.
@@ -350,13 +361,9 @@ def gluon_decode_split_kernel(
             acc = warpgroup_mma_wait(0, deps=(acc,))
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             nxt = i + STAGES - 1  # into the buffer of tile i - 1: both warpgroups are past it
-            _issue_tile(
-                kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, rows_next,
-                lo + nxt * BLOCK_N, hi, D1, D2, BLOCK_N,
-            )  # fmt: skip
-            rows_next, bad = _tile_rows(
-                bt_row, lo + (nxt + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page,
-                stride_kv_row, num_blocks, PAGE, BLOCK_N,
+            rows_next, bad = _advance(
+                kv_ring, kpe_ring, kv_ptr, rows_next, nxt, lo, hi, bt_row, stride_bt_p,
+                stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N, STAGES,
             )  # fmt: skip
             n_bad |= bad
     else:
@@ -365,13 +372,9 @@ def gluon_decode_split_kernel(
             # Both warpgroups are done with tile i - 1 (its P V was waited for): free.
             gl.barrier()
             nxt = i + STAGES - 1
-            _issue_tile(
-                kv_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), kv_ptr, rows_next,
-                lo + nxt * BLOCK_N, hi, D1, D2, BLOCK_N,
-            )  # fmt: skip
-            rows_next, bad = _tile_rows(
-                bt_row, lo + (nxt + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page,
-                stride_kv_row, num_blocks, PAGE, BLOCK_N,
+            rows_next, bad = _advance(
+                kv_ring, kpe_ring, kv_ptr, rows_next, nxt, lo, hi, bt_row, stride_bt_p,
+                stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N, STAGES,
             )  # fmt: skip
             n_bad |= bad
             cp.wait_group(STAGES - 1)  # tile i has landed (this thread's copies) ...
