@@ -21,10 +21,11 @@ configuration:
 
 Configurations: ``FLASHMLA``, ``TRITON_MLA`` and ``quant-<recipe>[-shadow]`` for
 the recipes ``none``, ``fp8``, ``nvfp4`` and ``nvfp4kv`` (nvfp4 K and V only), on
-read or through the shadow (``kv_path: shadow``); a ``:nowarm`` suffix runs it with
-``MLA_QUANT_WARMUP=0`` (MLA_QUANT's warmup off: the cold batch compiles).
-``--triton-cache fresh`` gives each engine an empty ``TRITON_CACHE_DIR`` (a new
-machine); ``keep`` (default) uses the environment's.
+read or through the shadow (``kv_path: shadow``). Suffixes: ``:nowarm`` runs it
+with ``MLA_QUANT_WARMUP=0`` (MLA_QUANT's warmup off: the cold batch compiles);
+``:fresh`` gives the engine an empty ``TRITON_CACHE_DIR`` (a new machine), as
+``--triton-cache fresh`` does for all; ``keep`` (default) uses the environment's.
+``--capture-sizes 1,2,4`` sets vLLM's CUDA-graph capture sizes (default: vLLM's).
 
 Writes ``<out>/serve-<tag>.json`` (rewritten after every configuration, so a run
 cut short keeps what finished), ``serve-<tag>.png`` and per configuration
@@ -80,35 +81,40 @@ RECIPES: dict[str, dict[str, Any]] = {
     "nvfp4": {"recipe": "nvfp4"},
     "nvfp4kv": {"k": "nvfp4", "v": "nvfp4"},
 }
-NOWARM = ":nowarm"
+MODIFIERS = ("nowarm", "fresh")
 JIT_LINE = re.compile(r"during inference: ([\w<>]+(?:\.[\w<>]+)*)")  # vllm.utils.jit_monitor
 WARMUP_LINE = re.compile(r"MLA_QUANT warmup: .*")
 
 
 @dataclass(frozen=True)
 class Config:
-    """One engine: its attention backend, ``mla_quant`` (None: none given), warmup on."""
+    """One engine: its backend, ``mla_quant`` (None: none given), warmup on, Triton cache."""
 
     name: str
     backend: str
     mla_quant: dict[str, Any] | None
     warmup: bool = True
+    fresh_cache: bool = False
 
 
 def parse_config(name: str) -> Config:
-    """``FLASHMLA``, ``TRITON_MLA`` or ``quant-<recipe>[-shadow]``, optionally ``:nowarm``."""
-    base, warm = (name[: -len(NOWARM)], False) if name.endswith(NOWARM) else (name, True)
+    """``FLASHMLA``, ``TRITON_MLA`` or ``quant-<recipe>[-shadow]``, then ``:nowarm``/``:fresh``."""
+    base, *mods = name.split(":")
+    unknown = sorted(set(mods) - set(MODIFIERS))
+    if unknown:
+        raise ValueError(
+            f"--configs: {name!r}: unknown modifier(s) {unknown}; expected {MODIFIERS}"
+        )
+    warm, fresh = "nowarm" not in mods, "fresh" in mods
     if base in ("FLASHMLA", "TRITON_MLA"):
         if not warm:
-            raise ValueError(
-                f"--configs: {name!r}: {NOWARM} only applies to quant-* configurations"
-            )
-        return Config(name, base, None)
+            raise ValueError(f"--configs: {name!r}: :nowarm only applies to quant-* configurations")
+        return Config(name, base, None, True, fresh)
     match = re.fullmatch(r"quant-([a-z0-9]+)(-shadow)?", base)
     if match is None or match.group(1) not in RECIPES:
         raise ValueError(
             f"--configs: unknown configuration {name!r}; expected FLASHMLA, TRITON_MLA or "
-            f"quant-<{'|'.join(RECIPES)}>[-shadow][{NOWARM}]"
+            f"quant-<{'|'.join(RECIPES)}>[-shadow], then :nowarm or :fresh"
         )
     recipe, shadow = match.group(1), match.group(2) is not None
     if shadow and recipe == "none":
@@ -116,7 +122,7 @@ def parse_config(name: str) -> Config:
     quant = dict(RECIPES[recipe])
     if shadow:
         quant["kv_path"] = "shadow"
-    return Config(name, "MLA_QUANT", quant, warm)
+    return Config(name, "MLA_QUANT", quant, warm, fresh)
 
 
 def model_config(layers: int, max_len: int) -> dict[str, Any]:
@@ -148,6 +154,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-mem", type=float, default=0.85, help="gpu_memory_utilization")
     parser.add_argument("--triton-cache", choices=("keep", "fresh"), default="keep")
+    parser.add_argument("--capture-sizes", default=None, help="e.g. 1,2,4,8,16,32,64")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     parser.add_argument("--deadline", type=float, default=None, help="end all within seconds")
     parser.add_argument("--min-left", type=float, default=60.0, help="do not start with less")
@@ -164,6 +171,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     if not args.config_list:
         parser.error("--configs: no configuration given")
+    sizes = args.capture_sizes
+    try:
+        args.capture_list = None if sizes is None else [int(x) for x in sizes.split(",") if x]
+    except ValueError:
+        parser.error(f"--capture-sizes: expected comma-separated ints, got {sizes!r}")
+    if args.capture_list is not None and (not args.capture_list or min(args.capture_list) < 1):
+        parser.error(f"--capture-sizes: expected positive ints, got {sizes!r}")
     if args.tag is None:
         args.tag = f"L{args.layers}-b{args.batch}-p{args.prompt}-g{args.gen}"
     return args
@@ -214,6 +228,9 @@ def run_child(args: argparse.Namespace) -> int:
     model_dir = args.out / "model"
     ensure_registered(1)
     extra = {} if config.mla_quant is None else {"mla_quant": config.mla_quant}
+    graphs: dict[str, Any] = {}
+    if args.capture_list is not None:
+        graphs["compilation_config"] = {"cudagraph_capture_sizes": args.capture_list}
     start = time.perf_counter()
     llm = LLM(
         model=str(model_dir),
@@ -228,6 +245,7 @@ def run_child(args: argparse.Namespace) -> int:
         enable_prefix_caching=False,
         gpu_memory_utilization=args.gpu_mem,
         seed=0,
+        **graphs,
     )
     result["engine_start_s"] = round(time.perf_counter() - start, 2)
     result["mla_variants"] = {"after_start": _variants()}
@@ -284,8 +302,8 @@ def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:
     )
     if not config.warmup:
         env["MLA_QUANT_WARMUP"] = "0"
-    if args.triton_cache == "fresh":
-        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-", dir=args.out)
+    if args.triton_cache == "fresh" or config.fresh_cache:
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="serve-triton-")  # not in --out
     return env
 
 
@@ -297,6 +315,8 @@ def run_config(config: Config, args: argparse.Namespace, timeout: float) -> dict
     command = [sys.executable, str(Path(__file__).resolve()), "--child", config.name]
     for name in ("out", "layers", "batch", "prompt", "gen", "max_batched_tokens", "gpu_mem"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.capture_sizes is not None:
+        command += ["--capture-sizes", args.capture_sizes]
     start = time.time()
     status = "ok"
     with open(log_path, "w") as log:
@@ -433,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "gen": args.gen,
         "max_batched_tokens": args.max_batched_tokens, "triton_cache": args.triton_cache,
+        "capture_sizes": args.capture_list,
         "model": config, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
     }  # fmt: skip
     results: list[dict[str, Any]] = []

@@ -28,11 +28,16 @@ def serve() -> ModuleType:
 
 
 def test_configurations(serve: ModuleType) -> None:
-    args = serve.parse_args(["--configs", "FLASHMLA,quant-nvfp4kv-shadow,quant-fp8:nowarm"])
+    configs = "FLASHMLA:fresh,quant-nvfp4kv-shadow,quant-fp8:nowarm:fresh"
+    args = serve.parse_args(["--configs", configs, "--capture-sizes", "1,2,64"])
     flash, kv, fp8 = args.config_list
-    assert (flash.backend, flash.mla_quant, flash.warmup) == ("FLASHMLA", None, True)
+    assert (flash.backend, flash.mla_quant, flash.warmup, flash.fresh_cache) == (
+        "FLASHMLA", None, True, True,
+    )  # fmt: skip
     assert kv.mla_quant == {"k": "nvfp4", "v": "nvfp4", "kv_path": "shadow"}
-    assert (fp8.mla_quant, fp8.warmup) == ({"recipe": "fp8"}, False)
+    assert not kv.fresh_cache
+    assert (fp8.mla_quant, fp8.warmup, fp8.fresh_cache) == ({"recipe": "fp8"}, False, True)
+    assert args.capture_list == [1, 2, 64]
     assert args.tag == "L4-b64-p4096-g256"
     assert serve.parse_config("quant-none").mla_quant == {}
 
@@ -43,6 +48,8 @@ def test_configurations(serve: ModuleType) -> None:
         (["--configs", "quant-nvfp5"], "unknown configuration 'quant-nvfp5'"),
         (["--configs", "quant-none-shadow"], "recipe none stores no shadow"),
         (["--configs", "TRITON_MLA:nowarm"], "only applies to quant-*"),
+        (["--configs", "quant-fp8:cold"], "unknown modifier(s) ['cold']"),
+        (["--capture-sizes", "1,x"], "--capture-sizes: expected comma-separated ints"),
         (["--gen", "1"], "--gen: expected at least 2"),
         (["--batch", "0"], "--batch: expected a positive int"),
     ],

@@ -234,6 +234,14 @@ def decode_split_counts(
     The policy reads ``max_seq_len`` only through ``max_seq_len // 256`` (its cap),
     so one length per cap is enough.
     """
+    per_batch = _splits_per_batch(max_rows, num_heads, max_seq_len, block_h, device)
+    return tuple(sorted(set().union(*per_batch.values())))
+
+
+def _splits_per_batch(
+    max_rows: int, num_heads: int, max_seq_len: int, block_h: int, device: torch.device | None
+) -> dict[int, set[int]]:
+    """``{rows: the split counts rows can take}`` for 1 to ``max_rows`` rows."""
     rows = _positive(max_rows, "max_rows")
     heads = _positive(num_heads, "num_heads")
     longest = _positive(max_seq_len, "max_seq_len")
@@ -241,18 +249,18 @@ def decode_split_counts(
         {1, longest}
         | {c * _SPLIT_TOKENS for c in range(1, _MAX_SPLITS + 1) if c * _SPLIT_TOKENS <= longest}
     )
-    found: set[int] = set()
-    for length in lengths:
-        for batch in range(1, rows + 1):
-            found.add(decode_num_splits(batch, heads, length, device=device, block_h=block_h))
-    return tuple(sorted(found))
+    return {
+        batch: {
+            decode_num_splits(batch, heads, length, device=device, block_h=block_h)
+            for length in lengths
+        }
+        for batch in range(1, rows + 1)
+    }
 
 
-def _decode_query(
-    heads: int, kv_lora_rank: int, rope: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    q = torch.zeros(1, heads, kv_lora_rank + rope, dtype=dtype, device=device)
-    return q[..., :kv_lora_rank], q[..., kv_lora_rank:]
+# Row counts warmup_decode launches besides 1 (which takes every split count): the key
+# does not depend on them today; a tile choice by batch size would show here first.
+DECODE_ROWS = (2, 16, 64, 256)
 
 
 def warmup_decode(
@@ -291,15 +299,22 @@ def warmup_decode(
     else:
         block_h = decode_config(heads, quant).block_h
     device = kv_cache.device
-    splits = decode_split_counts(
-        _positive(max_rows, "max_rows"), heads, longest, block_h=block_h,
-        device=device if device.type == "cuda" else None,
-    )  # fmt: skip
+    rows = _positive(max_rows, "max_rows")
+    per_batch = _splits_per_batch(
+        rows, heads, longest, block_h, device if device.type == "cuda" else None
+    )
+    splits = tuple(sorted(set().union(*per_batch.values())))
     rope = int(kv_cache.shape[2]) - kv_lora_rank
-    query = _decode_query(heads, kv_lora_rank, rope, kv_cache.dtype, device)
-    table = torch.zeros(1, width, dtype=index_dtype, device=device)
-    lens = torch.ones(1, dtype=index_dtype, device=device)
-    for count in splits:
+    # one row takes every split count (its workspace stays small); a few more row counts
+    # take the split counts the policy gives them
+    calls = [(1, count) for count in splits]
+    for batch in sorted({b for b in (*DECODE_ROWS, rows) if 1 < b <= rows}):
+        calls += [(batch, count) for count in sorted(per_batch[batch])]
+    for batch, count in calls:
+        q = torch.zeros(batch, heads, kv_lora_rank + rope, dtype=kv_cache.dtype, device=device)
+        query = (q[..., :kv_lora_rank], q[..., kv_lora_rank:])
+        table = torch.zeros(batch, width, dtype=index_dtype, device=device)
+        lens = torch.ones(batch, dtype=index_dtype, device=device)
         if shadow is None:
             decode(query, kv_cache, table, lens, softmax_scale=softmax_scale,
                    kv_lora_rank=kv_lora_rank, quant=quant, num_splits=count,
