@@ -332,6 +332,7 @@ def _install_vllm(session: nox.Session) -> None:
     for package in VLLM_PACKAGES:
         args += ["-e", _local(package)]
     session.install(*args)
+    session.install("matplotlib", "rich")  # mla-vllm's own needs (mla-compare's plot, table)
 
 
 @nox.session
@@ -341,6 +342,10 @@ def vllm(session: nox.Session) -> None:
     vLLM's CPU platform (VLLM_TARGET_DEVICE=cpu), no visible GPU, Triton's interpreter.
     """
     _install_vllm(session)
+    # lm-eval's command line and vllm model class, for the test of the argument path up
+    # to vllm.LLM(...): the package alone and what those two modules import (no
+    # datasets/pyarrow/scikit-learn: nothing is evaluated on CPU). vllm_e2e installs it whole.
+    session.install("--no-deps", "lm-eval", "more-itertools")
     session.run("mypy", str(PACKAGES / "mla-vllm" / "src"))
     env = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
     session.run("pytest", _local("mla-vllm") + "/tests", *session.posargs, env=env)
@@ -351,10 +356,14 @@ def vllm_e2e(session: nox.Session) -> None:
     """A tiny DeepSeek-V2-style model in a real vLLM engine on a CUDA GPU (not in CI).
 
     Fails with exit code 2 and a message when there is no GPU or no vLLM 0.33.0.
-    Arguments after ``--`` go to tests-vllm-e2e/run_e2e.py (``--out``, ``--tol``).
+    Arguments after ``--`` go to tests-vllm-e2e/run_e2e.py (``--out``, ``--tol``). Then
+    tests-vllm-e2e/measure_e2e.py: mla-compare, lm-eval and ModelOpt amax (issue 18).
     """
     _install_vllm(session)
+    session.install("lm-eval")
     session.run("python", str(ROOT / "tests-vllm-e2e" / "run_e2e.py"), *session.posargs)
+    out = str(Path(session.create_tmp()) / "measure-e2e")
+    session.run("python", str(ROOT / "tests-vllm-e2e" / "measure_e2e.py"), "--out", out)
 
 
 @nox.session

@@ -512,6 +512,12 @@ def config_from_vllm(vllm_config: object) -> MLAQuantConfig:
     its ``additional_config`` is read, so this needs no vLLM import.
     """
     extra = getattr(vllm_config, "additional_config", None) or {}
+    if isinstance(extra, str):  # e.g. lm-eval's key=value model_args with JSON true/null
+        raise _fail(
+            "additional_config",
+            f"expected a JSON object, got the string {extra[:80]!r} (lm-eval: give "
+            "--model_args as one JSON object)",
+        )
     raw = extra.get("mla_quant") if isinstance(extra, Mapping) else None
     model = getattr(getattr(vllm_config, "model_config", None), "model", None)
     model_path = model if isinstance(model, str) else None

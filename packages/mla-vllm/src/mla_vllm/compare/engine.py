@@ -80,6 +80,17 @@ def layer_amax(model: Any) -> dict[str, dict[str, dict[str, Any]]]:
 def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Build the engine of ``spec``, run it, return JSON-able results (child side)."""
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model below
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if not _has_entry_point():  # sources on PYTHONPATH, not installed
+        if tp > 1:
+            raise RuntimeError(
+                "no 'vllm.general_plugins' entry point for mla_vllm: tensor-parallel "
+                "workers could not register MLA_QUANT; install the package (pip install)"
+            )
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+    from mla_vllm.plugin import register
+
+    register()  # re-entrant; reaches an in-process engine without the entry point
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -93,7 +104,7 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         "model": spec["model"],
         "attention_backend": spec["backend"],
         "additional_config": {} if quant is None else {"mla_quant": quant},
-        "tensor_parallel_size": int(spec.get("tensor_parallel_size", 1)),
+        "tensor_parallel_size": tp,
         "skip_tokenizer_init": True,
         "dtype": spec.get("dtype", "auto"),
         "enforce_eager": bool(spec.get("enforce_eager", True)),
@@ -147,6 +158,14 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             "tensor_parallel_size": engine_args["tensor_parallel_size"],
         },
     }
+
+
+def _has_entry_point() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(
+        ep.value.startswith("mla_vllm.plugin") for ep in entry_points(group="vllm.general_plugins")
+    )
 
 
 def _impl_names(model: Any) -> list[str]:
