@@ -504,10 +504,7 @@ def _fast_nvfp4_kernel(
 ):
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(x_ptr + offs).to(tl.float32)
-    if ALONG_ROWS:
-        y = dev.nvfp4_qdq_rows_fast(x, gs, inv_6gs, ROWS, COLS, False, True)
-    else:
-        y = dev.nvfp4_qdq_cols_fast(x, gs, inv_6gs, ROWS, COLS, False, True)
+    y = dev.nvfp4_qdq_fast(x, gs, inv_6gs, ROWS, COLS, 1 if ALONG_ROWS else 0, False, True)
     tl.store(y_ptr + offs, y)
 
 

@@ -304,7 +304,7 @@ def test_hardware_e4m3_matches_reference() -> None:
 def _fast_cols_kernel(x_ptr, y_ptr, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr):
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(x_ptr + offs).to(tl.float32)
-    tl.store(y_ptr + offs, dev.nvfp4_qdq_cols_fast(x, gs, inv_6gs, ROWS, COLS, True, True))
+    tl.store(y_ptr + offs, dev.nvfp4_qdq_fast(x, gs, inv_6gs, ROWS, COLS, 0, True, True))
 
 
 def test_fast_nvfp4_with_hardware_block_scale_is_exact() -> None:

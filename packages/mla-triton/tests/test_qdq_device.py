@@ -23,10 +23,7 @@ def _nvfp4_kernel(
 ):
     offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(x_ptr + offs)
-    if ALONG_ROWS:
-        y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS)
-    else:
-        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS)
+    y = dev.nvfp4_qdq(x, gs, ROWS, COLS, 1 if ALONG_ROWS else 0)
     tl.store(y_ptr + offs, y)
 
 

@@ -825,7 +825,6 @@ def split_kernel_args(
         "V_EXACT": not vo.pow2,
         "P_FMT": po.code,
         "PV_F16": pv_f16,
-        "FAST": True,
         "HW_FP8": _hw_fp8(c.q_nope.device),
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,

@@ -145,47 +145,42 @@ def e2m1_scaled(a, scale, EXACT: tl.constexpr, FMA: tl.constexpr = False):
 
 
 @triton.jit
-def nvfp4_qdq_rows(
-    x,
-    gs,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    EXACT: tl.constexpr = False,
-    FMA: tl.constexpr = False,
-):
-    """NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 1 (blocks of 16 columns).
-
-    ``gs`` is the global scale: a scalar or ``[ROWS, 1]``. Returns the factored value.
-    ``EXACT``, ``FMA``: see ``e2m1_scaled`` (needed for bit-exactness when ``gs`` is
-    not a power of two).
-    """
-    xb = tl.reshape(x, (ROWS, COLS // 16, 16))
-    sb = nvfp4_block_scale(nan_max(tl.abs(xb), 2), gs)  # [ROWS, COLS // 16]
-    sb3 = tl.expand_dims(sb, 2)
-    scale3 = tl.expand_dims(sb * gs, 2)  # (gs may be [ROWS, 1]: broadcast before expanding)
-    mag = e2m1_scaled(tl.abs(xb), scale3, EXACT, FMA) * sb3
-    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))
+def blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexpr):
+    """A float32 tile ``[ROWS, COLS]`` as 16-element blocks along ``AXIS``: ``[ROWS, COLS
+    // 16, 16]`` along the features (1), ``[ROWS // 16, 16, COLS]`` along the tokens (0:
+    the tile starts at a multiple of 16). A block's 16 elements lie along ``AXIS + 1``."""
+    tl.static_assert(AXIS == 0 or AXIS == 1, "AXIS: 1 (features) or 0 (tokens)")
+    tl.static_assert((COLS if AXIS == 1 else ROWS) % 16 == 0, "16-element blocks")
+    if AXIS == 1:
+        xb = tl.reshape(x, (ROWS, COLS // 16, 16))
+    else:
+        xb = tl.reshape(x, (ROWS // 16, 16, COLS))
+    return xb
 
 
 @triton.jit
-def nvfp4_qdq_cols(
+def nvfp4_qdq(
     x,
     gs,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    AXIS: tl.constexpr,
     EXACT: tl.constexpr = False,
     FMA: tl.constexpr = False,
 ):
-    """NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 0 (blocks of 16 rows).
+    """NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` in blocks of 16 along ``AXIS``.
 
-    Rows are tokens: the tile must start at an absolute token position that is a
-    multiple of 16, with zeros in rows past the end of the sequence. ``gs`` is a
-    scalar. Returns the factored value. ``EXACT``, ``FMA``: see ``e2m1_scaled``.
+    ``AXIS`` 1: blocks of 16 columns (features), ``gs`` a scalar or ``[ROWS, 1]``. 0:
+    blocks of 16 rows (tokens): the tile must start at an absolute token position
+    that is a multiple of 16, with zeros in rows past the end of the sequence; ``gs``
+    a scalar. Returns the factored value. ``EXACT``, ``FMA``: see ``e2m1_scaled``
+    (needed for bit-exactness when ``gs`` is not a power of two).
     """
-    xb = tl.reshape(x, (ROWS // 16, 16, COLS))
-    sb = nvfp4_block_scale(nan_max(tl.abs(xb), 1), gs)  # [ROWS // 16, COLS]
-    sb3 = tl.expand_dims(sb, 1)
-    mag = e2m1_scaled(tl.abs(xb), sb3 * gs, EXACT, FMA) * sb3
+    xb = blocks(x, ROWS, COLS, AXIS)
+    sb = nvfp4_block_scale(nan_max(tl.abs(xb), AXIS + 1), gs)  # the 16-element axis reduced
+    sb3 = tl.expand_dims(sb, AXIS + 1)
+    scale3 = tl.expand_dims(sb * gs, AXIS + 1)  # (gs may be [ROWS, 1]: multiply, then expand)
+    mag = e2m1_scaled(tl.abs(xb), scale3, EXACT, FMA) * sb3
     return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))
 
 
@@ -243,7 +238,7 @@ def nvfp4_qdq_p(p, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.c
 
     ``gs`` the (scalar) global scale and ``inv_6gs = 1 / (6 gs)``. Returns the
     factored value ``E2M1(p / (sb gs)) * sb``; see the section comment for how it
-    may differ from ``nvfp4_qdq_rows``.
+    may differ from ``nvfp4_qdq``.
     """
     xb = tl.reshape(p, (ROWS, COLS // 16, 16))
     sb = e4m3_round_hw(tl.max(xb, axis=2) * inv_6gs, HW)  # saturates at 448
@@ -293,38 +288,28 @@ def _nvfp4_fast_blocks(a, bmax, gs, inv_6gs, HW: tl.constexpr, SNAP: tl.constexp
 
 
 @triton.jit
-def nvfp4_qdq_rows_fast(
-    x, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr, SNAP: tl.constexpr
+def nvfp4_qdq_fast(
+    x,
+    gs,
+    inv_6gs,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    AXIS: tl.constexpr,
+    HW: tl.constexpr,
+    SNAP: tl.constexpr,
 ):
-    """Fast NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 1 (features).
+    """Fast NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` in blocks of 16 along ``AXIS``.
 
-    ``gs`` and ``inv_6gs = 1 / (6 gs)``: scalars or ``[ROWS, 1]``. Returns the
-    factored value; see the section comment for exactness.
+    ``AXIS`` as ``nvfp4_qdq`` (0: the tile starts at a multiple of 16, rows past the
+    sequence's end are zeros). ``gs`` and ``inv_6gs = 1 / (6 gs)``: scalars, or
+    ``[ROWS, 1]`` along the features. Returns the factored value; see the section
+    comment for exactness.
     """
-    xb = tl.reshape(x, (ROWS, COLS // 16, 16))
+    xb = blocks(x, ROWS, COLS, AXIS)
     a = tl.abs(xb)
-    sb, inv = _nvfp4_fast_blocks(a, nan_max(a, 2), gs, inv_6gs, HW, SNAP)
-    y = a * tl.expand_dims(inv, 2)
+    sb, inv = _nvfp4_fast_blocks(a, nan_max(a, AXIS + 1), gs, inv_6gs, HW, SNAP)
+    y = a * tl.expand_dims(inv, AXIS + 1)
     if SNAP:
         y = snap_ties(y)
-    mag = e2m1_round_nonneg(y) * tl.expand_dims(sb, 2)
-    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))
-
-
-@triton.jit
-def nvfp4_qdq_cols_fast(
-    x, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr, SNAP: tl.constexpr
-):
-    """Fast NVFP4 QDQ of a float32 tile ``[ROWS, COLS]`` along axis 0 (tokens).
-
-    The tile starts at a multiple of 16 and rows past the sequence's end are
-    zeros. ``gs``, ``inv_6gs``: scalars. Returns the factored value.
-    """
-    xb = tl.reshape(x, (ROWS // 16, 16, COLS))
-    a = tl.abs(xb)
-    sb, inv = _nvfp4_fast_blocks(a, nan_max(a, 1), gs, inv_6gs, HW, SNAP)
-    y = a * tl.expand_dims(inv, 1)
-    if SNAP:
-        y = snap_ties(y)
-    mag = e2m1_round_nonneg(y) * tl.expand_dims(sb, 1)
+    mag = e2m1_round_nonneg(y) * tl.expand_dims(sb, AXIS + 1)
     return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS))

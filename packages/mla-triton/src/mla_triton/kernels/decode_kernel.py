@@ -12,7 +12,9 @@ features, divided as the reference does) into factored values, exact in 16 bits,
 and its global scale; once, whatever the split count, and outside the split
 kernel, whose registers go to the accumulator.
 
-Stage 1, ``decode_split_kernel``: one program per (head group, split, request).
+Stage 1, ``decode_split_kernel``: one program per (head group, split, request); its
+prologue, score, softmax and epilogue steps are ``kernels.common``'s, shared with
+the shadow-cache kernel.
 A request's tokens are cut into ``NUM_SPLITS`` chunks whose bounds are multiples
 of ``SPLIT_ALIGN`` tokens at absolute positions (the chunk size depends on the
 request's own length and the split count only, never on other requests).
@@ -62,44 +64,25 @@ import triton
 import triton.language as tl
 
 from mla_triton import qdq_device as dev
+from mla_triton.kernels.common import (
+    AXIS_FEATURES,
+    AXIS_TOKENS,
+    SPLIT_ALIGN,
+    finish_split,
+    load_q,
+    qdq_latent,
+    qdq_p,
+    request_len,
+    scores,
+    softmax_step,
+    split_bounds,
+    split_chunk,
+    split_invariants,
+    tile_pages,
+    write_out,
+)
 
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-
-# The axis along which ``_qdq_latent`` blocks latent rows: K along the features, V
-# along the tokens.
-AXIS_FEATURES: tl.constexpr = tl.constexpr(1)
-AXIS_TOKENS: tl.constexpr = tl.constexpr(0)
-
-SPLIT_ALIGN = 64
-"""Split bounds are multiples of this many tokens (a multiple of every ``BLOCK_N``)."""
-
-
-@triton.jit
-def _fp8_values(x, inv_gs, HW_FP8: tl.constexpr):
-    """Factored fp8 value ``E4M3(clamp(x * inv_gs, ±448))`` of a float32 tile.
-
-    ``HW_FP8`` uses the hardware conversion (``cvt.rn.satfinite``, sm89+), else the
-    float32 rounding of ``qdq_device`` (sm80, interpreter); both round to nearest even.
-    ``x * inv_gs`` is formed as ``fma(x, inv_gs, x - x)``: the same rounded product for a
-    finite ``x``, NaN for ±inf (which the conversion would saturate), one instruction more.
-    """
-    return dev.e4m3_round_hw(tl.fma(x, inv_gs, x - x), HW_FP8)
-
-
-@triton.jit
-def _row_global_scale(
-    x1, x2, gs_static, FMT: tl.constexpr, DYNAMIC: tl.constexpr, ROWS: tl.constexpr
-):
-    """Global scale ``[ROWS]`` of rows whose features are split over ``x1`` and ``x2``.
-
-    Dynamic: ``qdq_device.dynamic_global_scale`` over the whole row. Static:
-    ``gs_static`` for every row.
-    """
-    if DYNAMIC:
-        gs = dev.dynamic_global_scale(x1, x2, FMT, 1)
-    else:
-        gs = tl.zeros([ROWS], tl.float32) + gs_static
-    return gs
+__all__ = ["SPLIT_ALIGN", "decode_merge_kernel", "decode_q_kernel", "decode_split_kernel"]
 
 
 @triton.jit
@@ -111,232 +94,51 @@ def _qdq_q(x, gs, FMT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     if FMT == 1:
         y = dev.fp8_qdq(tl.math.div_rn(x, gs), 1.0)
     else:
-        y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS, True)
+        y = dev.nvfp4_qdq(x, gs, ROWS, COLS, 1, True)
     return y
 
 
 @triton.jit
-def _qdq_latent(
-    x,
-    gs,
-    inv_gs,
-    inv_6gs,
-    FMT: tl.constexpr,
-    EXACT: tl.constexpr,
-    FAST: tl.constexpr,
+def _k_hat(
+    kv,
+    kpe,
+    k_scales,
+    K_FMT: tl.constexpr,
+    K_DYN: tl.constexpr,
+    K_EXACT: tl.constexpr,
     HW_FP8: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    AXIS: tl.constexpr,
-):
-    """Factored QDQ of latent rows, float32 ``[ROWS, COLS]``: as K (``AXIS_FEATURES``,
-    blocks along the features) or as V (``AXIS_TOKENS``, blocks along the tokens).
-
-    ``gs``, ``inv_gs = 1 / gs``, ``inv_6gs = 1 / (6 gs)``: scalars, or ``[ROWS, 1]``
-    along the features. A power-of-two ``gs`` (``EXACT`` false) multiplies by
-    reciprocals: exact for fp8, and for nvfp4 with ``FAST`` (``qdq_device``'s
-    multiply-and-round form with ``snap_ties``) or the compare form. Any other
-    ``gs`` divides per element like the reference (``EXACT``): slower, bit-exact.
-    Along the tokens the tile starts at a position that is a multiple of 16 and
-    rows past the end of the sequence are zeros (the open tail block).
-    """
-    if FMT == 1:  # per element: the axis does not matter
-        if EXACT:  # the conversion saturates ±inf: make it NaN (the software rounding does)
-            y = dev.e4m3_round_hw(dev.poison(tl.math.div_rn(x, gs), x), HW_FP8)
-        else:
-            y = _fp8_values(x, inv_gs, HW_FP8)
-    elif AXIS == AXIS_FEATURES:
-        if EXACT:
-            y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS, True)
-        elif FAST:
-            y = dev.nvfp4_qdq_rows_fast(x, gs, inv_6gs, ROWS, COLS, HW_FP8, True)
-        else:
-            y = dev.nvfp4_qdq_rows(x, gs, ROWS, COLS)
-    elif EXACT:
-        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS, True)
-    elif FAST:
-        y = dev.nvfp4_qdq_cols_fast(x, gs, inv_6gs, ROWS, COLS, HW_FP8, True)
-    else:
-        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS)
-    return y
-
-
-@triton.jit
-def _qdq_p(
-    p,
-    gs,
-    inv_gs,
-    inv_6gs,
-    FMT: tl.constexpr,
-    FAST: tl.constexpr,
-    HW_FP8: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    """Factored QDQ of P ``[ROWS, COLS]`` (values in [0, 1]) along axis 1 (tokens)."""
-    if FMT == 1:
-        p = dev.fp8_qdq_p(p, inv_gs, HW_FP8)
-    elif FMT == 2:
-        if FAST:
-            p = dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, HW_FP8)
-        else:
-            p = dev.nvfp4_qdq_rows(p, gs, ROWS, COLS)
-    return p
-
-
-@triton.jit
-def _load_q(
-    qn_ptr,
-    qp_ptr,
-    qgs_ptr,
-    b,
-    offs_h,
-    h_mask,
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    num_heads,
-    score_scale,
-    Q_SCALED: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     D1: tl.constexpr,
     D2: tl.constexpr,
+    QK_DTYPE: tl.constexpr,
 ):
-    """Stage 1's prologue: request ``b``'s q (or q̂, factored by ``decode_q_kernel``) for
-    heads ``offs_h``: ``(q1 [BLOCK_H, D1], q2 [BLOCK_H, D2], row_scale [BLOCK_H])``, the
-    row scale being ``score_scale`` times each row's q global scale when q is quantized."""
-    offs_d1 = tl.arange(0, D1)
-    offs_d2 = tl.arange(0, D2)
-    q1 = tl.load(
-        qn_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d1[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    )
-    q2 = tl.load(
-        qp_ptr + b * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_d2[None, :],
-        mask=h_mask[:, None],
-        other=0.0,
-    )
-    row_scale = tl.zeros([BLOCK_H], tl.float32) + score_scale
-    if Q_SCALED:
-        row_scale *= tl.load(qgs_ptr + b * num_heads + offs_h, mask=h_mask, other=1.0)
-    return q1, q2, row_scale
+    """K̂ of a tile of latent rows ``kv [BLOCK_N, D1]``, ``kpe [BLOCK_N, D2]``, along the
+    features, in ``QK_DTYPE`` (exact): ``(k1, k2, col_scale)``, the raw rows when K is
+    not quantized.
 
-
-@triton.jit
-def _normalize(acc, m_i, l_i, nonempty, poisoned, out_scale):
-    """``(out, lse)`` of finished rows: ``acc / l`` times ``out_scale`` and ``(log2 l + m) ln 2``.
-
-    The NaN rule (docs/numerics.md): a row whose accumulator holds a non-finite value
-    is NaN in every feature; a NaN denominator (a non-finite score, or a page outside
-    the cache: ``tile_pages``) makes out and LSE NaN; ``poisoned`` (a request length
-    outside the table, a scalar) makes every row NaN. Rows of an empty request
-    (``nonempty`` false): 0 and -inf.
+    ``k_scales = (gs, 1 / gs, 1 / (6 gs))`` static; ``K_DYN``: each token's own global
+    scale (amax over its ``D1 + D2`` features), returned as ``col_scale [BLOCK_N]``
+    (else ``gs``, unused).
     """
-    l_i = tl.where(poisoned, float("nan"), l_i)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    keep = nonempty | poisoned
-    inv_l = tl.where(keep, out_scale / l_safe, 0.0)
-    o = dev.poison(acc * inv_l[:, None], tl.sum(acc, axis=1)[:, None])
-    lse = tl.where(keep, (tl.log2(l_safe) + m_i) * LN2, float("-inf"))
-    return o, lse
-
-
-@triton.jit
-def _request_len(seq_lens_ptr, b, stride_sl, capacity):
-    """``(seq_len, poisoned)``: request ``b``'s length within ``[0, capacity]`` and whether
-    the given one lay outside it (the request's rows are then NaN)."""
-    raw = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
-    poisoned = (raw < 0) | (raw > capacity)
-    return tl.minimum(tl.maximum(raw, 0), capacity), poisoned
-
-
-@triton.jit
-def tile_pages(
-    bt_row,
-    start,
-    tok,
-    valid,
-    stride_bt_p,
-    num_blocks,
-    l_i,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    FULL: tl.constexpr,
-):
-    """The pages of a tile's tokens, and the running denominators ``l_i`` poisoned if bad.
-
-    ``(page, slot)``: one page (a scalar) and the slots ``[BLOCK_N]`` when a page holds
-    whole tiles (``PAGE % BLOCK_N == 0``), else a page and a slot per token ``tok``
-    (masked by ``valid`` unless ``FULL``). A page id outside ``[0, num_blocks)`` is
-    replaced by page 0, so no load leaves the cache, and makes ``l_i`` NaN: the
-    request's rows are then NaN (out and LSE), through the split merge too. No
-    loop-carried flag: the denominators carry it.
-    """
-    offs_n = tl.arange(0, BLOCK_N)
-    if PAGE % BLOCK_N == 0:
-        page = tl.load(bt_row + (start // PAGE) * stride_bt_p).to(tl.int64)
-        slot = ((start % PAGE) + offs_n).to(tl.int64)
-        bad = (page < 0) | (page >= num_blocks)
-        any_bad = bad
+    if K_FMT == 0:
+        k1 = kv
+        k2 = kpe
+        col_scale = k_scales[0]
     else:
-        if FULL:
-            page = tl.load(bt_row + (tok // PAGE) * stride_bt_p).to(tl.int64)
+        kvf = kv.to(tl.float32)
+        kpf = kpe.to(tl.float32)
+        if K_DYN:
+            col_scale = dev.dynamic_global_scale(kvf, kpf, K_FMT, 1)
+            gs_k = col_scale[:, None]
+            scales = (gs_k, gs_k, gs_k)  # a dynamic scale takes the exact division
         else:
-            page = tl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(tl.int64)
-        slot = (tok % PAGE).to(tl.int64)
-        bad = (page < 0) | (page >= num_blocks)
-        any_bad = tl.max(bad.to(tl.int32), axis=0) > 0
-    return tl.where(bad, 0, page), slot, tl.where(any_bad, float("nan"), l_i)
-
-
-@triton.jit
-def _finish_split(
-    acc,
-    m_i,
-    l_i,
-    poisoned,
-    out_ptr,
-    lse_ptr,
-    wacc_ptr,
-    wml_ptr,
-    b,
-    split,
-    lo,
-    seq_len,
-    offs_h,
-    h_mask,
-    stride_o_b,
-    stride_o_h,
-    stride_lse_b,
-    stride_lse_h,
-    num_heads,
-    out_scale,
-    D1: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    """Stage 1's epilogue: with one split, out and LSE (``_normalize``); else the split's
-    partial ``acc``, ``m``, ``l`` into the workspace."""
-    offs_d1 = tl.arange(0, D1)
-    if NUM_SPLITS == 1:
-        o, lse = _normalize(acc, m_i, l_i, seq_len > 0, poisoned, out_scale)
-        o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d1[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-        tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
-    else:
-        row = (b * NUM_SPLITS + split) * num_heads + offs_h  # int64 [BLOCK_H]
-        st_mask = h_mask & (lo < seq_len)
-        tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
-        tl.store(wml_ptr + row * 2, m_i, mask=st_mask)
-        tl.store(wml_ptr + row * 2 + 1, l_i, mask=st_mask)
-
-
-@triton.jit
-def _chunk(seq_len, NUM_SPLITS: tl.constexpr, ALIGN: tl.constexpr):
-    """Tokens per split of a request: ``ceil(seq_len / NUM_SPLITS)`` rounded up to ``ALIGN``."""
-    per = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
-    return tl.maximum((per + ALIGN - 1) // ALIGN, 1) * ALIGN
+            col_scale = k_scales[0]
+            scales = k_scales
+        k1 = qdq_latent(kvf, scales, K_FMT, K_EXACT, HW_FP8, BLOCK_N, D1, AXIS_FEATURES)
+        k1 = k1.to(QK_DTYPE)
+        k2 = qdq_latent(kpf, scales, K_FMT, K_EXACT, HW_FP8, BLOCK_N, D2, AXIS_FEATURES)
+        k2 = k2.to(QK_DTYPE)
+    return k1, k2, col_scale
 
 
 @triton.jit
@@ -435,7 +237,6 @@ def decode_split_kernel(
     P_FMT: tl.constexpr,
     KV_SHARED: tl.constexpr,
     PV_F16: tl.constexpr,
-    FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
     """Stage 1: one (head group, split, request) over its chunk of the paged cache.
@@ -443,41 +244,33 @@ def decode_split_kernel(
     Shapes: q ``[B, H, D1]`` + ``[B, H, D2]``; cache rows ``D1 + D2`` wide at
     ``page * stride_kv_page + slot * stride_kv_row``; out ``[B, H, D1]``, lse
     ``[B, H]`` (one split) or workspace acc ``[B, NUM_SPLITS, H, D1]`` and (m, l)
-    ``[B, NUM_SPLITS, H, 2]`` float32 (several splits). ``QK_F16``/``PV_F16``: run
-    that dot on fp16 operands (both factored, hence exact in fp16), else in the
-    input dtype.
+    ``[B, NUM_SPLITS, H, 2]`` float32 (several splits). ``PV_F16``: run ``P̂ V̂`` on
+    fp16 operands (both factored, hence exact in fp16), else in the input dtype
+    (``QK`` follows q's dtype: fp16 q̂ when q and K are quantized). ``KV_SHARED``:
+    fp8 K and V with one static scale, V̂ is K̂'s first ``D1`` features.
     """
-    pid = tl.program_id(0)
-    hg = pid % HEAD_GROUPS
-    split = (pid // HEAD_GROUPS) % NUM_SPLITS
-    b = (pid // HEAD_GROUPS // NUM_SPLITS).to(tl.int64)
-
-    seq_len, poisoned = _request_len(seq_lens_ptr, b, stride_sl, capacity)
-    chunk = _chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
-
+    split_invariants(D1, D2, BLOCK_H, BLOCK_N, SPLIT_ALIGN_)
+    out = (out_ptr, lse_ptr)
+    o_strides = (stride_o_b, stride_o_h, stride_lse_b, stride_lse_h)
+    hg, split, b, seq_len, poisoned, lo, hi = split_bounds(
+        seq_lens_ptr, stride_sl, capacity, NUM_SPLITS, HEAD_GROUPS, SPLIT_ALIGN_
+    )
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
     offs_d1 = tl.arange(0, D1)
     offs_d2 = tl.arange(0, D2)
     offs_n = tl.arange(0, BLOCK_N)
-
-    # ---- prologue: q (or q̂, factored by decode_q_kernel) and the per-row factor ----
-    q1, q2, row_scale = _load_q(
-        qn_ptr, qp_ptr, qgs_ptr, b, offs_h, h_mask, stride_qn_b, stride_qn_h, stride_qp_b,
-        stride_qp_h, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
+    q1, q2, row_scale, m_i, l_i, acc = load_q(
+        (qn_ptr, qp_ptr, qgs_ptr), (stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h), b,
+        offs_h, h_mask, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
     )  # fmt: skip
-    qk_dtype = q1.dtype
-    in_dtype = kv_ptr.dtype.element_ty
-    pv_dtype = tl.float16 if PV_F16 else in_dtype
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D1], tl.float32)
+    pv_dtype = tl.float16 if PV_F16 else kv_ptr.dtype.element_ty
+    k_scales = (k_gs, k_inv_gs, k_inv_6gs)
+    v_scales = (v_gs, v_inv_gs, v_inv_6gs)
+    p_scales = (p_gs, p_inv_gs, p_inv_6gs)
+    QK_RAW: tl.constexpr = K_FMT == 0 or not Q_SCALED  # raw operands: inf scores become NaN
     bt_row = bt_ptr + b * stride_bt_b
 
-    # ---- main loop over the chunk's tiles ----------------------------------------
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n
         valid = tok < hi
@@ -489,95 +282,30 @@ def decode_split_kernel(
         kpe = tl.load(
             kv_ptr + rows[:, None] + D1 + offs_d2[None, :], mask=valid[:, None], other=0.0
         )
-
-        # K̂ along the features, once per program for all BLOCK_H heads.
-        if K_FMT == 0:
-            k1 = kv
-            k2 = kpe
-        else:
-            kvf = kv.to(tl.float32)
-            kpf = kpe.to(tl.float32)
-            if K_DYN:
-                gs_tok = _row_global_scale(kvf, kpf, k_gs, K_FMT, True, BLOCK_N)
-                gs_k = gs_tok[:, None]
-                inv_gs_k = gs_k  # unused: a dynamic scale takes the exact division
-                inv_6gs_k = gs_k
-            else:
-                gs_k = k_gs
-                inv_gs_k = k_inv_gs
-                inv_6gs_k = k_inv_6gs
-            k1 = _qdq_latent(
-                kvf,
-                gs_k,
-                inv_gs_k,
-                inv_6gs_k,
-                K_FMT,
-                K_EXACT,
-                FAST,
-                HW_FP8,
-                BLOCK_N,
-                D1,
-                AXIS_FEATURES,
-            ).to(qk_dtype)
-            k2 = _qdq_latent(
-                kpf,
-                gs_k,
-                inv_gs_k,
-                inv_6gs_k,
-                K_FMT,
-                K_EXACT,
-                FAST,
-                HW_FP8,
-                BLOCK_N,
-                D2,
-                AXIS_FEATURES,
-            ).to(qk_dtype)
-
-        s = tl.dot(q1, tl.trans(k1))
-        s = tl.dot(q2, tl.trans(k2), s)
-        if K_FMT == 0 or not Q_SCALED:  # raw operands: an infinite score becomes NaN
-            t = tl.fma(s, row_scale[:, None], s - s)  # the rounded product, + NaN if not finite
-        else:
-            t = s * row_scale[:, None]
-        if K_DYN:
-            t = t * gs_tok[None, :]
-        t = tl.where(valid[None, :], t, float("-inf"))
-
-        # Online softmax in base 2 with an integer running maximum: exact rescales.
-        m_new = tl.maximum(m_i, tl.ceil(tl.max(t, axis=1)))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(t - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = _qdq_p(p, p_gs, p_inv_gs, p_inv_6gs, P_FMT, FAST, HW_FP8, BLOCK_H, BLOCK_N)
+        # K̂ along the features, once per program for all BLOCK_H heads
+        k1, k2, col_scale = _k_hat(
+            kv, kpe, k_scales, K_FMT, K_DYN, K_EXACT, HW_FP8, BLOCK_N, D1, D2, q1.dtype
+        )
+        t = scores(q1, q2, k1, k2, row_scale, col_scale, valid, QK_RAW, K_DYN, True)
+        m_new, alpha, p, l_i = softmax_step(m_i, l_i, t, row_scale, False, False)
+        p = qdq_p(p, p_scales, P_FMT, HW_FP8, BLOCK_H, BLOCK_N)
 
         # V̂ along the tokens (blocks at absolute positions: the tile starts at a
-        # multiple of 16; masked rows are zeros), once per program.
+        # multiple of 16; masked rows are zeros), once per program
         if KV_SHARED:
             v = k1
         elif V_FMT == 0:
             v = kv
         else:
-            v = _qdq_latent(
-                kv.to(tl.float32),
-                v_gs,
-                v_inv_gs,
-                v_inv_6gs,
-                V_FMT,
-                V_EXACT,
-                FAST,
-                HW_FP8,
-                BLOCK_N,
-                D1,
-                AXIS_TOKENS,
+            v = qdq_latent(
+                kv.to(tl.float32), v_scales, V_FMT, V_EXACT, HW_FP8, BLOCK_N, D1, AXIS_TOKENS
             ).to(pv_dtype)
         acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    # ---- epilogue -----------------------------------------------------------------
-    _finish_split(
-        acc, m_i, l_i, poisoned, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
-        h_mask, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, out_scale, D1,
-        NUM_SPLITS,
+    finish_split(
+        acc, m_i, l_i, poisoned, out, o_strides, (wacc_ptr, wml_ptr), b, split, lo, seq_len,
+        offs_h, h_mask, num_heads, out_scale, D1, NUM_SPLITS,
     )  # fmt: skip
 
 
@@ -607,8 +335,8 @@ def decode_merge_kernel(
     """
     hb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    seq_len, poisoned = _request_len(seq_lens_ptr, b, stride_sl, capacity)
-    chunk = _chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
+    seq_len, poisoned = request_len(seq_lens_ptr, b, stride_sl, capacity)
+    chunk = split_chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
     n_active = (seq_len + chunk - 1) // chunk
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -631,7 +359,7 @@ def decode_merge_kernel(
         l = l * alpha + l_s * beta  # noqa: E741
         m = m_new
 
-    o, lse = _normalize(acc, m, l, seq_len > 0, poisoned, out_scale)
-    o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-    tl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
+    write_out(
+        acc, m, l, seq_len > 0, poisoned, out_scale, (out_ptr, lse_ptr),
+        (stride_o_b, stride_o_h, stride_lse_b, stride_lse_h), b, offs_h, h_mask, D1,
+    )  # fmt: skip

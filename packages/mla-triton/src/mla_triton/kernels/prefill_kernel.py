@@ -67,8 +67,7 @@ import triton
 import triton.language as tl
 
 from mla_triton import qdq_device as dev
-
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+from mla_triton.kernels.common import LN2, softmax_step
 
 
 @triton.jit
@@ -132,7 +131,7 @@ def _qdq_features(
         inv = tl.math.div_rn(1.0, gs)[:, None]
         y = dev.poison(dev.e4m3_round_hw(dev.div_rn_fma(x, gs[:, None], inv, HW), HW), x)
     elif FMT == 2:
-        y = dev.nvfp4_qdq_rows(x, gs[:, None], ROWS, COLS, True, HW)
+        y = dev.nvfp4_qdq(x, gs[:, None], ROWS, COLS, 1, True, HW)
     else:
         y = x
     return y
@@ -171,7 +170,7 @@ def _qdq_features_fast(
     if FMT == 1:
         y = dev.poison(dev.e4m3_round_hw(x * inv, HW), x)
     else:
-        y = dev.nvfp4_qdq_rows_fast(x, gs, inv, ROWS, COLS, HW, True)
+        y = dev.nvfp4_qdq_fast(x, gs, inv, ROWS, COLS, 1, HW, True)
     return y
 
 
@@ -193,9 +192,9 @@ def _qdq_tokens(
             y = dev.e4m3_round_hw(dev.div_rn_fma(x, gs, tl.math.div_rn(1.0, gs), HW), HW)
         y = dev.poison(y, x)
     elif FAST:
-        y = dev.nvfp4_qdq_cols_fast(x, gs, inv, ROWS, COLS, HW, True)
+        y = dev.nvfp4_qdq_fast(x, gs, inv, ROWS, COLS, 0, HW, True)
     elif FMT == 2:
-        y = dev.nvfp4_qdq_cols(x, gs, ROWS, COLS, True, HW)
+        y = dev.nvfp4_qdq(x, gs, ROWS, COLS, 0, True, HW)
     else:
         y = x
     return y
@@ -359,12 +358,8 @@ def _softmax_tile(
             NM_DENSE,
         )  # fmt: skip
         s = tl.where(keep | (s != s), s, float("-inf"))
-    # base-2 scores t = s * row_scale; the running max stays an integer
-    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(s, axis=1) * row_scale))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_use)  # exact power of two (0 on the first tile)
-    p = tl.math.exp2(tl.fma(s, row_scale[:, None], -m_use[:, None]))
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # base-2 scores t = s * row_scale; a row may have seen no key yet (causal)
+    m_new, alpha, p, l_i = softmax_step(m_i, l_i, s, row_scale, True, True)
     p = _qdq_p(p, p_gs, p_inv_gs, P_FMT, BLOCK_M, BLOCK_N, HW_FP8)
     return p, alpha, l_i, m_new
 
@@ -390,51 +385,53 @@ def _attend_tiles(
     q1,
     q2,
     row_scale,
-    k_base,
-    v_base,
-    ks_base,
+    bases,
     lo,
     hi,
     seq_len_k,
     q_pos,
-    k_gs,
-    v_gs,
-    p_gs,
-    p_inv_gs,
-    n_sink,
-    n_recent,
-    dense_all,
-    stride_kt,
-    stride_vt,
-    stride_kst,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    D2_VALID: tl.constexpr,
-    DV: tl.constexpr,
-    DVP: tl.constexpr,
+    scales,
+    nm,
+    strides,
+    DIMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     QK_RAW: tl.constexpr,
-    K_FMT: tl.constexpr,
-    K_DYNAMIC: tl.constexpr,
-    V_FMT: tl.constexpr,
-    KV_FUSED: tl.constexpr,
-    P_FMT: tl.constexpr,
-    NM_N: tl.constexpr,
-    NM_M: tl.constexpr,
-    NM_DENSE: tl.constexpr,
-    QK_DOT: tl.constexpr,
-    PV_DOT: tl.constexpr,
-    HW_FP8: tl.constexpr,
+    RECIPE: tl.constexpr,
 ):
     """Online softmax over the key tiles starting at ``lo, lo + BLOCK_N, ... < hi``.
 
     ``MASKED`` tiles check key positions against the sequence end and, when
     ``CAUSAL``, against each row's query position ``q_pos`` (and apply
-    ``_diagonal_v``).
+    ``_diagonal_v``). Grouped as ``prefill_fwd_kernel`` passes them: ``bases = (k,
+    v, ks)`` (the sequence's and head's first rows), ``scales = (k_gs, v_gs, p_gs,
+    p_inv_gs)``, ``nm = (n_sink, n_recent, dense_all)``, ``strides = (stride_kt,
+    stride_vt, stride_kst)``, ``DIMS = (D1, D2, D2_VALID, DV, DVP)``, ``RECIPE =
+    (K_FMT, K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT,
+    HW_FP8)``.
     """
+    D1: tl.constexpr = DIMS[0]
+    D2: tl.constexpr = DIMS[1]
+    D2_VALID: tl.constexpr = DIMS[2]
+    DV: tl.constexpr = DIMS[3]
+    DVP: tl.constexpr = DIMS[4]
+    K_FMT: tl.constexpr = RECIPE[0]
+    K_DYNAMIC: tl.constexpr = RECIPE[1]
+    V_FMT: tl.constexpr = RECIPE[2]
+    KV_FUSED: tl.constexpr = RECIPE[3]
+    P_FMT: tl.constexpr = RECIPE[4]
+    NM_N: tl.constexpr = RECIPE[5]
+    NM_M: tl.constexpr = RECIPE[6]
+    NM_DENSE: tl.constexpr = RECIPE[7]
+    QK_DOT: tl.constexpr = RECIPE[8]
+    PV_DOT: tl.constexpr = RECIPE[9]
+    HW_FP8: tl.constexpr = RECIPE[10]
+    k_base, v_base, ks_base = bases
+    k_gs, v_gs, p_gs, p_inv_gs = scales
+    n_sink, n_recent, dense_all = nm
+    stride_kt, stride_vt, stride_kst = strides
     offs_dv = tl.arange(0, DVP)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -523,6 +520,8 @@ def prefill_fwd_kernel(
     global scales (``p_inv_gs = 1 / p_gs``); ``out_scale`` = P's times V's global scale.
     Format codes: 0 none, 1 fp8, 2 nvfp4.
     """
+    tl.static_assert(BLOCK_N % 16 == 0, "BLOCK_N: P's 16-key blocks start at multiples of 16")
+    tl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0, "BLOCK_N: whole N:M groups a tile")
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -573,18 +572,23 @@ def prefill_fwd_kernel(
     acc = tl.zeros([BLOCK_M, DVP], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q1, q2, row_scale, k_base, v_base, ks_base, 0, mid, seq_len_k, q_pos,
-        k_gs, v_gs, p_gs, p_inv_gs, n_sink, n_recent, dense_all, stride_kt, stride_vt,
-        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, False, CAUSAL, QK_RAW, K_FMT,
-        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8,
+    bases = (k_base, v_base, ks_base)
+    scales = (k_gs, v_gs, p_gs, p_inv_gs)
+    nm = (n_sink, n_recent, dense_all)
+    strides = (stride_kt, stride_vt, stride_kst)
+    DIMS: tl.constexpr = (D1, D2, D2_VALID, DV, DVP)
+    RECIPE: tl.constexpr = (
+        K_FMT, K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8
     )  # fmt: skip
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q1, q2, row_scale, k_base, v_base, ks_base, mid, hi, seq_len_k, q_pos,
-        k_gs, v_gs, p_gs, p_inv_gs, n_sink, n_recent, dense_all, stride_kt, stride_vt,
-        stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_M, BLOCK_N, True, CAUSAL, QK_RAW, K_FMT,
-        K_DYNAMIC, V_FMT, KV_FUSED, P_FMT, NM_N, NM_M, NM_DENSE, QK_DOT, PV_DOT, HW_FP8,
-    )  # fmt: skip
+    # two stages, one inner loop (FlashAttention's schedule): stage 0 the key tiles
+    # every row of the tile sees in full (no masks), stage 1 the causal diagonal and
+    # the partial tile at the end of the keys (masked)
+    for STAGE in tl.static_range(2):
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q1, q2, row_scale, bases, 0 if STAGE == 0 else mid,
+            mid if STAGE == 0 else hi, seq_len_k, q_pos, scales, nm, strides, DIMS, BLOCK_M,
+            BLOCK_N, STAGE == 1, CAUSAL, QK_RAW, RECIPE,
+        )  # fmt: skip
 
     # -- epilogue --------------------------------------------------------------
     empty = l_i == 0.0

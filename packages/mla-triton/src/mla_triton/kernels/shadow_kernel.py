@@ -28,7 +28,7 @@ Kernels:
   (no masks, no QDQ of K or V); the tile holding the sequence's end runs after
   it, reads K̂ and the complete blocks' V̂ from the shadow and quantizes only the
   open nvfp4 V block (16 raw rows) on read. Stage 0 (q̂) and stage 2 (merge) are
-  ``decode_kernel``'s.
+  ``decode_kernel``'s; prologue, scores, softmax step and epilogue ``common``'s.
 
 Storage (``STORE``): 0, the 16-bit form: factored values as float16 (exact; a
 cast to bfloat16 is exact too). 1, packed: nvfp4 as E2M1 codes (two per byte,
@@ -42,19 +42,20 @@ import triton
 import triton.language as tl
 
 from mla_triton import qdq_device as dev
-from mla_triton.kernels.decode_kernel import (
+from mla_triton.kernels.common import (
     AXIS_FEATURES,
     AXIS_TOKENS,
-    _chunk,
-    _finish_split,
-    _load_q,
-    _qdq_latent,
-    _qdq_p,
-    _request_len,
+    finish_split,
+    fp8_latent,
+    load_q,
+    qdq_latent,
+    qdq_p,
+    scores,
+    softmax_step,
+    split_bounds,
+    split_invariants,
     tile_pages,
 )
-
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 # ---------------------------------------------------------------- packed codes
 
@@ -104,27 +105,19 @@ def e2m1_decode(code):
 
 
 @triton.jit
-def _nvfp4_rows_codes(x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
-    """NVFP4 of float32 ``[ROWS, COLS]`` along axis 1: (E2M1 values, E4M3 block scales).
+def _nvfp4_codes(
+    x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexpr, EXACT: tl.constexpr
+):
+    """NVFP4 of float32 ``[ROWS, COLS]`` in blocks of 16 along ``AXIS`` (1: features, 0:
+    tokens): (E2M1 values ``[ROWS, COLS]``, E4M3 block scales, the block axis reduced).
 
-    The same rounding as ``qdq_device.nvfp4_qdq_rows`` (the product of the two is its
+    The same rounding as ``qdq_device.nvfp4_qdq`` (the product of the two is its
     factored value); a zero block scale gives zero codes.
     """
-    xb = tl.reshape(x, (ROWS, COLS // 16, 16))
-    sb = dev.nvfp4_block_scale(dev.nan_max(tl.abs(xb), 2), gs)  # [ROWS, COLS // 16]
-    scale3 = tl.expand_dims(sb * gs, 2)
-    mag = dev.e2m1_scaled(tl.abs(xb), scale3, EXACT)
-    mag = tl.where(tl.expand_dims(sb, 2) == 0.0, 0.0, mag)
-    return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS)), sb
-
-
-@triton.jit
-def _nvfp4_cols_codes(x, gs, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
-    """NVFP4 of float32 ``[ROWS, COLS]`` along axis 0 (blocks of 16 rows): (values, scales)."""
-    xb = tl.reshape(x, (ROWS // 16, 16, COLS))
-    sb = dev.nvfp4_block_scale(dev.nan_max(tl.abs(xb), 1), gs)  # [ROWS // 16, COLS]
-    mag = dev.e2m1_scaled(tl.abs(xb), tl.expand_dims(sb, 1) * gs, EXACT)
-    mag = tl.where(tl.expand_dims(sb, 1) == 0.0, 0.0, mag)
+    xb = dev.blocks(x, ROWS, COLS, AXIS)
+    sb = dev.nvfp4_block_scale(dev.nan_max(tl.abs(xb), AXIS + 1), gs)
+    mag = dev.e2m1_scaled(tl.abs(xb), tl.expand_dims(sb * gs, AXIS + 1), EXACT)
+    mag = tl.where(tl.expand_dims(sb, AXIS + 1) == 0.0, 0.0, mag)
     return tl.reshape(tl.where(xb < 0, -mag, mag), (ROWS, COLS)), sb
 
 
@@ -146,6 +139,30 @@ def _unpack_nibbles(b, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _qdq_store(
+    x,
+    gs,
+    FMT: tl.constexpr,
+    EXACT: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    AXIS: tl.constexpr,
+):
+    """Factored QDQ of latent rows ``[ROWS, COLS]`` (float32) as the shadow stores them.
+
+    As ``common.qdq_latent`` (``AXIS``, ``EXACT``), but nvfp4 by the compare form of
+    ``qdq_device.nvfp4_qdq`` (no reciprocals: exact for any 32-bit input; written
+    once per token, so its cost does not matter).
+    """
+    if FMT == 1:
+        y = fp8_latent(x, gs, 1.0 / gs, EXACT, HW_FP8)
+    else:
+        y = dev.nvfp4_qdq(x, gs, ROWS, COLS, AXIS, EXACT)
+    return y
+
+
+@triton.jit
 def _store_k(
     kh_ptr,
     rows,
@@ -159,7 +176,8 @@ def _store_k(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    """K̂ of ``COLS`` features of ``ROWS`` tokens ``x [ROWS, COLS]`` into shadow ``rows``.
+    """K̂ (or fp8 V̂) of ``COLS`` features of ``ROWS`` tokens ``x [ROWS, COLS]`` into
+    shadow ``rows``, per token along the features.
 
     ``gs``: a scalar or ``[ROWS, 1]``; ``ok [ROWS]``: the tokens to write. 16-bit:
     ``COLS`` float16 at element offset ``rows``. Packed (bytes): nvfp4 codes
@@ -168,15 +186,13 @@ def _store_k(
     offs = tl.arange(0, COLS)[None, :]
     ptrs = kh_ptr + rows[:, None]
     if STORE == 0:
-        y = _qdq_latent(
-            x, gs, 1.0 / gs, 1.0 / (6.0 * gs), FMT, EXACT, False, HW_FP8, ROWS, COLS, AXIS_FEATURES
-        )
+        y = _qdq_store(x, gs, FMT, EXACT, HW_FP8, ROWS, COLS, AXIS_FEATURES)
         tl.store(ptrs + offs, y.to(tl.float16), mask=ok[:, None] & (offs >= 0))
     elif FMT == 1:
         y = dev.e4m3_round(tl.math.div_rn(x, gs) if EXACT else x * (1.0 / gs))
         tl.store(ptrs + offs, e4m3_encode(y).to(tl.uint8), mask=ok[:, None] & (offs >= 0))
     else:
-        codes, sb = _nvfp4_rows_codes(x, gs, ROWS, COLS, EXACT)
+        codes, sb = _nvfp4_codes(x, gs, ROWS, COLS, AXIS_FEATURES, EXACT)
         half = tl.arange(0, COLS // 2)[None, :]
         tl.store(ptrs + half, _pack_nibbles(codes, ROWS, COLS), mask=ok[:, None] & (half >= 0))
         nb = tl.arange(0, COLS // 16)[None, :]
@@ -229,6 +245,7 @@ def shadow_update_kernel(
     float16; packed: see ``_store_k``, the rope part after the latent part), the K
     scale float32, fp8 V̂ D1 values.
     """
+    tl.static_assert(PAGE % 16 == 0, "PAGE: a multiple of 16 (16-token V blocks in one page)")
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     slot = tl.load(slot_ptr + t * stride_slot, mask=t < num_tokens, other=-1).to(tl.int64)
     ok = (slot >= 0) & (slot < capacity)
@@ -263,19 +280,9 @@ def shadow_update_kernel(
         _store_k(kh_ptr, krow, x1f, gs, ok, K_FMT, K_EXACT, HW_FP8, STORE, BLOCK_T, D1)
         _store_k(kh_ptr, krow + rope, x2f, gs, ok, K_FMT, K_EXACT, HW_FP8, STORE, BLOCK_T, D2)
 
-    if V_TOKEN:  # fp8 V: per element, fixed once written
-        vrow = (page * stride_vh_page + off * stride_vh_row)[:, None]
-        if STORE == 0:
-            y = _qdq_latent(
-                x1f, v_gs, 1.0 / v_gs, 1.0, 1, V_EXACT, False, HW_FP8, BLOCK_T, D1, AXIS_TOKENS
-            )
-            tl.store(vh_ptr + vrow + offs_d1, y.to(tl.float16), mask=m1)
-        else:
-            if V_EXACT:
-                y = dev.e4m3_round(tl.math.div_rn(x1f, v_gs))
-            else:
-                y = dev.e4m3_round(x1f * (1.0 / v_gs))
-            tl.store(vh_ptr + vrow + offs_d1, e4m3_encode(y).to(tl.uint8), mask=m1)
+    if V_TOKEN:  # fp8 V: per element (as K̂ is), fixed once written
+        vrow = page * stride_vh_page + off * stride_vh_row
+        _store_k(vh_ptr, vrow, x1f, v_gs, ok, 1, V_EXACT, HW_FP8, STORE, BLOCK_T, D1)
 
 
 @triton.jit
@@ -304,6 +311,7 @@ def shadow_v_block_kernel(
     block's ``D1`` scale bytes spread over its rows, ``D1 // 16`` per row (row ``r``
     of the block holds the scales of features ``r * D1 // 16 ..``).
     """
+    tl.static_assert(PAGE % 16 == 0, "PAGE: a multiple of 16 (16-token V blocks in one page)")
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
     if (slot < 0) | (slot >= capacity) | (slot % 16 != 15):
@@ -319,12 +327,10 @@ def shadow_v_block_kernel(
     x = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=mask, other=0.0).to(tl.float32)
     vrows = page * stride_vh_page + (first + r) * stride_vh_row
     if STORE == 0:
-        y = _qdq_latent(
-            x, v_gs, 1.0 / v_gs, 1.0 / (6.0 * v_gs), 2, V_EXACT, False, HW_FP8, 16, D1, AXIS_TOKENS
-        )
+        y = _qdq_store(x, v_gs, 2, V_EXACT, HW_FP8, 16, D1, AXIS_TOKENS)
         tl.store(vh_ptr + vrows[:, None] + offs_d1[None, :], y.to(tl.float16), mask=mask)
     else:
-        codes, sb = _nvfp4_cols_codes(x, v_gs, 16, D1, V_EXACT)  # sb [1, D1]
+        codes, sb = _nvfp4_codes(x, v_gs, 16, D1, AXIS_TOKENS, V_EXACT)  # sb [1, D1]
         half = tl.arange(0, D1 // 2)
         hmask = closes & (r[:, None] >= 0) & (half[None, :] >= 0)
         tl.store(vh_ptr + vrows[:, None] + half[None, :], _pack_nibbles(codes, 16, D1), mask=hmask)
@@ -377,45 +383,31 @@ def _load_packed_nvfp4(
 
 
 @triton.jit
-def _load_k_hat(
-    kh_ptr,
-    krow,
+def _load_hat(
+    ptr,
+    row,
     valid,
     FMT: tl.constexpr,
     STORE: tl.constexpr,
     COLS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FULL: tl.constexpr,
+    AXIS: tl.constexpr,
 ):
-    """Factored K̂ ``[BLOCK_N, COLS]`` float32 (16-bit: float16 as stored) from shadow rows."""
-    if STORE == 1 and FMT == 2:  # packed nvfp4: codes, then each row's block scales
-        codes, sb = _load_packed_nvfp4(kh_ptr, krow, valid, COLS, BLOCK_N, FULL)
-        codes = tl.reshape(codes, (BLOCK_N, COLS // 16, 16))
-        y = tl.reshape(codes * tl.expand_dims(sb, 2), (BLOCK_N, COLS))
+    """Factored K̂ (``AXIS_FEATURES``) or V̂ (``AXIS_TOKENS``: a tile starting at a
+    multiple of 16, complete blocks) ``[BLOCK_N, COLS]`` from shadow rows: float32, or
+    float16 as stored (16-bit storage)."""
+    if STORE == 1 and FMT == 2:  # packed nvfp4: codes, then block scales
+        codes, sb = _load_packed_nvfp4(ptr, row, valid, COLS, BLOCK_N, FULL)
+        if AXIS == AXIS_FEATURES:  # each K̂ row holds its own blocks' scales
+            codes = tl.reshape(codes, (BLOCK_N, COLS // 16, 16))
+            y = tl.reshape(codes * tl.expand_dims(sb, 2), (BLOCK_N, COLS))
+        else:  # each V̂ row holds 1/16 of its block's scales
+            sb = tl.reshape(sb, (BLOCK_N // 16, 1, COLS))
+            codes = tl.reshape(codes, (BLOCK_N // 16, 16, COLS))
+            y = tl.reshape(codes * sb, (BLOCK_N, COLS))
     else:
-        y = _load_elements(kh_ptr, krow, valid, STORE, COLS, FULL)
-    return y
-
-
-@triton.jit
-def _load_v_hat(
-    vh_ptr,
-    vrow,
-    valid,
-    FMT: tl.constexpr,
-    STORE: tl.constexpr,
-    D1: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    FULL: tl.constexpr,
-):
-    """Factored V̂ ``[BLOCK_N, D1]`` of a tile starting at a multiple of 16 (complete blocks)."""
-    if STORE == 1 and FMT == 2:  # packed nvfp4: codes, then 1/16 of the block's scales
-        codes, sb = _load_packed_nvfp4(vh_ptr, vrow, valid, D1, BLOCK_N, FULL)
-        sb = tl.reshape(sb, (BLOCK_N // 16, 1, D1))
-        codes = tl.reshape(codes, (BLOCK_N // 16, 16, D1))
-        y = tl.reshape(codes * sb, (BLOCK_N, D1))
-    else:
-        y = _load_elements(vh_ptr, vrow, valid, STORE, D1, FULL)
+        y = _load_elements(ptr, row, valid, STORE, COLS, FULL)
     return y
 
 
@@ -428,22 +420,15 @@ def _tail_v(
     slot,
     start,
     hi,
-    stride_kv_page,
-    stride_kv_row,
-    stride_vh_page,
-    stride_vh_row,
-    stride_bt_p,
+    strides,
     num_blocks,
-    v_gs,
-    v_inv_gs,
-    v_inv_6gs,
+    v_scales,
     D1: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     V_FMT: tl.constexpr,
     V_EXACT: tl.constexpr,
     STORE: tl.constexpr,
-    FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
     """Factored nvfp4 V̂ ``[BLOCK_N, D1]`` float32 of the tile holding the sequence's end.
@@ -454,12 +439,15 @@ def _tail_v(
     it) is quantized here from the raw cache: a float32 tile of 16 rows, not
     ``BLOCK_N``. Rows of blocks past ``hi`` are zeros. Equal to the on-read
     decode's V̂ of the tile (QDQ along the tokens is blockwise, blocks at absolute
-    positions).
+    positions). ``strides``: as ``_shadow_tile``'s.
     """
+    stride_kv_page, stride_kv_row, _, _, _, _, stride_vh_page, stride_vh_row, stride_bt_p = strides
     offs_n = tl.arange(0, BLOCK_N)
     ob = (hi // 16) * 16
     vrow = page * stride_vh_page + slot * stride_vh_row
-    done = _load_v_hat(vh_ptr, vrow, (start + offs_n) < ob, V_FMT, STORE, D1, BLOCK_N, False)
+    done = _load_hat(
+        vh_ptr, vrow, (start + offs_n) < ob, V_FMT, STORE, D1, BLOCK_N, False, AXIS_TOKENS
+    )
     # the open block: 16 slots of one page (the page size is a multiple of 16)
     offs_o = tl.arange(0, 16)
     offs_d1 = tl.arange(0, D1)
@@ -472,19 +460,7 @@ def _tail_v(
     orow = opage * stride_kv_page + ((ob % PAGE) + offs_o).to(tl.int64) * stride_kv_row
     omask = (ob + offs_o) < hi
     raw = tl.load(kv_ptr + orow[:, None] + offs_d1[None, :], mask=omask[:, None], other=0.0)
-    vo = _qdq_latent(
-        raw.to(tl.float32),
-        v_gs,
-        v_inv_gs,
-        v_inv_6gs,
-        V_FMT,
-        V_EXACT,
-        FAST,
-        HW_FP8,
-        16,
-        D1,
-        AXIS_TOKENS,
-    )
+    vo = qdq_latent(raw.to(tl.float32), v_scales, V_FMT, V_EXACT, HW_FP8, 16, D1, AXIS_TOKENS)
     # put the open block in its place among the tile's BLOCK_N // 16 blocks
     first = start + 16 * tl.arange(0, BLOCK_N // 16)
     sel = tl.expand_dims(tl.expand_dims(first == ob, 1), 2)  # [BLOCK_N // 16, 1, 1]
@@ -501,49 +477,25 @@ def _shadow_tile(
     m_i,
     l_i,
     acc,
-    kv_ptr,
-    kh_ptr,
-    ks_ptr,
-    vh_ptr,
+    ptrs,
+    strides,
     bt_row,
     start,
     hi,
-    stride_kv_page,
-    stride_kv_row,
-    stride_kh_page,
-    stride_kh_row,
-    stride_ks_page,
-    stride_ks_row,
-    stride_vh_page,
-    stride_vh_row,
-    stride_bt_p,
     num_blocks,
-    v_gs,
-    v_inv_gs,
-    v_inv_6gs,
-    p_gs,
-    p_inv_gs,
-    p_inv_6gs,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    K_FMT: tl.constexpr,
-    K_DYN: tl.constexpr,
-    V_FMT: tl.constexpr,
-    V_SRC: tl.constexpr,
-    V_EXACT: tl.constexpr,
+    v_scales,
+    p_scales,
+    SHAPE: tl.constexpr,
+    RECIPE: tl.constexpr,
     FULL: tl.constexpr,
     V_ON_READ: tl.constexpr,
-    Q_SCALED: tl.constexpr,
-    P_FMT: tl.constexpr,
-    PV_F16: tl.constexpr,
-    STORE: tl.constexpr,
-    FAST: tl.constexpr,
-    HW_FP8: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` tokens from ``start`` (a multiple of ``BLOCK_N``).
+
+    ``ptrs = (kv_ptr, kh_ptr, ks_ptr, vh_ptr)``; ``strides``: their (page, row)
+    strides in that order, then the block table's ``stride_bt_p``; ``SHAPE = (D1, D2,
+    PAGE, BLOCK_H, BLOCK_N)``; ``RECIPE = (Q_SCALED, K_FMT, K_DYN, V_FMT, V_SRC,
+    V_EXACT, P_FMT, PV_F16, STORE, HW_FP8)``, the kernel's constexprs.
 
     K̂ from the shadow (raw K for ``K_FMT == 0``); V from the raw cache (``V_SRC``
     0), the shadow's V section (1) or the first D1 features of K̂ (2: fp8 K and V
@@ -553,6 +505,24 @@ def _shadow_tile(
     open block's V̂ is quantized on read (``_tail_v``). Returns ``(m_i, l_i, acc)``
     (``l_i`` NaN for a page outside the cache: see ``tile_pages``).
     """
+    D1: tl.constexpr = SHAPE[0]
+    D2: tl.constexpr = SHAPE[1]
+    PAGE: tl.constexpr = SHAPE[2]
+    BLOCK_H: tl.constexpr = SHAPE[3]
+    BLOCK_N: tl.constexpr = SHAPE[4]
+    Q_SCALED: tl.constexpr = RECIPE[0]
+    K_FMT: tl.constexpr = RECIPE[1]
+    K_DYN: tl.constexpr = RECIPE[2]
+    V_FMT: tl.constexpr = RECIPE[3]
+    V_SRC: tl.constexpr = RECIPE[4]
+    V_EXACT: tl.constexpr = RECIPE[5]
+    P_FMT: tl.constexpr = RECIPE[6]
+    PV_F16: tl.constexpr = RECIPE[7]
+    STORE: tl.constexpr = RECIPE[8]
+    HW_FP8: tl.constexpr = RECIPE[9]
+    kv_ptr, kh_ptr, ks_ptr, vh_ptr = ptrs
+    stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row = strides[0:4]
+    stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p = strides[4:9]
     offs_n = tl.arange(0, BLOCK_N)
     offs_d1 = tl.arange(0, D1)
     offs_d2 = tl.arange(0, D2)
@@ -570,37 +540,25 @@ def _shadow_tile(
         k2 = _load_rows(kv_ptr + rows[:, None] + D1 + offs_d2[None, :], valid, 0.0, FULL)
     else:
         krow = page * stride_kh_page + slot * stride_kh_row
-        k1 = _load_k_hat(kh_ptr, krow, valid, K_FMT, STORE, D1, BLOCK_N, FULL).to(qk_dtype)
-        if STORE == 1 and K_FMT == 2:
-            k2 = _load_k_hat(
-                kh_ptr, krow + D1 // 2 + D1 // 16, valid, K_FMT, STORE, D2, BLOCK_N, FULL
-            )
-        else:
-            k2 = _load_k_hat(kh_ptr, krow + D1, valid, K_FMT, STORE, D2, BLOCK_N, FULL)
+        k1 = _load_hat(kh_ptr, krow, valid, K_FMT, STORE, D1, BLOCK_N, FULL, AXIS_FEATURES)
+        k1 = k1.to(qk_dtype)
+        # the rope part follows the latent part (packed nvfp4: codes, then scales)
+        rope = D1 // 2 + D1 // 16 if STORE == 1 and K_FMT == 2 else D1
+        k2 = _load_hat(kh_ptr, krow + rope, valid, K_FMT, STORE, D2, BLOCK_N, FULL, AXIS_FEATURES)
         k2 = k2.to(qk_dtype)
-
-    s = tl.dot(q1, tl.trans(k1))
-    s = tl.dot(q2, tl.trans(k2), s)
-    if K_FMT == 0 or not Q_SCALED:  # raw operands: an infinite score becomes NaN
-        t = tl.fma(s, row_scale[:, None], s - s)  # the rounded product, + NaN if not finite
-    else:
-        t = s * row_scale[:, None]
-    if K_DYN:
-        if FULL:
-            gs_tok = tl.load(ks_ptr + page * stride_ks_page + slot * stride_ks_row)
+    RAW: tl.constexpr = K_FMT == 0 or not Q_SCALED  # an infinite score becomes NaN
+    t = scores(q1, q2, k1, k2, row_scale, row_scale, valid, RAW, False, False)
+    if K_DYN:  # each token's K global scale, beside its K̂
+        ks_ptrs = ks_ptr + page * stride_ks_page + slot * stride_ks_row
+        if FULL:  # noqa: SIM108 (a constexpr branch: the masked load is not traced)
+            col_scale = tl.load(ks_ptrs)
         else:
-            gs_tok = tl.load(
-                ks_ptr + page * stride_ks_page + slot * stride_ks_row, mask=valid, other=1.0
-            )
-        t = t * gs_tok[None, :]
+            col_scale = tl.load(ks_ptrs, mask=valid, other=1.0)
+        t = t * col_scale[None, :]
     if not FULL:
         t = tl.where(valid[None, :], t, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.ceil(tl.max(t, axis=1)))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(t - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    p = _qdq_p(p, p_gs, p_inv_gs, p_inv_6gs, P_FMT, FAST, HW_FP8, BLOCK_H, BLOCK_N)
+    m_new, alpha, p, l_i = softmax_step(m_i, l_i, t, row_scale, False, False)
+    p = qdq_p(p, p_scales, P_FMT, HW_FP8, BLOCK_H, BLOCK_N)
 
     if V_SRC == 2:
         v = k1
@@ -608,13 +566,13 @@ def _shadow_tile(
         v = _load_rows(kv_ptr + rows[:, None] + offs_d1[None, :], valid, 0.0, FULL)
     elif V_ON_READ:
         v = _tail_v(
-            vh_ptr, kv_ptr, bt_row, page, slot, start, hi, stride_kv_page, stride_kv_row,
-            stride_vh_page, stride_vh_row, stride_bt_p, num_blocks, v_gs, v_inv_gs, v_inv_6gs,
-            D1, PAGE, BLOCK_N, V_FMT, V_EXACT, STORE, FAST, HW_FP8,
+            vh_ptr, kv_ptr, bt_row, page, slot, start, hi, strides, num_blocks, v_scales, D1,
+            PAGE, BLOCK_N, V_FMT, V_EXACT, STORE, HW_FP8,
         ).to(pv_dtype)  # fmt: skip
     else:
         vrow = page * stride_vh_page + slot * stride_vh_row
-        v = _load_v_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N, FULL).to(pv_dtype)
+        v = _load_hat(vh_ptr, vrow, valid, V_FMT, STORE, D1, BLOCK_N, FULL, AXIS_TOKENS)
+        v = v.to(pv_dtype)
     acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
@@ -683,7 +641,6 @@ def shadow_decode_split_kernel(
     P_FMT: tl.constexpr,
     PV_F16: tl.constexpr,
     STORE: tl.constexpr,
-    FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
     """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``.
@@ -698,59 +655,51 @@ def shadow_decode_split_kernel(
     form that compiles with fewer spills; the bits are the same). Same tiles,
     same per-tile arithmetic and running maxima as on-read decode: bit-identical.
     """
-    pid = tl.program_id(0)
-    hg = pid % HEAD_GROUPS
-    split = (pid // HEAD_GROUPS) % NUM_SPLITS
-    b = (pid // HEAD_GROUPS // NUM_SPLITS).to(tl.int64)
-
-    seq_len, poisoned = _request_len(seq_lens_ptr, b, stride_sl, capacity)
-    chunk = _chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
+    split_invariants(D1, D2, BLOCK_H, BLOCK_N, SPLIT_ALIGN_)
+    tl.static_assert(PAGE % 16 == 0, "PAGE: a multiple of 16 (16-token V blocks in one page)")
+    out = (out_ptr, lse_ptr)
+    o_strides = (stride_o_b, stride_o_h, stride_lse_b, stride_lse_h)
+    hg, split, b, seq_len, poisoned, lo, hi = split_bounds(
+        seq_lens_ptr, stride_sl, capacity, NUM_SPLITS, HEAD_GROUPS, SPLIT_ALIGN_
+    )
     full_hi = tl.maximum(tl.minimum(hi, (seq_len // BLOCK_N) * BLOCK_N), lo)
-
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
-    q1, q2, row_scale = _load_q(
-        qn_ptr, qp_ptr, qgs_ptr, b, offs_h, h_mask, stride_qn_b, stride_qn_h, stride_qp_b,
-        stride_qp_h, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
+    q1, q2, row_scale, m_i, l_i, acc = load_q(
+        (qn_ptr, qp_ptr, qgs_ptr), (stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h), b,
+        offs_h, h_mask, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
     )  # fmt: skip
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D1], tl.float32)
     bt_row = bt_ptr + b * stride_bt_b
+    ptrs = (kv_ptr, kh_ptr, ks_ptr, vh_ptr)
+    strides = (
+        stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
+        stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p,
+    )  # fmt: skip
+    v_scales = (v_gs, v_inv_gs, v_inv_6gs)
+    p_scales = (p_gs, p_inv_gs, p_inv_6gs)
+    SHAPE: tl.constexpr = (D1, D2, PAGE, BLOCK_H, BLOCK_N)
+    RECIPE: tl.constexpr = (
+        Q_SCALED, K_FMT, K_DYN, V_FMT, V_SRC, V_EXACT, P_FMT, PV_F16, STORE, HW_FP8
+    )  # fmt: skip
 
     for start in range(lo, full_hi, BLOCK_N):  # complete tiles: shadow only, no masks
         m_i, l_i, acc = _shadow_tile(
-            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
-            start, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
-            stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, num_blocks, v_gs, v_inv_gs,
-            v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N, K_FMT, K_DYN,
-            V_FMT, V_SRC, V_EXACT, True, False, Q_SCALED, P_FMT, PV_F16, STORE, FAST, HW_FP8,
+            q1, q2, row_scale, m_i, l_i, acc, ptrs, strides, bt_row, start, hi, num_blocks,
+            v_scales, p_scales, SHAPE, RECIPE, True, False,
         )  # fmt: skip
     if TAIL_LOOP:  # the tile holding the sequence's end: a loop of 0 or 1 tiles
         for tail in range(full_hi, hi, BLOCK_N):
             m_i, l_i, acc = _shadow_tile(
-                q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
-                tail, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row,
-                stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p,
-                num_blocks, v_gs, v_inv_gs, v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE,
-                BLOCK_H, BLOCK_N, K_FMT, K_DYN, V_FMT, V_SRC, V_EXACT, False, V_TAIL, Q_SCALED,
-                P_FMT, PV_F16, STORE, FAST, HW_FP8,
+                q1, q2, row_scale, m_i, l_i, acc, ptrs, strides, bt_row, tail, hi, num_blocks,
+                v_scales, p_scales, SHAPE, RECIPE, False, V_TAIL,
             )  # fmt: skip
     elif full_hi < hi:  # the tile holding the sequence's end, peeled off the loop
         m_i, l_i, acc = _shadow_tile(
-            q1, q2, row_scale, m_i, l_i, acc, kv_ptr, kh_ptr, ks_ptr, vh_ptr, bt_row,
-            full_hi, hi, stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row,
-            stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p, num_blocks,
-            v_gs, v_inv_gs, v_inv_6gs, p_gs, p_inv_gs, p_inv_6gs, D1, D2, PAGE, BLOCK_H, BLOCK_N,
-            K_FMT, K_DYN, V_FMT, V_SRC, V_EXACT, False, V_TAIL, Q_SCALED, P_FMT, PV_F16, STORE,
-            FAST, HW_FP8,
+            q1, q2, row_scale, m_i, l_i, acc, ptrs, strides, bt_row, full_hi, hi, num_blocks,
+            v_scales, p_scales, SHAPE, RECIPE, False, V_TAIL,
         )  # fmt: skip
 
-    _finish_split(
-        acc, m_i, l_i, poisoned, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, split, lo, seq_len, offs_h,
-        h_mask, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, out_scale, D1,
-        NUM_SPLITS,
+    finish_split(
+        acc, m_i, l_i, poisoned, out, o_strides, (wacc_ptr, wml_ptr), b, split, lo, seq_len,
+        offs_h, h_mask, num_heads, out_scale, D1, NUM_SPLITS,
     )  # fmt: skip
