@@ -3,9 +3,10 @@
 # Run from the repository root with vLLM 0.33 / torch 2.14 / Triton 3.8 in /tmp/site.
 #   4k:  (1) mla_triton.warmup's GPU test, nothing compiles after warmup (<= 150 s), into
 #            $OUT/test-warmup-gpu.txt;
-#        (2) serve.py at 4 layers, batch 64, 4096 prompt + 256 generated: FLASHMLA, MLA_QUANT
-#            nvfp4 shadow, nvfp4 on read, none, nvfp4 shadow with MLA_QUANT_WARMUP=0 and an
-#            empty Triton cache (the cold-batch stall without the warmup), TRITON_MLA.
+#        (2) serve.py at 4 layers, batch 64, 4096 prompt + 256 generated, in this order:
+#            FLASHMLA, MLA_QUANT nvfp4 shadow, the same with MLA_QUANT_WARMUP=0 and an
+#            empty Triton cache (the cold-batch stall without the warmup: "before"),
+#            nvfp4 on read, none, TRITON_MLA.
 #   32k: serve.py at 4 layers, batch 8, 32768 prompt + 256 generated: FLASHMLA, nvfp4
 #        shadow, nvfp4 on read, none, TRITON_MLA.
 # One engine per configuration, CUDA graphs; configurations that do not fit the deadline
@@ -29,7 +30,7 @@ case "$mode" in
       > "$OUT/test-warmup-gpu.txt" 2>&1
     echo "test rc=$? after $(( $(date +%s) - T0 )) s"; tail -6 "$OUT/test-warmup-gpu.txt"
     shape=(--layers 4 --batch 64 --prompt 4096 --gen 256 --capture-sizes 1,2,4,8,16,32,64)
-    configs=FLASHMLA,quant-nvfp4-shadow,quant-nvfp4,quant-none,quant-nvfp4-shadow:nowarm:fresh,TRITON_MLA
+    configs=FLASHMLA,quant-nvfp4-shadow,quant-nvfp4-shadow:nowarm:fresh,quant-nvfp4,quant-none,TRITON_MLA
     timeout=150 ;;
   32k)
     shape=(--layers 4 --batch 8 --prompt 32768 --gen 256 --capture-sizes 1,2,4,8)
