@@ -210,3 +210,19 @@ def _text(tmp_path: Path) -> Path:
     path = tmp_path / "text.txt"
     path.write_text("hello world\n")
     return path
+
+
+def test_engine_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the entry point an engine runs in-process at TP=1 and is refused at TP > 1."""
+    from mla_vllm.compare import launch
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(launch, "has_entry_point", lambda: False)
+    env = launch.child_env({"name": "a", "tensor_parallel_size": 1})
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    with pytest.raises(launch.EngineError, match=r"a: no 'vllm\.general_plugins' entry point"):
+        launch.child_env({"name": "a", "tensor_parallel_size": 2})
+    monkeypatch.setattr(launch, "has_entry_point", lambda: True)
+    env = launch.child_env({"name": "a", "tensor_parallel_size": 2})
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env

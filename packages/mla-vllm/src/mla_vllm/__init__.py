@@ -8,6 +8,7 @@ configuration without vLLM.
 
 Modules, each importing only those above it:
 
+- ``checkpoint_amax`` (static amax from ModelOpt checkpoints and amax states);
 - ``plugin`` (entry point, backend names), ``config`` (the ``mla_quant`` schema),
   ``gates`` (what cannot run quantized);
 - ``state`` (per-layer recipe, statistics, amaxes);
@@ -17,7 +18,8 @@ Modules, each importing only those above it:
 - ``warmup`` (every kernel variant compiled in vLLM's kernel warm-up, issue 15);
 - ``backend`` (impl, metadata builder, attention backend);
 - ``install`` (in place, and back), ``stats`` (error statistics);
-- ``calibration`` (static amaxes).
+- ``calibration`` (static amaxes);
+- the subpackage ``compare`` (the ``mla-compare`` command), above all of them.
 """
 
 from __future__ import annotations

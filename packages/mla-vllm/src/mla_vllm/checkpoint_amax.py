@@ -41,8 +41,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mla_vllm.config import MLAQuantConfigError
-
 __all__ = ["MAXBOUNDS", "SOURCES", "AmaxSourceError", "load_amax_source"]
 
 SOURCES = ("checkpoint", "modelopt")
@@ -59,8 +57,11 @@ _AMAX = re.compile(r"^(?P<m>.+)\.(?P<q>q|k|v|kv_c|k_pe|kv|pe)_bmm_quantizer\._am
 Calibration = dict[str, dict[str, dict[str, float]]]
 
 
-class AmaxSourceError(MLAQuantConfigError):
-    """A bad calibration source; the message starts with the field's dotted path."""
+class AmaxSourceError(ValueError):
+    """A bad calibration source; the message starts with the field's dotted path.
+
+    ``mla_vllm.config`` raises it again as its ``MLAQuantConfigError``.
+    """
 
 
 def _fail(where: str, message: str) -> AmaxSourceError:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mla_formats import FORMATS, AttentionQuant, NMSparsity, OperandQuant
+from mla_vllm.checkpoint_amax import AmaxSourceError, load_amax_source
 
 __all__ = [
     "CALIBRATION_FORMAT",
@@ -274,9 +275,10 @@ def load_calibration(
     ``model_path``, the served model's directory, is its default checkpoint).
     """
     if isinstance(obj, Mapping) and "from" in obj:
-        from mla_vllm.checkpoint_amax import load_amax_source
-
-        return load_amax_source(obj, where, model_path)
+        try:
+            return load_amax_source(obj, where, model_path)
+        except AmaxSourceError as exc:
+            raise MLAQuantConfigError(str(exc)) from None
     doc = _read_json(Path(obj), where) if isinstance(obj, (str, Path)) else obj
     top = _mapping(doc, where)
     _check_keys(top, frozenset({"format", "version", "layers", "meta"}), where)

@@ -6,8 +6,8 @@ own process, teacher-forced on the same tokens, and reports per recipe the KL of
 next-token distributions (from top-k logprobs, ``metrics``), top-1 agreement,
 perplexity and its change, greedy agreement and the per-layer attention error of
 ``observe``. Modules: ``metrics`` (the maths), ``inputs`` (prompts and recipes),
-``engine`` (one engine in one process), ``report`` (JSON, table, PNG), ``cli``.
-Everything but ``engine.run_spec`` runs without a GPU.
+``launch`` (one process per engine), ``engine`` (that process: vLLM), ``report`` (JSON,
+table, PNG), ``cli``. Everything but ``engine.run_spec`` runs without a GPU.
 """
 
 from __future__ import annotations

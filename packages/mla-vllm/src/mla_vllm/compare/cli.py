@@ -2,7 +2,7 @@
 
 Every input is checked here before any engine starts (prompts, their lengths, the
 recipes, through ``mla_vllm.config``); then the native engine and one engine per
-recipe run, each in its own process (``engine.launch``), ``--jobs`` at a time, under
+recipe run, each in its own process (``launch.launch``), ``--jobs`` at a time, under
 a rich progress display; the report is written as JSON and PNG and shown as a table.
 """
 
@@ -23,6 +23,7 @@ from mla_vllm.compare.inputs import (
     parse_recipes,
     tokenize,
 )
+from mla_vllm.compare.launch import launch
 from mla_vllm.compare.report import build_report, plot, table
 
 __all__ = ["BACKENDS", "build_parser", "main", "run"]
@@ -148,7 +149,7 @@ def run(
     launcher: Launcher | None = None,
     console: Any = None,
 ) -> dict[str, Any]:
-    """Parse, check, run every engine (``launcher``, default ``engine.launch``), report."""
+    """Parse, check, run every engine (``launcher``, default ``launch.launch``), report."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -166,7 +167,6 @@ def run(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if launcher is None:
-        from mla_vllm.compare.engine import launch
 
         def launcher(spec: Mapping[str, Any], workdir: Path) -> dict[str, Any]:
             return launch(spec, workdir, timeout=args.timeout)

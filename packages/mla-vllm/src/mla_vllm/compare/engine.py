@@ -1,8 +1,7 @@
-"""One configuration in one ``vllm.LLM``, in its own process.
+"""One configuration in one ``vllm.LLM``: the engine process's side (imports vLLM).
 
-``launch(spec, ...)`` (parent) writes the spec as JSON and runs ``python -m
-mla_vllm.compare.engine SPEC OUT`` with the engine's output sent to a log file; the
-child (``run_spec``) builds the engine, teacher-forces the prompts (prompt logprobs,
+``mla_vllm.compare.launch`` runs ``python -m mla_vllm.compare.engine SPEC OUT``;
+``run_spec`` builds the engine, teacher-forces the prompts (prompt logprobs,
 top-k), optionally generates greedily, reads the ``observe`` statistics and the
 static amax each layer resolved, and writes the results as JSON. One process per
 engine: GPU memory and vLLM's global state are released between configurations,
@@ -12,19 +11,17 @@ and tensor parallelism (``tensor_parallel_size``) takes the same path as one GPU
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineError", "launch", "layer_amax", "prompt_topk", "run_spec"]
+from mla_vllm.plugin import register
+from mla_vllm.stats import get_stats
+from mla_vllm.targets import layer_states, model_layers, on_models
 
-
-class EngineError(RuntimeError):
-    """An engine process failed; the message ends with the tail of its log."""
+__all__ = ["layer_amax", "prompt_topk", "run_spec"]
 
 
 def prompt_topk(
@@ -64,8 +61,6 @@ def prompt_topk(
 
 def layer_amax(model: Any) -> dict[str, dict[str, dict[str, Any]]]:
     """Per quantized layer and path: each operand's format and resolved amax."""
-    from mla_vllm.targets import layer_states
-
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, state in layer_states(model).items():
         for path in ("prefill", "decode"):
@@ -79,24 +74,11 @@ def layer_amax(model: Any) -> dict[str, dict[str, dict[str, Any]]]:
 
 def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Build the engine of ``spec``, run it, return JSON-able results (child side)."""
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model below
     tp = int(spec.get("tensor_parallel_size", 1))
-    if not _has_entry_point():  # sources on PYTHONPATH, not installed
-        if tp > 1:
-            raise RuntimeError(
-                "no 'vllm.general_plugins' entry point for mla_vllm: tensor-parallel "
-                "workers could not register MLA_QUANT; install the package (pip install)"
-            )
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
-    from mla_vllm.plugin import register
-
     register()  # re-entrant; reaches an in-process engine without the entry point
     import torch
     import vllm
     from vllm import LLM, SamplingParams
-
-    from mla_vllm.stats import get_stats
-    from mla_vllm.targets import on_models
 
     k = int(spec["top_k"])
     quant = spec.get("mla_quant")
@@ -160,48 +142,8 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _has_entry_point() -> bool:
-    from importlib.metadata import entry_points
-
-    return any(
-        ep.value.startswith("mla_vllm.plugin") for ep in entry_points(group="vllm.general_plugins")
-    )
-
-
 def _impl_names(model: Any) -> list[str]:
-    from mla_vllm.targets import model_layers
-
     return sorted({type(layer.impl).__name__ for layer in model_layers(model).values()})
-
-
-def launch(
-    spec: Mapping[str, Any], workdir: Path, *, timeout: float | None = None
-) -> dict[str, Any]:
-    """Run ``spec`` in a fresh ``python -m mla_vllm.compare.engine`` process (parent side).
-
-    The child's output goes to ``workdir/<name>.log``; a failure raises ``EngineError``
-    with the log's last lines.
-    """
-    workdir.mkdir(parents=True, exist_ok=True)
-    name = str(spec["name"])
-    spec_file = workdir / f"{name}.spec.json"
-    out_file = workdir / f"{name}.out.json"
-    log_file = workdir / f"{name}.log"
-    spec_file.write_text(json.dumps(spec))
-    out_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "mla_vllm.compare.engine", str(spec_file), str(out_file)]
-    with log_file.open("w") as log:
-        try:
-            rc = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-    if rc != 0 or not out_file.is_file():
-        tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-15:])
-        raise EngineError(f"{name}: engine process exited with {rc} (log {log_file}):\n{tail}")
-    result: dict[str, Any] = json.loads(out_file.read_text())
-    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
