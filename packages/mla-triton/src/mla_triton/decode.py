@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from mla_formats import AttentionQuant, OperandQuant
+from mla_triton.kernels.common import SPLIT_ALIGN
 from mla_triton.kernels.decode_kernel import (
-    SPLIT_ALIGN,
     decode_merge_kernel,
     decode_q_kernel,
     decode_split_kernel,
@@ -468,6 +468,10 @@ class _Operand:
     pow2: bool  # a static global scale that is a power of two: reciprocals are exact
 
 
+_Operands = tuple[_Operand, _Operand, _Operand, _Operand]
+"""q, k, v and p of a recipe, as the kernels take them."""
+
+
 def _operand(op: OperandQuant) -> _Operand:
     if op.is_identity:
         return _Operand(0, False, 1.0, True)
@@ -716,20 +720,137 @@ def decode(
     slots past a sequence's end) is never read.
     """
     c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
+    recipe = quant if quant is not None else AttentionQuant()
+    return run_decode(
+        c, kv_cache, block_table, seq_lens, recipe, _ON_READ, out=out, lse=lse,
+        num_splits=num_splits, workspace=workspace, max_seq_len=max_seq_len,
+        check_values=check_values, config=config, kv_lora_rank=kv_lora_rank,
+    )  # fmt: skip
+
+
+class SplitFamily:
+    """What a split-kernel family adds to the decode core (``run_decode``): its kernel,
+    default tiles, whether V̂ is K̂'s first features, and its own kernel arguments.
+
+    On-read decode (``_OnRead``, here) and the shadow cache (``mla_triton.shadow``)
+    are the two families; q̂ (stage 0), the split policy, the workspace, the shared
+    kernel arguments (``split_kernel_args``) and the merge (stage 2) are common.
+    """
+
+    kernel: Any
+    """The ``@triton.jit`` split kernel, launched by keyword."""
+
+    def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
+        """The tiles when the caller gives none."""
+        raise NotImplementedError
+
+    def v_shares_k(self, ops: _Operands) -> bool:
+        """Whether V̂ is K̂'s first ``kv_lora_rank`` features (fp8 K and V, one scale)."""
+        raise NotImplementedError
+
+    def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
+        """The kernel's arguments beyond ``split_kernel_args``, by name."""
+        raise NotImplementedError
+
+
+class _OnRead(SplitFamily):
+    """``decode``: K and V quantized on read from the raw cache (``decode_split_kernel``)."""
+
+    kernel = decode_split_kernel
+
+    def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
+        return decode_config(num_heads, recipe)
+
+    def v_shares_k(self, ops: _Operands) -> bool:
+        _, ko, vo, _ = ops
+        return ko.code == 1 and vo.code == 1 and ko.pow2 and ko.gs == vo.gs
+
+    def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
+        ko = ops[1]
+        return {
+            "k_gs": ko.gs,
+            "k_inv_gs": 1.0 / ko.gs,
+            "k_inv_6gs": 1.0 / (6.0 * ko.gs),
+            "K_EXACT": not ko.pow2,
+            "KV_SHARED": self.v_shares_k(ops),
+        }
+
+
+_ON_READ = _OnRead()
+
+
+def run_decode(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    recipe: AttentionQuant,
+    family: SplitFamily,
+    *,
+    out: object,
+    lse: object,
+    num_splits: object,
+    workspace: torch.Tensor | None,
+    max_seq_len: int | None,
+    check_values: bool | None,
+    config: object,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode core, after a family's own checks: outputs, tiles, launches.
+
+    Checks ``num_splits``, ``config``, ``out`` and ``lse`` (``_prepare_outputs``), then,
+    for a non-empty batch, launches q̂, ``family``'s split kernel and the merge
+    (``run_launches``: float32 copies for bfloat16 under the interpreter). Returns
+    ``(out [B, H, kv_lora_rank], lse [B, H])``.
+    """
     out_t, lse_t = _prepare_outputs(
         c, kv_cache, block_table, seq_lens, kv_lora_rank, out, lse, num_splits, config,
         check_values,
     )  # fmt: skip
     if c.batch == 0:
         return out_t, lse_t
-    recipe = quant if quant is not None else AttentionQuant()
+    assert num_splits is None or isinstance(num_splits, int)  # checked above
+    assert config is None or isinstance(config, DecodeConfig)
+    ops = (_operand(recipe.q), _operand(recipe.k), _operand(recipe.v), _operand(recipe.p))
+    cfg = config if config is not None else family.default_config(c.heads, recipe)
+    splits = _splits_for(c, cfg, num_splits, max_seq_len)
 
     def launch(cc: _Checked, cache: torch.Tensor, ws: torch.Tensor | None, o: torch.Tensor) -> None:
-        _launch(cc, cache, block_table, seq_lens, recipe, num_splits, ws, o, lse_t, max_seq_len,
-                config, kv_lora_rank)  # fmt: skip
+        _launch_splits(cc, cache, block_table, seq_lens, ops, cfg, splits, family, ws, o, lse_t,
+                       kv_lora_rank)  # fmt: skip
 
     run_launches(c, kv_cache, workspace, out_t, launch)
     return out_t, lse_t
+
+
+def _launch_splits(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ops: _Operands,
+    cfg: DecodeConfig,
+    splits: int,
+    family: SplitFamily,
+    workspace: torch.Tensor | None,
+    out_t: torch.Tensor,
+    lse_t: torch.Tensor,
+    kv_lora_rank: int,
+) -> None:
+    """The launches on checked inputs: q̂ (stage 0), the family's split kernel, the merge."""
+    qo, ko, vo, po = ops
+    qk_f16 = qo.code != 0 and ko.code != 0
+    pv_f16 = qk_f16 if family.v_shares_k(ops) else vo.code != 0
+    wacc, wml, q_nope, q_pe, q_scale = _stage_q(
+        c, qo, qk_f16, splits, kv_lora_rank, workspace, lse_t
+    )
+    args = split_kernel_args(
+        c, kv_cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
+        ops, cfg, splits, kv_lora_rank, pv_f16,
+    )  # fmt: skip
+    grid = (-(-c.heads // cfg.block_h) * splits * c.batch,)
+    family.kernel[grid](**args, **family.extra_args(kv_cache, cfg, ops))
+    _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)
 
 
 Launch = Callable[[_Checked, torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
@@ -762,7 +883,7 @@ def split_kernel_args(
     lse_t: torch.Tensor,
     partials: tuple[torch.Tensor, torch.Tensor],
     queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    operands: tuple[_Operand, _Operand, _Operand, _Operand],
+    operands: _Operands,
     cfg: DecodeConfig,
     splits: int,
     kv_lora_rank: int,
@@ -829,45 +950,3 @@ def split_kernel_args(
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
-
-
-def _launch(
-    c: _Checked,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    recipe: AttentionQuant,
-    num_splits: int | None,
-    workspace: torch.Tensor | None,
-    out_t: torch.Tensor,
-    lse_t: torch.Tensor,
-    max_seq_len: int | None,
-    config: DecodeConfig | None,
-    kv_lora_rank: int,
-) -> None:
-    """The launches of ``decode`` on checked inputs: q̂, the split kernel, the merge."""
-    cfg = config if config is not None else decode_config(c.heads, recipe)
-    head_groups = -(-c.heads // cfg.block_h)
-    splits = _splits_for(c, cfg, num_splits, max_seq_len)
-
-    qo, ko, vo, po = (_operand(op) for op in (recipe.q, recipe.k, recipe.v, recipe.p))
-    kv_shared = ko.code == 1 and vo.code == 1 and ko.pow2 and ko.gs == vo.gs
-    qk_f16 = qo.code != 0 and ko.code != 0
-    pv_f16 = qk_f16 if kv_shared else vo.code != 0
-    wacc, wml, q_nope, q_pe, q_scale = _stage_q(
-        c, qo, qk_f16, splits, kv_lora_rank, workspace, lse_t
-    )
-
-    args = split_kernel_args(
-        c, kv_cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
-        (qo, ko, vo, po), cfg, splits, kv_lora_rank, pv_f16,
-    )  # fmt: skip
-    decode_split_kernel[(head_groups * splits * c.batch,)](
-        **args,
-        k_gs=ko.gs,
-        k_inv_gs=1.0 / ko.gs,
-        k_inv_6gs=1.0 / (6.0 * ko.gs),
-        K_EXACT=not ko.pow2,
-        KV_SHARED=kv_shared,
-    )
-    _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)

@@ -36,25 +36,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import (
     DecodeConfig,
+    SplitFamily,
     _block_h,
     _check,
-    _Checked,
     _hw_fp8,
-    _merge_splits,
     _operand,
-    _prepare_outputs,
-    _splits_for,
-    _stage_q,
+    _Operands,
     _tensor,
     interpreted_bf16,
-    run_launches,
-    split_kernel_args,
+    run_decode,
 )
 from mla_triton.kernels.shadow_kernel import (
     shadow_decode_split_kernel,
@@ -365,8 +362,20 @@ def _check_cache(kv_cache: object, width: int) -> torch.Tensor:
     return cache
 
 
-def _strides(x: torch.Tensor | None) -> tuple[int, int]:
-    return (0, 0) if x is None else (x.stride(0), x.stride(1))
+_Views = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+"""A shadow's typed sections ``(k_hat, k_scale, v_hat)`` (``ShadowLayout.views``)."""
+
+
+def _section_args(views: _Views, dummy: torch.Tensor) -> dict[str, Any]:
+    """The kernels' arguments for a shadow's sections, by name: ``kh_ptr``, ``ks_ptr``,
+    ``vh_ptr`` and their page and row strides (an absent section: ``dummy``, never read,
+    and zero strides)."""
+    args: dict[str, Any] = {}
+    for name, view in zip(("kh", "ks", "vh"), views, strict=True):
+        args[f"{name}_ptr"] = dummy if view is None else view
+        args[f"stride_{name}_page"] = 0 if view is None else view.stride(0)
+        args[f"stride_{name}_row"] = 0 if view is None else view.stride(1)
+    return args
 
 
 # ---------------------------------------------------------------------------- update
@@ -498,28 +507,22 @@ def _write_cache(
     st = lay.storage
     ko, vo = _operand(q.k), _operand(q.v)
     hw = _hw_fp8(cache.device)
-    dummy = cache
     v_token = vo.code == 1 and not lay.v_shared
     shadow_update_kernel[(-(-n // _UPDATE_BLOCK_T),)](
-        x1,
-        x2,
-        slots,
-        cache,
-        dummy if kh is None else kh,
-        dummy if ks is None else ks,
-        dummy if vh is None else vh,
-        n,
-        x1.stride(0),
-        x2.stride(0),
-        slots.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        *_strides(kh),
-        *_strides(ks),
-        *_strides(vh),
-        cache.shape[0] * page_size,
-        ko.gs,
-        vo.gs,
+        kvc_ptr=x1,
+        kpe_ptr=x2,
+        slot_ptr=slots,
+        kv_ptr=cache,
+        num_tokens=n,
+        stride_kvc_t=x1.stride(0),
+        stride_kpe_t=x2.stride(0),
+        stride_slot=slots.stride(0),
+        stride_kv_page=cache.stride(0),
+        stride_kv_row=cache.stride(1),
+        capacity=cache.shape[0] * page_size,
+        k_gs=ko.gs,
+        v_gs=vo.gs,
+        **_section_args((kh, ks, vh), cache),
         D1=d1,
         D2=d2,
         PAGE=page_size,
@@ -639,72 +642,34 @@ def decode_shadow(
     cache = _check_cache(kv_cache, kv_lora_rank + c.rope)
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
-    out_t, lse_t = _prepare_outputs(
-        c, cache, block_table, seq_lens, kv_lora_rank, out, lse, num_splits, config, check_values
-    )
-    if c.batch == 0:
-        return out_t, lse_t
-    views = (kh, ks, vh)
-
-    def launch(cc: _Checked, raw: torch.Tensor, ws: torch.Tensor | None, o: torch.Tensor) -> None:
-        _launch_shadow(cc, raw, views, lay, block_table, seq_lens, qq, num_splits, ws, o, lse_t,
-                       max_seq_len, config, kv_lora_rank)  # fmt: skip
-
-    run_launches(c, cache, workspace, out_t, launch)
-    return out_t, lse_t
-
-
-def _launch_shadow(
-    c: _Checked,
-    cache: torch.Tensor,
-    views: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-    lay: ShadowLayout,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qq: AttentionQuant,
-    num_splits: int | None,
-    workspace: torch.Tensor | None,
-    out_t: torch.Tensor,
-    lse_t: torch.Tensor,
-    max_seq_len: int | None,
-    config: DecodeConfig | None,
-    kv_lora_rank: int,
-) -> None:
-    """The launches of ``decode_shadow`` on checked inputs: q̂, the split kernel, the merge."""
-    kh, ks, vh = views
-    st = lay.storage
-    cfg = config if config is not None else shadow_decode_config(c.heads, qq, st)
-    head_groups = -(-c.heads // cfg.block_h)
-    splits = _splits_for(c, cfg, num_splits, max_seq_len)
-    qo, ko, vo, po = (_operand(op) for op in (qq.q, qq.k, qq.v, qq.p))
-    qk_f16 = qo.code != 0 and ko.code != 0
-    v_src = 0 if vo.code == 0 else (2 if lay.v_shared else 1)
-    pv_f16 = qk_f16 if v_src == 2 else vo.code != 0
-    wacc, wml, q_nope, q_pe, q_scale = _stage_q(
-        c, qo, qk_f16, splits, kv_lora_rank, workspace, lse_t
-    )
-
-    args = split_kernel_args(
-        c, cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
-        (qo, ko, vo, po), cfg, splits, kv_lora_rank, pv_f16,
+    return run_decode(
+        c, cache, block_table, seq_lens, qq, _ShadowFamily(lay, (kh, ks, vh)), out=out, lse=lse,
+        num_splits=num_splits, workspace=workspace, max_seq_len=max_seq_len,
+        check_values=check_values, config=config, kv_lora_rank=kv_lora_rank,
     )  # fmt: skip
-    kh_page, kh_row = _strides(kh)
-    ks_page, ks_row = _strides(ks)
-    vh_page, vh_row = _strides(vh)
-    shadow_decode_split_kernel[(head_groups * splits * c.batch,)](
-        **args,
-        kh_ptr=cache if kh is None else kh,  # absent sections: any pointer, never read
-        ks_ptr=cache if ks is None else ks,
-        vh_ptr=cache if vh is None else vh,
-        stride_kh_page=kh_page,
-        stride_kh_row=kh_row,
-        stride_ks_page=ks_page,
-        stride_ks_row=ks_row,
-        stride_vh_page=vh_page,
-        stride_vh_row=vh_row,
-        V_SRC=v_src,
-        V_TAIL=vo.code == 2,
-        TAIL_LOOP=_tail_loop(cfg.block_h, vo.code == 2),
-        STORE=STORAGES.index(st),
-    )
-    _merge_splits(c, wacc, wml, seq_lens, out_t, lse_t, splits, po.gs * vo.gs, kv_lora_rank)
+
+
+class _ShadowFamily(SplitFamily):
+    """``decode_shadow``: K̂ and V̂ read from the shadow (``shadow_decode_split_kernel``)."""
+
+    kernel = shadow_decode_split_kernel
+
+    def __init__(self, lay: ShadowLayout, views: _Views) -> None:
+        self.lay = lay
+        self.views = views
+
+    def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
+        return shadow_decode_config(num_heads, recipe, self.lay.storage)
+
+    def v_shares_k(self, ops: _Operands) -> bool:
+        return ops[2].code != 0 and self.lay.v_shared
+
+    def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
+        vo = ops[2]
+        v_src = 0 if vo.code == 0 else (2 if self.lay.v_shared else 1)
+        return _section_args(self.views, cache) | {
+            "V_SRC": v_src,
+            "V_TAIL": vo.code == 2,
+            "TAIL_LOOP": _tail_loop(cfg.block_h, vo.code == 2),
+            "STORE": STORAGES.index(self.lay.storage),
+        }

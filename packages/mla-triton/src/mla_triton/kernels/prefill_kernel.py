@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from mla_triton import qdq_device as dev
-from mla_triton.kernels.common import LN2, softmax_step
+from mla_triton.kernels.common import LN2, qdq_p, softmax_step
 
 
 @triton.jit
@@ -198,27 +198,6 @@ def _qdq_tokens(
     else:
         y = x
     return y
-
-
-@triton.jit
-def _qdq_p(
-    p,
-    p_gs,
-    p_inv_gs,
-    FMT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HW_FP8: tl.constexpr,
-):
-    """Factored QDQ of P ``[BLOCK_M, BLOCK_N]`` (values in [0, 1]) along the key axis.
-
-    ``p_inv_gs`` is ``1 / gs`` for fp8 and ``1 / (6 gs)`` for nvfp4.
-    """
-    if FMT == 1:
-        p = dev.fp8_qdq_p(p, p_inv_gs, HW_FP8)
-    elif FMT == 2:
-        p = dev.nvfp4_qdq_p(p, p_gs, p_inv_gs, BLOCK_M, BLOCK_N, HW_FP8)
-    return p
 
 
 @triton.jit
@@ -360,7 +339,8 @@ def _softmax_tile(
         s = tl.where(keep | (s != s), s, float("-inf"))
     # base-2 scores t = s * row_scale; a row may have seen no key yet (causal)
     m_new, alpha, p, l_i = softmax_step(m_i, l_i, s, row_scale, True, True)
-    p = _qdq_p(p, p_gs, p_inv_gs, P_FMT, BLOCK_M, BLOCK_N, HW_FP8)
+    # p_inv_gs: 1 / gs for fp8, 1 / (6 gs) for nvfp4 (the one each form reads)
+    p = qdq_p(p, (p_gs, p_inv_gs, p_inv_gs), P_FMT, HW_FP8, BLOCK_M, BLOCK_N)
     return p, alpha, l_i, m_new
 
 

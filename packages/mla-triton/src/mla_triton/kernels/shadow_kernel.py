@@ -139,30 +139,6 @@ def _unpack_nibbles(b, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _qdq_store(
-    x,
-    gs,
-    FMT: tl.constexpr,
-    EXACT: tl.constexpr,
-    HW_FP8: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    AXIS: tl.constexpr,
-):
-    """Factored QDQ of latent rows ``[ROWS, COLS]`` (float32) as the shadow stores them.
-
-    As ``common.qdq_latent`` (``AXIS``, ``EXACT``), but nvfp4 by the compare form of
-    ``qdq_device.nvfp4_qdq`` (no reciprocals: exact for any 32-bit input; written
-    once per token, so its cost does not matter).
-    """
-    if FMT == 1:
-        y = fp8_latent(x, gs, 1.0 / gs, EXACT, HW_FP8)
-    else:
-        y = dev.nvfp4_qdq(x, gs, ROWS, COLS, AXIS, EXACT)
-    return y
-
-
-@triton.jit
 def _store_k(
     kh_ptr,
     rows,
@@ -185,8 +161,11 @@ def _store_k(
     """
     offs = tl.arange(0, COLS)[None, :]
     ptrs = kh_ptr + rows[:, None]
-    if STORE == 0:
-        y = _qdq_store(x, gs, FMT, EXACT, HW_FP8, ROWS, COLS, AXIS_FEATURES)
+    if STORE == 0:  # compare-form nvfp4 (exact for any input; written once per token)
+        if FMT == 1:
+            y = fp8_latent(x, gs, 1.0 / gs, EXACT, HW_FP8)
+        else:
+            y = dev.nvfp4_qdq(x, gs, ROWS, COLS, AXIS_FEATURES, EXACT)
         tl.store(ptrs + offs, y.to(tl.float16), mask=ok[:, None] & (offs >= 0))
     elif FMT == 1:
         y = dev.e4m3_round(tl.math.div_rn(x, gs) if EXACT else x * (1.0 / gs))
@@ -327,7 +306,7 @@ def shadow_v_block_kernel(
     x = tl.load(kv_ptr + rows[:, None] + offs_d1[None, :], mask=mask, other=0.0).to(tl.float32)
     vrows = page * stride_vh_page + (first + r) * stride_vh_row
     if STORE == 0:
-        y = _qdq_store(x, v_gs, 2, V_EXACT, HW_FP8, 16, D1, AXIS_TOKENS)
+        y = dev.nvfp4_qdq(x, v_gs, 16, D1, AXIS_TOKENS, V_EXACT)  # the compare form
         tl.store(vh_ptr + vrows[:, None] + offs_d1[None, :], y.to(tl.float16), mask=mask)
     else:
         codes, sb = _nvfp4_codes(x, v_gs, 16, D1, AXIS_TOKENS, V_EXACT)  # sb [1, D1]
