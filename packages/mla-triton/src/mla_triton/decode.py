@@ -58,7 +58,7 @@ class DecodeConfig:
             wrong outputs; the defaults use 2 or 3 (docs/benchmarks.md).
 
     On-read nvfp4 always rounds by multiply and magic-number addition
-    (``qdq_device.*_fast``, bit-exact for power-of-two global scales; the exact
+    (``qdq_device.nvfp4_qdq_fast``, bit-exact for power-of-two global scales; the exact
     division otherwise); the compare form measured 10% slower (docs/benchmarks.md).
     """
 
