@@ -22,7 +22,8 @@ few tilings) and of ``mla_triton.prefill`` (its default tiling), causal, queries
 = keys, at b4 h128 L4096, b1 h16 L16384 and a varlen batch of 16384 tokens;
 useful TFLOP/s count ``2 Lq Lk (192 + 128)`` per head, halved for causal; then
 the fp8 and nvfp4 recipes the same way (the Gluon times include their Q and K/V
-passes). With
+passes). Last, the warp-specialized tilings (a producer warp issuing the TMA loads)
+are checked and timed. With
 ``--fa3``, FlashAttention-3 from the vLLM wheel
 (``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``) is timed in
 the same process. Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
@@ -61,7 +62,15 @@ QUANTS: dict[str, AttentionQuant | None] = {
     "p-nvfp4": AttentionQuant(p="nvfp4"),
 }
 # (block_m, block_n, num_stages)
-CONFIGS = [(128, 64, 3), (128, 128, 2), (128, 64, 4), (128, 64, 2), (64, 64, 3)]
+Tiling = tuple[int, int, int] | tuple[int, int, int, bool]  # GluonPrefillConfig's fields
+CONFIGS: list[Tiling] = [
+    (128, 64, 3), (128, 128, 2), (128, 64, 4), (128, 64, 2), (64, 64, 3),
+]  # fmt: skip
+# warp specialized (a producer warp issues the TMA loads): checked and timed last, so
+# that a hang there (a barrier protocol never run on a GPU before) costs only itself
+WS_CONFIGS: list[Tiling] = [
+    (128, 64, 3, True), (128, 128, 2, True), (128, 64, 4, True),
+]  # fmt: skip
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -74,7 +83,7 @@ def _rand(tokens: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tens
 
 def _gluon(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
-    causal: bool, config: tuple[int, int, int] | None = None, quant: AttentionQuant | None = None,
+    causal: bool, config: Tiling | None = None, quant: AttentionQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     from mla_triton.gluon_prefill import GluonPrefillConfig, launch
 
@@ -159,7 +168,7 @@ def _case(name: str, fn: Callable[[], list[dict[str, Any]]], result: dict[str, A
 
 def _check_case(
     lens_q: list[int], lens_k: list[int], heads: int, kv_heads: int, causal: bool,
-    strided_v: bool = False, config: tuple[int, int, int] | None = None,
+    strided_v: bool = False, config: Tiling | None = None,
     poison: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
     oracle: bool = True, quant: AttentionQuant | None = None,
 ) -> Callable[[], list[dict[str, Any]]]:  # fmt: skip
@@ -211,6 +220,30 @@ def checks_quant(result: dict[str, Any]) -> None:
                       quant=QUANTS["fp8"]), result, tol=2e-2)  # fmt: skip
 
 
+def checks_ws(result: dict[str, Any]) -> None:
+    """The warp-specialized tilings: varlen causal and not, the NaN rule, fp8."""
+    for config in WS_CONFIGS:
+        _case(
+            f"ws {config} h16 causal",
+            _check_case(CHECK_LENS, CHECK_LENS, 16, 16, True, config=config),
+            result,
+        )
+        _case(
+            f"ws {config} h16 full",
+            _check_case(CHECK_LENS, CHECK_LENS, 16, 16, False, config=config),
+            result,
+        )
+    ws = WS_CONFIGS[0]
+    _case(
+        f"ws {ws} nan rule outside full",
+        _check_case([100, 50], [100, 50], 4, 4, False, config=ws, poison=_nan_v_outside),
+        result,
+    )
+    _case(f"ws {ws} fp8 h16 causal", _check_case(
+        CHECK_LENS, CHECK_LENS, 16, 16, True, config=ws, quant=QUANTS["fp8"]), result,
+        tol=2e-2)  # fmt: skip
+
+
 def checks(result: dict[str, Any]) -> None:
     """Correctness cases, recipe none (see the module doc)."""
     for heads in (16, 128):
@@ -258,7 +291,7 @@ def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
 
 def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict[str, Any],
-                recipe: str = "none") -> None:  # fmt: skip
+                recipe: str = "none", ws: bool = False) -> None:  # fmt: skip
     from mla_triton import prefill
     from mla_triton.gluon_prefill import GluonPrefillConfig, launch
 
@@ -272,7 +305,7 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
 
     quant = QUANTS[recipe]
 
-    def gluon(c: tuple[int, int, int]) -> Callable[[], Any]:
+    def gluon(c: Tiling) -> Callable[[], Any]:
         return lambda: launch(
             q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, return_lse=False,
             out=out, lse=lse, max_seqlen_q=max(lens), max_seqlen_k=max(lens), quant=quant,
@@ -285,8 +318,11 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
             max_seqlen_q=max(lens), max_seqlen_k=max(lens),
         ),
     }  # fmt: skip
-    fns |= {f"gluon{c}": gluon(c) for c in (CONFIGS if recipe == "none" else CONFIGS[:2])}
-    if fa3 and recipe == "none":
+    if ws:
+        fns = {f"gluon{c}": gluon(c) for c in WS_CONFIGS}
+    else:
+        fns |= {f"gluon{c}": gluon(c) for c in (CONFIGS if recipe == "none" else CONFIGS[:2])}
+    if fa3 and recipe == "none" and not ws:
         fns["fa3"] = _fa3(q, k, v, cu, lens)
     for name, fn in fns.items():
         try:
@@ -304,11 +340,11 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
                                       "error": repr(exc)})  # fmt: skip
 
 
-def timings(result: dict[str, Any], fa3: bool, recipe: str = "none") -> None:
+def timings(result: dict[str, Any], fa3: bool, recipe: str = "none", ws: bool = False) -> None:
     """Timing rows (see the module doc)."""
     for shape, (lens, heads) in SHAPES.items():
         try:
-            _time_shape(shape, lens, heads, fa3, result, recipe)
+            _time_shape(shape, lens, heads, fa3, result, recipe, ws)
         except Exception as exc:
             traceback.print_exc()
             result["timings"].append({"shape": shape, "error": repr(exc)})
@@ -322,6 +358,7 @@ def main() -> None:
     parser.add_argument("--no-check", action="store_true", help="timings only")
     parser.add_argument("--no-bench", action="store_true", help="correctness only")
     parser.add_argument("--no-quant", action="store_true", help="recipe none only")
+    parser.add_argument("--no-ws", action="store_true", help="no warp-specialized tilings")
     args = parser.parse_args()
     import triton
 
@@ -342,6 +379,8 @@ def main() -> None:
         (not args.no_check and not args.no_quant, lambda: checks_quant(result)),
         (not args.no_bench and not args.no_quant, lambda: timings(result, False, "fp8")),
         (not args.no_bench and not args.no_quant, lambda: timings(result, False, "nvfp4")),
+        (not args.no_check and not args.no_ws, lambda: checks_ws(result)),
+        (not args.no_bench and not args.no_ws, lambda: timings(result, False, ws=True)),
     ]
     for wanted, step in steps:
         if wanted:

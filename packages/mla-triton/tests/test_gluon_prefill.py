@@ -40,6 +40,7 @@ VARIANTS = [
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(64, 64, 3), False, False, {}),
     (torch.float16, 192, 128, DEFAULT, True, True, FP8),
     (torch.float16, 192, 128, DEFAULT, True, True, NVFP4),
+    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(warp_specialize=True), True, True, {}),
 ]
 
 
@@ -69,6 +70,7 @@ def compile_stats() -> list[dict[str, Any]]:
             "shared": kernel.metadata.shared,
             "lse_store": "st.global.b32" in ptx or "st.global.f32" in ptx,
             "fp8_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
+            "setmaxnreg": "setmaxnreg" in ptx, "num_warps": kernel.metadata.num_warps,
         } | _resources(kernel.asm["cubin"]))  # fmt: skip
     return stats
 
@@ -97,6 +99,9 @@ def test_every_variant_compiles_for_sm90a() -> None:
         # P's QDQ: fp8 codes, or the nvfp4 block scales (E4M3 too)
         assert got["fp8_cvt"] == (quant.get("p_fmt", 0) > 0), variant
         assert got["REG"] <= 255, variant
+        # warp specialized: a producer warpgroup beside the compute warps, registers moved
+        assert got["setmaxnreg"] == config.warp_specialize, variant
+        assert got["num_warps"] == config.num_warps + 4 * config.warp_specialize, variant
         if config == DEFAULT:  # no spills at the default tiling
             assert got["LOCAL"] == 0 and got["STACK"] == 0, variant
 
@@ -138,11 +143,18 @@ def test_recipe_none_is_not_refused_for_its_quant() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("block_m", 32), ("block_n", 256), ("num_stages", 1), ("num_stages", 5)]
+    ("field", "value"),
+    [
+        ("block_m", 32),
+        ("block_n", 256),
+        ("num_stages", 1),
+        ("num_stages", 5),
+        ("warp_specialize", 1),
+    ],
 )
-def test_config_rejects(field: str, value: int) -> None:
+def test_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"config.{field}"):
-        gp.GluonPrefillConfig(**{field: value})
+        gp.GluonPrefillConfig(**{field: value})  # type: ignore[arg-type]
 
 
 def test_descriptor_views_a_strided_tensor() -> None:

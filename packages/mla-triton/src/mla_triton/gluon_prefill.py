@@ -33,17 +33,24 @@ _FORMATS = {"none": 0, "fp8": 1, "nvfp4": 2}  # the kernel's format codes
 class GluonPrefillConfig:
     """Tiling of ``gluon_prefill_kernel``: ``block_m`` queries (64 or 128; 16 rows a
     warp), ``block_n`` keys (64 or 128) per tile, ``num_stages`` K/V buffers (2 to 4:
-    a tile's loads are issued once the MMAs of the tile ``num_stages`` before it end)."""
+    a tile's loads are issued once the MMAs of the tile ``num_stages`` before it end);
+    ``warp_specialize``: one extra producer warp issues every TMA load (24 registers,
+    the compute warps get the rest) instead of the compute warps."""
 
     block_m: int = 128
     block_n: int = 64
     num_stages: int = 3
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m: expected 64 or 128, got {self.block_m!r}")
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
+        if not isinstance(self.warp_specialize, bool):
+            raise ValueError(
+                f"config.warp_specialize: expected a bool, got {self.warp_specialize!r}"
+            )
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 4:
             raise ValueError(f"config.num_stages: expected 2 to 4, got {self.num_stages!r}")
 
@@ -209,6 +216,7 @@ def _constexprs(
         "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
         "NUM_STAGES": config.num_stages, "CAUSAL": causal, "Q_DYNAMIC": q_dynamic,
         "K_DYNAMIC": k_dynamic, "P_FMT": p_fmt, "RETURN_LSE": return_lse,
+        "WARP_SPEC": config.warp_specialize, "PRODUCER_REGS": 24,
         "num_warps": config.num_warps,
     }  # fmt: skip
 

@@ -161,6 +161,100 @@ def _sanitize_v(
 
 
 @gluon.jit
+def _attend(
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_desc, v_desc, QS, KS,
+    q_start, seq_len_q, k_start, seq_len_k, start_m, head, kv_head, k_col, v_col, mid,
+    n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, s_layout: gl.constexpr,
+    o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, NQ: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
+    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, ISSUE_LOADS: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """The key loop of one program: ``(acc, l, m, row_nan)``. With ``ISSUE_LOADS`` it
+    issues the K/V loads of the tile ``NUM_STAGES`` ahead itself; otherwise (warp
+    specialized) it arrives on ``empty_bars`` once a slot's MMAs are done."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    q_pos = seq_len_k - seq_len_q + offs_m  # key positions of the rows (suffix alignment)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    row_nan = gl.zeros([BLOCK_M], gl.int1, row_s)
+    row_scale = gl.full([BLOCK_M], qk_scale, gl.float32, row_s)
+    if Q_DYNAMIC:
+        qs = QS + (q_start + offs_m).to(gl.int64) * stride_qst + head
+        row_scale = row_scale * gl.load(qs, mask=offs_m < seq_len_q, other=1.0)
+    ks_base = KS + k_start.to(gl.int64) * stride_kst + kv_head
+    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+
+    if n_tiles > 0:
+        s = _issue_qk(q_smem, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, alpha, m_i, l_i = _softmax(
+            s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
+            p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+        )  # fmt: skip
+        for j in range(1, n_tiles):
+            s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
+            prev = j - 1
+            p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
+            row_nan = _sanitize_v(
+                v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
+                NUM_STAGES, num_warps,
+            )  # fmt: skip
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            p, alpha, m_i, l_i = _softmax(
+                s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
+                stride_kst, p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC,
+                P_FMT,
+            )  # fmt: skip
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            if ISSUE_LOADS:
+                nxt = prev + NUM_STAGES
+                if nxt < n_tiles:
+                    _load_kv(
+                        k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, nxt, k_start, k_col,
+                        v_col, BLOCK_N, NQ, NUM_STAGES,
+                    )  # fmt: skip
+            else:  # the producer partition may refill the slot
+                mbarrier.arrive(empty_bars.index(prev % NUM_STAGES), count=1)
+        last = n_tiles - 1
+        p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
+        row_nan = _sanitize_v(
+            v_smem, v_bars, last, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
+            NUM_STAGES, num_warps,
+        )  # fmt: skip
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    return acc, l_i, m_i, row_nan
+
+
+@gluon.jit
+def _producer(
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc, k_desc, v_desc,
+    q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N: gl.constexpr, NQ: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The TMA partition (one warp): Q once, then every K/V tile into its ring slot once
+    the consumers released the slot's previous tile (``empty_bars``)."""
+    mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
+    for c in gl.static_range(NQ):
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col + c * CHUNK], q_bar, q_smem.index(c))
+    for t in range(n_tiles):
+        if t >= NUM_STAGES:
+            mbarrier.wait(empty_bars.index(t % NUM_STAGES), ((t // NUM_STAGES) - 1) & 1)
+        _load_kv(
+            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, t, k_start, k_col, v_col, BLOCK_N,
+            NQ, NUM_STAGES,
+        )  # fmt: skip
+
+
+@gluon.jit
 def gluon_prefill_kernel(
     q_desc,
     k_desc,
@@ -194,6 +288,8 @@ def gluon_prefill_kernel(
     K_DYNAMIC: gl.constexpr,
     P_FMT: gl.constexpr,
     RETURN_LSE: gl.constexpr,
+    WARP_SPEC: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Attention of ``BLOCK_M`` queries of one head of one sequence.
@@ -263,75 +359,58 @@ def gluon_prefill_kernel(
         q_col = head * stride_qh
         k_col = kv_head * stride_kh
         v_col = kv_head * stride_vh
-        mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
-        for c in gl.static_range(NQ):
-            tma.async_copy_global_to_shared(
-                q_desc, [q_start + start_m * BLOCK_M, q_col + c * CHUNK], q_bar, q_smem.index(c)
-            )
+        q_row = q_start + start_m * BLOCK_M
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
-            if i < n_tiles:
-                _load_kv(
-                    k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, k_start, k_col, v_col,
-                    BLOCK_N, NQ, NUM_STAGES,
-                )  # fmt: skip
-
-        offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-        q_pos = seq_len_k - seq_len_q + offs_m  # key positions of the rows (suffix alignment)
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-        row_nan = gl.zeros([BLOCK_M], gl.int1, row_s)
-        row_scale = gl.full([BLOCK_M], qk_scale, gl.float32, row_s)
-        if Q_DYNAMIC:
-            qs = QS + (q_start + offs_m).to(gl.int64) * stride_qst + head
-            row_scale = row_scale * gl.load(qs, mask=offs_m < seq_len_q, other=1.0)
-        ks_base = KS + k_start.to(gl.int64) * stride_kst + kv_head
-        acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-        mbarrier.wait(q_bar, 0)
-
-        if n_tiles > 0:
-            s = _issue_qk(q_smem, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            p, alpha, m_i, l_i = _softmax(
-                s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
-                p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+            mbarrier.init(empty_bars.index(i), count=1)
+        fence_async_shared()
+        if WARP_SPEC:
+            acc, l_i, m_i, row_nan = gl.warp_specialize(
+                [
+                    (_attend, (
+                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_desc,
+                        v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, start_m, head,
+                        kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs,
+                        stride_qst, stride_kst, s_layout, o_layout, p_layout, pv_dtype,
+                        BLOCK_M, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC,
+                        P_FMT, False, num_warps,
+                    )),
+                    (_producer, (
+                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc,
+                        k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N,
+                        NQ, NUM_STAGES,
+                    )),
+                ],
+                [1],
+                [PRODUCER_REGS],
             )  # fmt: skip
-            for j in range(1, n_tiles):
-                s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
-                prev = j - 1
-                p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
-                row_nan = _sanitize_v(
-                    v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
-                    NUM_STAGES, num_warps,
-                )  # fmt: skip
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                p, alpha, m_i, l_i = _softmax(
-                    s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
-                    stride_kst, p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC,
-                    P_FMT,
-                )  # fmt: skip
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                nxt = prev + NUM_STAGES
-                if nxt < n_tiles:
+        else:
+            mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
+            for c in gl.static_range(NQ):
+                tma.async_copy_global_to_shared(
+                    q_desc, [q_row, q_col + c * CHUNK], q_bar, q_smem.index(c)
+                )
+            for i in gl.static_range(NUM_STAGES):
+                if i < n_tiles:
                     _load_kv(
-                        k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, nxt, k_start, k_col,
+                        k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, k_start, k_col,
                         v_col, BLOCK_N, NQ, NUM_STAGES,
                     )  # fmt: skip
-            last = n_tiles - 1
-            p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
-            row_nan = _sanitize_v(
-                v_smem, v_bars, last, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
-                NUM_STAGES, num_warps,
+            acc, l_i, m_i, row_nan = _attend(
+                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_desc, v_desc, QS, KS,
+                q_start, seq_len_q, k_start, seq_len_k, start_m, head, kv_head, k_col, v_col, mid,
+                n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, s_layout, o_layout,
+                p_layout, pv_dtype, BLOCK_M, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                K_DYNAMIC, P_FMT, True,
+                num_warps,
             )  # fmt: skip
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
+            mbarrier.invalidate(empty_bars.index(i))
 
         # -- epilogue ------------------------------------------------------------
         empty = l_i == 0.0
