@@ -110,3 +110,17 @@ def test_perplexity_greedy_and_bad_input() -> None:
         kl_topk(a, b)
     with pytest.raises(ValueError, match="tie_margin"):
         summarize(a, a, tie_margin=-1.0)
+
+
+def test_chunks_give_the_same_kl(
+    pair: tuple[torch.Tensor, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mla_vllm.compare import metrics
+
+    ref, test, target = pair
+    r, t = _topk(ref, 6, target), _topk(test, 6, target)
+    whole = kl_topk(r, t)
+    monkeypatch.setattr(metrics, "_CHUNK", 5)  # 64 positions: 13 chunks, the last short
+    chunked = kl_topk(r, t)
+    torch.testing.assert_close(chunked[0], whole[0], rtol=0, atol=0)
+    torch.testing.assert_close(chunked[1], whole[1], rtol=0, atol=0)

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 _FLOOR = 1e-30  # a remainder of exactly 0 on one side only: log of the floor, not of 0
+_CHUNK = 4096  # positions per [n, k, k] comparison (k = 20: 13 MB of float64)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,23 @@ def kl_topk(ref: TopK, test: TopK) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(
             f"test: {test.ids.shape[0]} positions, the reference has {ref.ids.shape[0]}"
         )
+    parts = [
+        _kl_chunk(ref.ids[i : i + _CHUNK], ref.logprobs[i : i + _CHUNK],
+                  test.ids[i : i + _CHUNK], test.logprobs[i : i + _CHUNK])
+        for i in range(0, ref.ids.shape[0], _CHUNK)
+    ]  # fmt: skip
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.float64)
+        return empty, empty
+    return torch.cat([kl for kl, _ in parts]), torch.cat([rest for _, rest in parts])
+
+
+def _kl_chunk(
+    ref_ids: torch.Tensor, ref_lp: torch.Tensor, test_ids: torch.Tensor, test_lp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kl_topk`` on at most ``_CHUNK`` positions (bounds the ``[n, k, k]`` match)."""
+    ref = TopK(ref_ids, ref_lp, ref_lp[:, 0])
+    test = TopK(test_ids, test_lp, test_lp[:, 0])
     p = ref.logprobs.double().exp()  # [N, k]
     q_all = test.logprobs.double().exp()  # [N, k']
     match = ref.ids[:, :, None] == test.ids[:, None, :]  # [N, k, k']
