@@ -161,6 +161,25 @@ def _sanitize_v(
 
 
 @gluon.jit
+def _issue_pv(
+    p, alpha, acc, v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan,
+    row_o: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
+    BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """P to its operand layout, V tile ``tile`` waited for (and sanitized when masked),
+    ``acc * alpha`` and the async ``acc += P V``: ``(acc token, P operand, row_nan)``."""
+    p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
+    row_nan = _sanitize_v(
+        v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL, NUM_STAGES,
+        num_warps,
+    )  # fmt: skip
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    acc = warpgroup_mma(p_op, v_smem.index(tile % NUM_STAGES), acc, is_async=True)
+    return acc, p_op, row_nan
+
+
+@gluon.jit
 def _attend(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_desc, v_desc, QS, KS,
     q_start, seq_len_q, k_start, seq_len_k, start_m, head, kv_head, k_col, v_col, mid,
@@ -199,13 +218,10 @@ def _attend(
         for j in range(1, n_tiles):
             s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
             prev = j - 1
-            p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
-            row_nan = _sanitize_v(
-                v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
-                NUM_STAGES, num_warps,
+            acc, p_op, row_nan = _issue_pv(
+                p, alpha, acc, v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, row_o,
+                p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, num_warps,
             )  # fmt: skip
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
@@ -222,14 +238,10 @@ def _attend(
                     )  # fmt: skip
             else:  # the producer partition may refill the slot
                 mbarrier.arrive(empty_bars.index(prev % NUM_STAGES), count=1)
-        last = n_tiles - 1
-        p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
-        row_nan = _sanitize_v(
-            v_smem, v_bars, last, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
-            NUM_STAGES, num_warps,
+        acc, p_op, row_nan = _issue_pv(
+            p, alpha, acc, v_smem, v_bars, n_tiles - 1, mid, seq_len_k, q_pos, row_nan, row_o,
+            p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, num_warps,
         )  # fmt: skip
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     return acc, l_i, m_i, row_nan
 
