@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -209,7 +210,7 @@ def check_compare(report: dict[str, Any]) -> list[tuple[str, bool, str]]:
     detail = f"nvfp4 {nvfp4['kl_mean']:.3g} vs none {none['kl_mean']:.3g}"
     out.append(("nvfp4: KL above zero and above none's", above, detail))
     decode_k = tuple(max(a, b) for a, b in zip(STATE_AMAX["kv_c"], STATE_AMAX["k_pe"], strict=True))
-    wants = {
+    wants: dict[str, dict[tuple[str, str], tuple[float, ...]]] = {
         "nvfp4-ckpt": {("prefill", "k"): CKPT_AMAX["k"], ("prefill", "v"): CKPT_AMAX["v"]},
         "nvfp4-modelopt": {
             ("prefill", "q"): STATE_AMAX["q"],
@@ -252,11 +253,24 @@ def check_lm_eval(out: Path, log: str, rc: int) -> list[tuple[str, bool, str]]:
     ]
 
 
+def _wait(proc: subprocess.Popen[bytes], seconds: float) -> int:
+    """The exit code of ``proc``, or -9 after stopping it when ``seconds`` ran out."""
+    try:
+        return proc.wait(timeout=max(1.0, seconds))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own group: the engine processes too
+        proc.wait()
+        return -9
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="measure-e2e-out")
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--skip-lm-eval", action="store_true")
+    parser.add_argument(
+        "--deadline", type=float, default=275.0, help="seconds; then the runs are stopped"
+    )
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -285,20 +299,22 @@ def main() -> int:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                start_new_session=True,
             )
     cmp_cmd = compare_command(model_dir, prompts_file, scales, state, out / "compare", args.jobs)
     with (out / "compare.log").open("w") as log:
-        rc = subprocess.run(cmp_cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
-    checks: list[tuple[str, bool, str]] = [
-        ("mla-compare exited 0", rc.returncode == 0, f"exit code {rc.returncode}")
-    ]
+        proc = subprocess.Popen(
+            cmp_cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        rc = _wait(proc, args.deadline - (time.time() - t0))
+    checks: list[tuple[str, bool, str]] = [("mla-compare exited 0", rc == 0, f"exit code {rc}")]
     report_file = out / "compare" / "report.json"
     if report_file.is_file():
         checks += check_compare(json.loads(report_file.read_text()))
     else:
         checks.append(("mla-compare wrote report.json", False, "missing"))
     if lm_proc is not None:
-        lm_rc = lm_proc.wait(timeout=max(10.0, 280.0 - (time.time() - t0)))
+        lm_rc = _wait(lm_proc, args.deadline - (time.time() - t0))
         checks += check_lm_eval(out / "lm_eval", lm_log.read_text(errors="replace"), lm_rc)
     summary = {
         "seconds": round(time.time() - t0, 1),
