@@ -31,6 +31,7 @@ from mla_triton.gluon_decode import (
     GluonDecodeConfig,
     GluonRecipe,
     compile_variant,
+    gluon_decode_preferred,
     gluon_decode_supported,
     gluon_recipe,
     max_shared_bytes,
@@ -110,6 +111,12 @@ def test_supported() -> None:
     assert FP8.mma_f16 and isinstance(kv8, GluonRecipe) and not kv8.mma_f16
     assert gluon_decode_supported(torch.float32, None, 512, 64) is not None
     assert gluon_decode_supported(torch.bfloat16, None, 256, 64) is not None
+
+
+def test_preferred() -> None:
+    """The Triton kernel up to 32 heads (measured faster at 16), the Gluon one above."""
+    assert not gluon_decode_preferred(16) and not gluon_decode_preferred(32)
+    assert gluon_decode_preferred(33) and gluon_decode_preferred(128)
 
 
 def test_config_checks() -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "compile_variant",
     "gluon_decode",
     "gluon_decode_config",
+    "gluon_decode_preferred",
     "gluon_decode_supported",
     "gluon_recipe",
     "launch_gluon_decode",
@@ -142,6 +143,17 @@ def gluon_decode_supported(
         return f"kv_lora_rank {kv_lora_rank} + rope {rope} (512 + 64 only)"
     recipe = gluon_recipe(quant)
     return recipe if isinstance(recipe, str) else None
+
+
+def gluon_decode_preferred(num_heads: int) -> bool:
+    """Whether the Gluon kernel is the faster choice for ``num_heads`` query heads.
+
+    Measured on an H200 (docs/gluon.md, first run, quant none): with 128 heads the Gluon
+    kernel ran 1.2x to 1.4x the Triton one; with 16 it ran 0.69x (48 of its 64 wgmma
+    rows are padding, and one CTA fills an SM's shared memory, where the Triton kernel
+    runs 16 heads a program, several programs an SM). Up to 32 heads: the Triton kernel.
+    """
+    return num_heads > 32
 
 
 def _kernel() -> Any:
