@@ -307,6 +307,14 @@ def _bench_shape(
             print(traceback.format_exc(), flush=True)
     ref_out: torch.Tensor | None = None
     for key, fn in runs.items():
+        if PROFILE["only"] and key != PROFILE["only"]:
+            continue
+        if PROFILE["on"]:  # under a profiler: three plain launches, no timing loop
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            timings[key] = {"status": "profiled: 3 launches"}
+            continue
         if time.monotonic() > deadline:
             timings[key] = {"status": "not run: time budget spent"}
             continue
@@ -338,6 +346,10 @@ def _bench_shape(
             )
 
 
+PROFILE: dict[str, Any] = {"on": False, "only": None, "shapes": None}
+"""``--profile``, ``--only`` and ``--shapes``: set by ``main``."""
+
+
 def run_bench(
     deadline: float, with_flashmla: bool, recipe: str = "none",
     results: list[dict[str, Any]] | None = None,
@@ -345,6 +357,8 @@ def run_bench(
     """Every shape of ``BENCH`` with ``recipe`` into ``results`` (FlashMLA: quant none)."""
     results = [] if results is None else results
     for name, batch, heads, length in BENCH:
+        if PROFILE["shapes"] and name not in PROFILE["shapes"]:
+            continue
         rec: dict[str, Any] = {
             "shape": name,
             "recipe": recipe,
@@ -402,7 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flashmla", action="store_true", help="time FlashMLA bf16 too (vLLM)")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop starting cases after this")
     ap.add_argument("--recipes", default="none", help="comma-separated: none, fp8")
+    ap.add_argument("--shapes", default="", help="bench shapes to run (default: all of BENCH)")
+    ap.add_argument("--only", default="", help="one implementation (triton, gluon-bn64-st2, ...)")
+    ap.add_argument(
+        "--profile", action="store_true", help="no timing loop: 3 launches each (for ncu)"
+    )
     args = ap.parse_args(argv)
+    PROFILE.update(
+        on=args.profile,
+        only=args.only or None,
+        shapes=[x for x in args.shapes.split(",") if x] or None,
+    )
     start = time.monotonic()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
