@@ -25,9 +25,24 @@ triton.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name(), flus
 case "$mode" in
   4k)
     echo "== GPU test: no compile after warmup"
-    MLA_REQUIRE_GPU=1 timeout -k 5 150 python3 -m pytest -q -s -rA -p no:cacheprovider \
-      "packages/mla-triton/tests/test_warmup.py::test_nothing_compiles_after_warmup_gpu" \
-      > "$OUT/test-warmup-gpu.txt" 2>&1
+    if python3 -c "import pytest" 2>/dev/null; then
+      MLA_REQUIRE_GPU=1 timeout -k 5 150 python3 -m pytest -q -s -rA -p no:cacheprovider \
+        "packages/mla-triton/tests/test_warmup.py::test_nothing_compiles_after_warmup_gpu" \
+        > "$OUT/test-warmup-gpu.txt" 2>&1
+    else  # no pytest in the bundle: the test function itself, its decorators made inert
+      timeout -k 5 150 python3 - > "$OUT/test-warmup-gpu.txt" 2>&1 <<'PY'
+import sys, types
+fake = types.ModuleType("pytest")
+fake.mark = types.SimpleNamespace(skipif=lambda *a, **k: (lambda f: f),
+                                  parametrize=lambda *a, **k: (lambda f: f))
+fake.fixture = lambda *a, **k: (lambda f: f)
+sys.modules["pytest"] = fake
+sys.path.insert(0, "packages/mla-triton/tests")
+import test_warmup
+test_warmup.test_nothing_compiles_after_warmup_gpu()
+print("PASSED test_nothing_compiles_after_warmup_gpu (without pytest)")
+PY
+    fi
     echo "test rc=$? after $(( $(date +%s) - T0 )) s"; tail -6 "$OUT/test-warmup-gpu.txt"
     shape=(--layers 4 --batch 64 --prompt 4096 --gen 256 --capture-sizes 1,2,4,8,16,32,64)
     configs=FLASHMLA,quant-nvfp4-shadow,quant-nvfp4-shadow:nowarm:fresh,quant-nvfp4,quant-none,TRITON_MLA
