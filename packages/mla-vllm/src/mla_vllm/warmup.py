@@ -101,9 +101,13 @@ class EngineWarmup(VllmJitKernel[Plan]):
             if isinstance(layer, MLAAttention) and _quantized(layer.impl)
         }
         seen: dict[tuple[Any, ...], Plan] = {}
-        for name, layer in self._layers.items():
-            for kind, signature in _signatures(layer):
-                seen.setdefault((kind, *signature), Plan(kind, name))
+        try:
+            for name, layer in self._layers.items():
+                for kind, signature in _signatures(layer):
+                    seen.setdefault((kind, *signature), Plan(kind, name))
+        except Exception:  # as in compile_many: serving goes on, compiling on first use
+            logger.exception("MLA_QUANT warmup failed; kernels will compile during inference")
+            return []
         return list(seen.values())
 
     def compile(self, compile_key: Plan) -> None:
