@@ -30,8 +30,8 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # 128/64, the other tilings the benchmark sweeps (fp16, not causal, without LSE),
 # and the quantized variant (dynamic Q and K scales, P fp8, fp16 P V).
 DEFAULT = gp.GluonPrefillConfig()
-FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1, "pv_dtype": torch.float16}
-NVFP4 = {"q_dynamic": True, "p_fmt": 2, "pv_dtype": torch.float16}
+FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1}
+NVFP4 = {"q_dynamic": True, "p_fmt": 2}
 VARIANTS: list[tuple[torch.dtype, int, int, gp.GluonPrefillConfig, bool, bool, dict[str, Any]]]
 VARIANTS = [
     (torch.bfloat16, 192, 128, DEFAULT, True, True, {}),
@@ -60,9 +60,7 @@ def compile_stats() -> list[dict[str, Any]]:
     """Compile every variant for sm_90a; what the tests check of each (PTX, resources)."""
     stats = []
     for dtype, dim, dim_v, config, causal, lse, quant in VARIANTS:
-        kernel: Any = gp.compile_sm90(
-            dtype, dim, dim_v, config, causal=causal, return_lse=lse, **quant
-        )
+        kernel: Any = gp.compile_sm90(dtype, dim, dim_v, config, gp.Variant(causal, lse, **quant))
         ptx: str = kernel.asm["ptx"]
         stats.append({
             "sm_90a": ".target sm_90a" in ptx, "wgmma": ptx.count("wgmma.mma_async"),

@@ -15,18 +15,19 @@ raising, for a dispatcher.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant
-from mla_triton.prefill import quantize_kv
+from mla_triton.prefill import _global_scale, quantize_kv
+from mla_triton.qdq_device import FORMAT_CODES
 
-__all__ = ["GluonPrefillConfig", "compile_sm90", "launch", "unsupported"]
+__all__ = ["GluonPrefillConfig", "Variant", "compile_sm90", "launch", "unsupported"]
 
 LOG2E = 1.4426950408889634
 _CHUNK = 64  # columns of one Q / K shared tile
-_FORMATS = {"none": 0, "fp8": 1, "nvfp4": 2}  # the kernel's format codes
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def launch(
 
     quant = quant or AttentionQuant()
     qq, kq, pq, vq = quant.q, quant.k, quant.p, quant.v
-    q_fmt, k_fmt, p_fmt, v_fmt = (_FORMATS[op.format.name] for op in (qq, kq, pq, vq))
+    q_fmt, k_fmt, p_fmt, v_fmt = (FORMAT_CODES[op.format.name] for op in (qq, kq, pq, vq))
     qk_dtype = torch.float16 if q_fmt and k_fmt else q.dtype
     pv_dtype = torch.float16 if p_fmt and v_fmt else q.dtype
     ones = torch.ones(1, dtype=torch.float32, device=q.device)
@@ -183,17 +184,9 @@ def launch(
         heads // kv_heads, q.stride(1), k.stride(1), v.stride(1),
         q_scales.stride(0) if q_dynamic else 0, k_scales.stride(0) if k_dynamic else 0,
         out.stride(0), out.stride(1), lse.stride(0),
-        **_constexprs(dim, dim_v, config, causal, return_lse, q_dynamic, k_dynamic, p_fmt),
+        **Variant(causal, return_lse, q_dynamic, k_dynamic, p_fmt).constexprs(dim, dim_v, config),
     )  # fmt: skip
     return out
-
-
-def _global_scale(op: OperandQuant) -> float:
-    """A static operand's global scale ``amax / unit_amax`` in float32 (1 if none/dynamic)."""
-    if op.is_identity or op.is_dynamic:
-        return 1.0
-    amax = torch.tensor(op.static_amax(), dtype=torch.float32)
-    return float(amax / op.format.unit_amax)
 
 
 def _static_gs(op: OperandQuant) -> float:
@@ -201,24 +194,27 @@ def _static_gs(op: OperandQuant) -> float:
     return 1.0 if op.is_dynamic else _global_scale(op)
 
 
-def _constexprs(
-    dim: int,
-    dim_v: int,
-    config: GluonPrefillConfig,
-    causal: bool,
-    return_lse: bool,
-    q_dynamic: bool = False,
-    k_dynamic: bool = False,
-    p_fmt: int = 0,
-) -> dict[str, int | bool]:
-    """The kernel's compile-time arguments (``num_warps`` too)."""
-    return {
-        "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-        "NUM_STAGES": config.num_stages, "CAUSAL": causal, "Q_DYNAMIC": q_dynamic,
-        "K_DYNAMIC": k_dynamic, "P_FMT": p_fmt, "RETURN_LSE": return_lse,
-        "WARP_SPEC": config.warp_specialize, "PRODUCER_REGS": 24,
-        "num_warps": config.num_warps,
-    }  # fmt: skip
+@dataclass(frozen=True)
+class Variant:
+    """The kernel's compile-time switches besides the tiling: causal masking, LSE
+    output, dynamic (per-token) Q and K global scales, and P's format code (0 none,
+    1 fp8, 2 nvfp4)."""
+
+    causal: bool
+    return_lse: bool
+    q_dynamic: bool = False
+    k_dynamic: bool = False
+    p_fmt: int = 0
+
+    def constexprs(self, dim: int, dim_v: int, config: GluonPrefillConfig) -> dict[str, Any]:
+        """The kernel's compile-time arguments (``num_warps`` too)."""
+        return {
+            "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+            "NUM_STAGES": config.num_stages, "CAUSAL": self.causal,
+            "Q_DYNAMIC": self.q_dynamic, "K_DYNAMIC": self.k_dynamic, "P_FMT": self.p_fmt,
+            "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
+            "PRODUCER_REGS": 24, "num_warps": config.num_warps,
+        }  # fmt: skip
 
 
 def compile_sm90(
@@ -226,12 +222,7 @@ def compile_sm90(
     dim: int,
     dim_v: int,
     config: GluonPrefillConfig,
-    *,
-    causal: bool,
-    return_lse: bool,
-    q_dynamic: bool = False,
-    k_dynamic: bool = False,
-    p_fmt: int = 0,
+    variant: Variant,
     pv_dtype: torch.dtype | None = None,
 ) -> object:
     """Compile the kernel for sm_90a without a GPU (as ``launch`` would specialize it;
@@ -257,7 +248,7 @@ def compile_sm90(
         "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",
         "stride_kst": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
     }  # fmt: skip
-    constexprs = _constexprs(dim, dim_v, config, causal, return_lse, q_dynamic, k_dynamic, p_fmt)
+    constexprs = variant.constexprs(dim, dim_v, config)
     signature |= dict.fromkeys(constexprs, "constexpr")
     source = GluonASTSource(gluon_prefill_kernel, signature, constexprs=constexprs)
     return triton.compile(

@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_triton import qdq_device as dev
+from mla_triton.kernels import common
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns of one Q / K shared tile (128 bytes)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -95,8 +95,8 @@ def _issue_qk(
 
 @gluon.jit
 def _softmax(
-    s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_gs,
-    p_inv_gs, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_scales,
+    s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr,
     K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr,
 ):  # fmt: skip
@@ -113,15 +113,10 @@ def _softmax(
         if CAUSAL:
             visible = visible & (gl.expand_dims(key_pos, 0) <= gl.expand_dims(q_pos, 1))
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=1) * row_scale))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)  # exact power of two (0 on the first tile)
-    p = gl.exp2(gl.fma(s, gl.expand_dims(row_scale, 1), -gl.expand_dims(m_use, 1)))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    if P_FMT == 1:  # E4M3(min(p / gs, 448)), the conversion saturating (p >= 0 or NaN)
-        p = (p * p_inv_gs).to(gl.float8e4nv).to(gl.float32)
-    elif P_FMT == 2:  # NVFP4 along the keys: blocks of 16 at multiples of 16 (the tile's)
-        p = dev.nvfp4_qdq_p(p, p_gs, p_inv_gs, BLOCK_M, BLOCK_N, True)
+    # the integer running maximum, exact power-of-two rescales, l from unquantized P
+    m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)
+    # P's QDQ along the keys (nvfp4 blocks of 16 at multiples of 16: the tile's start)
+    p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N)
     return p, alpha, m_new, l_i
 
 
@@ -206,6 +201,8 @@ def _attend(
         row_scale = row_scale * gl.load(qs, mask=offs_m < seq_len_q, other=1.0)
     ks_base = KS + k_start.to(gl.int64) * stride_kst + kv_head
     acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+    # common.qdq_p's (gs, 1 / gs, 1 / (6 gs)): p_inv_gs is the one P's format uses
+    p_scales = (p_gs, p_inv_gs, p_inv_gs)
     mbarrier.wait(q_bar, 0)
 
     if n_tiles > 0:
@@ -213,7 +210,7 @@ def _attend(
         s = warpgroup_mma_wait(0, deps=(s,))
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
-            p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+            p_scales, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
         )  # fmt: skip
         for j in range(1, n_tiles):
             s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
@@ -225,7 +222,7 @@ def _attend(
             s = warpgroup_mma_wait(1, deps=(s,))
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
-                stride_kst, p_gs, p_inv_gs, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC,
+                stride_kst, p_scales, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC,
                 P_FMT,
             )  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
