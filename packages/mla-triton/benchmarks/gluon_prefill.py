@@ -23,7 +23,8 @@ few tilings) and of ``mla_triton.prefill`` (its default tiling), causal, queries
 useful TFLOP/s count ``2 Lq Lk (192 + 128)`` per head, halved for causal; then
 the fp8 and nvfp4 recipes the same way (the Gluon times include their Q and K/V
 passes). Last, the warp-specialized tilings (a producer warp issuing the TMA loads)
-are checked and timed. With
+are checked and timed, after an ablation (the kernel without its softmax: what
+hiding the softmax could reach at most). With
 ``--fa3``, FlashAttention-3 from the vLLM wheel
 (``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``) is timed in
 the same process. Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
@@ -291,7 +292,8 @@ def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
 
 def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict[str, Any],
-                recipe: str = "none", ws: bool = False) -> None:  # fmt: skip
+                recipe: str = "none", ws: bool = False,
+                ablate: bool = False) -> None:  # fmt: skip
     from mla_triton import prefill
     from mla_triton.gluon_prefill import GluonPrefillConfig, launch
 
@@ -318,11 +320,13 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
             max_seqlen_q=max(lens), max_seqlen_k=max(lens),
         ),
     }  # fmt: skip
-    if ws:
+    if ablate:
+        fns = {f"no-softmax{c}": gluon(c) for c in CONFIGS[:2]}
+    elif ws:
         fns = {f"gluon{c}": gluon(c) for c in WS_CONFIGS}
     else:
         fns |= {f"gluon{c}": gluon(c) for c in (CONFIGS if recipe == "none" else CONFIGS[:2])}
-    if fa3 and recipe == "none" and not ws:
+    if fa3 and recipe == "none" and not ws and not ablate:
         fns["fa3"] = _fa3(q, k, v, cu, lens)
     for name, fn in fns.items():
         try:
@@ -349,6 +353,51 @@ def timings(result: dict[str, Any], fa3: bool, recipe: str = "none", ws: bool = 
             traceback.print_exc()
             result["timings"].append({"shape": shape, "error": repr(exc)})
         torch.cuda.empty_cache()
+
+
+# The ablation: the kernel with the softmax step replaced by P = S (no max, exp2 or
+# sums; every MMA, load, mask and the NaN handling kept). Its outputs are meaningless;
+# its time bounds what hiding the softmax (ping-pong) could reach.
+_SOFTMAX = "m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)"
+_NO_SOFTMAX = "m_new, alpha, p, l_i = m_i, gl.full_like(m_i, 1.0), s, l_i"
+
+
+def _ablated_kernel() -> Any:
+    """``gluon_prefill_kernel`` compiled from a copy of its module without the softmax."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from mla_triton.kernels import gluon_prefill as kmod
+
+    text = Path(str(kmod.__file__)).read_text()
+    if text.count(_SOFTMAX) != 1:
+        raise RuntimeError("the softmax step to ablate is not in the kernel module")
+    path = Path(tempfile.mkdtemp(prefix="gluon-ablation-")) / "gluon_prefill_no_softmax.py"
+    path.write_text(text.replace(_SOFTMAX, _NO_SOFTMAX))
+    spec = importlib.util.spec_from_file_location("gluon_prefill_no_softmax", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gluon_prefill_kernel
+
+
+def ablation(result: dict[str, Any]) -> None:
+    """Timing rows of the kernel without its softmax (``impl`` "no-softmax...")."""
+    from mla_triton.kernels import gluon_prefill as kmod
+
+    real = kmod.gluon_prefill_kernel
+    try:
+        kmod.gluon_prefill_kernel = _ablated_kernel()
+        for shape, (lens, heads) in SHAPES.items():
+            try:
+                _time_shape(shape, lens, heads, False, result, ablate=True)
+            except Exception as exc:
+                traceback.print_exc()
+                result["timings"].append({"shape": shape, "impl": "no-softmax", "error": repr(exc)})
+            torch.cuda.empty_cache()
+    finally:
+        kmod.gluon_prefill_kernel = real
 
 
 def main() -> None:
@@ -379,6 +428,7 @@ def main() -> None:
         (not args.no_check and not args.no_quant, lambda: checks_quant(result)),
         (not args.no_bench and not args.no_quant, lambda: timings(result, False, "fp8")),
         (not args.no_bench and not args.no_quant, lambda: timings(result, False, "nvfp4")),
+        (not args.no_bench, lambda: ablation(result)),
         (not args.no_check and not args.no_ws, lambda: checks_ws(result)),
         (not args.no_bench and not args.no_ws, lambda: timings(result, False, ws=True)),
     ]
