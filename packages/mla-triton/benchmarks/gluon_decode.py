@@ -291,9 +291,8 @@ def _bench_shape(
         # kernel and the merge: what a decode call through the Gluon path launches
         wacc, wml, qn, qp, qs = _stage_q(c, qo, recipe.mma_f16, splits, 512, ws_g, l_g)
         launch_gluon_decode(
-            qn, qp, cache, table, seq, o_g, l_g, wacc, wml, softmax_scale=SCALE,
-            num_splits=splits, config=cfg, recipe=recipe,
-            q_scale=qs if recipe.q_scaled else None,
+            c, cache, table, seq, o_g, l_g, (wacc, wml), (qn, qp, qs), quant=quant,
+            num_splits=splits, config=cfg,
         )  # fmt: skip
         return o_g, l_g
 

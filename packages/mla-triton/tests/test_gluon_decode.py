@@ -113,6 +113,48 @@ def test_supported() -> None:
     assert gluon_decode_supported(torch.bfloat16, None, 256, 64) is not None
 
 
+@pytest.mark.parametrize("recipe", ["none", "fp8"])
+def test_kernel_args_bind_every_parameter(recipe: str) -> None:
+    """The launch's keyword arguments (``decode.split_kernel_args`` filtered, plus the
+    kernel's own) are exactly the kernel's parameters, with the recipe's values."""
+    from mla_triton.decode import _check
+    from mla_triton.gluon_decode import gluon_kernel_args
+    from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
+
+    quant = AttentionQuant.uniform("fp8") if recipe == "fp8" else None
+    q = torch.zeros(3, 20, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(7, 64, 576, dtype=torch.bfloat16)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    seq = torch.tensor([5, 0, 128], dtype=torch.int32)
+    c = _check(q, cache, table, seq, SCALE, 512, quant, None)
+    out = torch.empty(3, 20, 512, dtype=torch.bfloat16)
+    lse = torch.empty(3, 20)
+    q_hat = q.to(torch.float16) if quant is not None else q
+    args = gluon_kernel_args(
+        c,
+        cache,
+        table,
+        seq,
+        out,
+        lse,
+        (lse, lse),
+        (q_hat[..., :512], q_hat[..., 512:], lse),
+        quant=quant,
+        num_splits=3,
+        config=VARIANTS[2],
+    )
+    assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
+    assert args["num_warps"] == 8 and args["HEAD_GROUPS"] == 1 and args["NUM_SPLITS"] == 3
+    assert (args["BLOCK_N"], args["STAGES"], args["OVERLAP"]) == (32, 4, True)
+    assert (args["PAGE"], args["D1"], args["D2"], args["capacity"]) == (64, 512, 64, 128)
+    assert args["Q_SCALED"] == args["KV_FP8"] == (quant is not None)
+    assert args["P_FMT"] == (1 if quant is not None else 0)
+    assert args["score_scale"] == pytest.approx(SCALE * 1.4426950408889634)
+    p_gs = FP8.p_gs if quant is not None else 1.0
+    assert args["p_inv_gs"] == pytest.approx(1.0 / p_gs) and args["out_scale"] == p_gs
+    assert args["qn_ptr"].dtype == (torch.float16 if quant is not None else torch.bfloat16)
+
+
 def test_preferred() -> None:
     """The Triton kernel up to 32 heads (measured faster at 16), the Gluon one above."""
     assert not gluon_decode_preferred(16) and not gluon_decode_preferred(32)

@@ -15,11 +15,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mla_formats import AttentionQuant
+
+if TYPE_CHECKING:
+    from mla_triton.decode import _Checked
 
 __all__ = [
     "UNQUANTIZED",
@@ -30,6 +33,7 @@ __all__ = [
     "gluon_decode_config",
     "gluon_decode_preferred",
     "gluon_decode_supported",
+    "gluon_kernel_args",
     "gluon_recipe",
     "launch_gluon_decode",
 ]
@@ -162,66 +166,80 @@ def _kernel() -> Any:
     return gluon_decode_split_kernel
 
 
-def launch_gluon_decode(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
+def gluon_kernel_args(
+    c: _Checked,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    wacc: torch.Tensor,
-    wml: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor],
+    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     *,
-    softmax_scale: float,
+    quant: AttentionQuant | None,
     num_splits: int,
     config: GluonDecodeConfig,
-    recipe: GluonRecipe = UNQUANTIZED,
-    q_scale: torch.Tensor | None = None,
-) -> None:
-    """Launch the Gluon split kernel, then (``num_splits > 1``) the Triton merge.
-
-    With ``recipe.q_scaled``, ``q_nope``/``q_pe`` are q̂ (factored, float16 when
-    ``recipe.mma_f16``, else the input dtype) and ``q_scale [B, H]`` float32 their
-    global scales, as ``decode``'s ``_stage_q`` leaves them in the workspace.
-    Shapes: ``q_nope [B, H, 512]``, ``q_pe [B, H, 64]``, ``kv_cache [blocks, page, 576]``,
-    ``block_table [B, pages]``, ``seq_lens [B]``, ``out [B, H, 512]``, ``lse [B, H]``;
-    with several splits ``wacc`` float32 ``[B * splits * H * 512]`` and ``wml`` float32
-    ``[B * splits * H * 2]`` (``decode``'s workspace sections), else any tensors.
-    Inputs are assumed checked by ``mla_triton.decode``.
-    """
-    from mla_triton.kernels.decode_kernel import SPLIT_ALIGN, decode_merge_kernel
+) -> dict[str, Any]:
+    """The Gluon split kernel's keyword arguments: ``decode.split_kernel_args`` (the ones
+    both Triton split kernels take) restricted to this kernel's parameters, plus its own
+    (``k_inv_gs``, ``STAGES``, ``OVERLAP``, ``KV_FP8``) and ``num_warps``."""
+    from mla_triton.decode import DecodeConfig, _operand, split_kernel_args
     from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
 
-    batch, heads = q_nope.shape[0], q_nope.shape[1]
-    if batch == 0:
-        return
-    page = kv_cache.shape[1]
-    capacity = block_table.shape[1] * page
-    head_groups = -(-heads // BLOCK_H)
-    if recipe.q_scaled and q_scale is None:
-        raise ValueError("q_scale: a quantized q needs its global scales [B, H]")
-    _kernel()[(head_groups * num_splits * batch,)](
-        q_nope, q_pe, lse if q_scale is None else q_scale, kv_cache, block_table, seq_lens,
-        out, lse, wacc, wml,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), block_table.stride(1),
-        seq_lens.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        heads, capacity, kv_cache.shape[0], softmax_scale * LOG2E * recipe.k_gs,
-        1.0 / recipe.k_gs, 1.0 / recipe.p_gs, recipe.p_gs * recipe.v_gs,
-        D1=q_nope.shape[2], D2=q_pe.shape[2], PAGE=page, BLOCK_N=config.block_n,
-        STAGES=config.stages, OVERLAP=config.overlap, Q_SCALED=recipe.q_scaled,
-        KV_FP8=recipe.kv_fp8, P_FMT=recipe.p_fmt, NUM_SPLITS=num_splits,
-        HEAD_GROUPS=head_groups, SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=NUM_WARPS,
+    recipe = gluon_recipe(quant)
+    if isinstance(recipe, str):
+        raise ValueError(f"quant: the Gluon decode does not take it: {recipe}")
+    aq = quant if quant is not None else AttentionQuant()
+    qo, ko, vo, po = (_operand(op) for op in (aq.q, aq.k, aq.v, aq.p))
+    tiles = DecodeConfig(block_h=BLOCK_H, block_n=config.block_n, num_warps=NUM_WARPS,
+                         num_stages=config.stages)  # fmt: skip
+    shared = split_kernel_args(
+        c, kv_cache, block_table, seq_lens, out, lse, partials, queries, (qo, ko, vo, po),
+        tiles, num_splits, queries[0].shape[2], recipe.mma_f16,
     )  # fmt: skip
-    if num_splits > 1:
-        merge_h = 16
-        decode_merge_kernel[(-(-heads // merge_h), batch)](
-            wacc, wml, seq_lens, out, lse, seq_lens.stride(0), out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1), heads, capacity, recipe.p_gs * recipe.v_gs,
-            D1=q_nope.shape[2],
-            BLOCK_H=merge_h, NUM_SPLITS=num_splits, SPLIT_ALIGN_=SPLIT_ALIGN, num_warps=4,
-        )  # fmt: skip
+    names = set(_kernel().arg_names)
+    args = {k: v for k, v in shared.items() if k in names}
+    args.update(
+        k_inv_gs=1.0 / recipe.k_gs, STAGES=config.stages, OVERLAP=config.overlap,
+        KV_FP8=recipe.kv_fp8, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return args
+
+
+def launch_gluon_decode(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor],
+    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    quant: AttentionQuant | None,
+    num_splits: int,
+    config: GluonDecodeConfig,
+) -> None:
+    """Launch the Gluon split kernel, then ``decode``'s merge (``_merge_splits``).
+
+    ``c``: ``decode``'s checked inputs; ``partials`` ``(wacc, wml)`` and ``queries``
+    ``(q_nope, q_pe, q_scale)`` as ``decode._stage_q`` returns them (q̂ and its global
+    scales when q is quantized: float16 when K is quantized too, else the input dtype;
+    placeholders otherwise). Shapes: ``kv_cache [blocks, page, 576]``,
+    ``block_table [B, pages]``, ``seq_lens [B]``, ``out [B, H, 512]``, ``lse [B, H]``.
+    No allocation, no synchronization (CUDA-graph safe).
+    """
+    from mla_triton.decode import _merge_splits
+    from mla_triton.kernels.gluon_decode import BLOCK_H
+
+    if c.batch == 0:
+        return
+    args = gluon_kernel_args(
+        c, kv_cache, block_table, seq_lens, out, lse, partials, queries, quant=quant,
+        num_splits=num_splits, config=config,
+    )  # fmt: skip
+    _kernel()[(-(-c.heads // BLOCK_H) * num_splits * c.batch,)](**args)
+    _merge_splits(c, *partials, seq_lens, out, lse, num_splits, args["out_scale"], args["D1"])
 
 
 def gluon_decode(
@@ -270,9 +288,8 @@ def gluon_decode(
     qo = _operand(quant.q) if quant is not None else _operand(AttentionQuant().q)
     wacc, wml, q_nope, q_pe, q_scale = _stage_q(c, qo, recipe.mma_f16, splits, 512, None, lse)
     launch_gluon_decode(
-        q_nope, q_pe, kv_cache, block_table, seq_lens, out, lse, wacc, wml,
-        softmax_scale=c.scale, num_splits=splits, config=cfg, recipe=recipe,
-        q_scale=q_scale if recipe.q_scaled else None,
+        c, kv_cache, block_table, seq_lens, out, lse, (wacc, wml), (q_nope, q_pe, q_scale),
+        quant=quant, num_splits=splits, config=cfg,
     )  # fmt: skip
     return out, lse
 

@@ -163,45 +163,18 @@ def _p_hat(p, p_inv_gs, P_FMT: gl.constexpr):
 
 
 @gluon.jit
-def _stage_q(
-    qn_ptr,
-    qp_ptr,
-    b,
-    hg,
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    num_heads,
-    dtype: gl.constexpr,
-    D1: gl.constexpr,
-    D2: gl.constexpr,
-):
-    """q of heads ``[64 hg, 64 hg + 64)`` into shared memory (``[64, D1]``, ``[64, D2]``);
-    heads past ``num_heads`` are zeros."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_WARPS, 1], [1, 0])
-    ld_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
-    offs_h = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, ld))
-    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, ld))
-    q1 = gl.load(
-        qn_ptr + b * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d1[None, :],
+def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, dtype: gl.constexpr):
+    """Request ``b``'s q rows of heads ``[64 hg, 64 hg + 64)``, features ``[0, D)``, in a
+    shared ``[64, D]`` wgmma operand; heads past ``num_heads`` are zeros."""
+    offs_h = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, _LD))
+    offs_d = gl.arange(0, D, gl.SliceLayout(0, _LD))
+    rows = gl.load(
+        q_ptr + b * stride_b + offs_h[:, None] * stride_h + offs_d[None, :],
         mask=(offs_h < num_heads)[:, None],
         other=0.0,
     )
-    offs_hp = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, ld_pe))
-    offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, ld_pe))
-    q2 = gl.load(
-        qp_ptr + b * stride_qp_b + offs_hp[:, None] * stride_qp_h + offs_d2[None, :],
-        mask=(offs_hp < num_heads)[:, None],
-        other=0.0,
-    )
-    q1_smem = gl.allocate_shared_memory(
-        dtype, [_HEADS, D1], gl.NVMMASharedLayout.get_default_for([_HEADS, D1], dtype), q1
-    )
-    q2_smem = gl.allocate_shared_memory(
-        dtype, [_HEADS, D2], gl.NVMMASharedLayout.get_default_for([_HEADS, D2], dtype), q2
-    )
-    return q1_smem, q2_smem
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], dtype)
+    return gl.allocate_shared_memory(dtype, [_HEADS, D], layout, rows)
 
 
 @gluon.jit
@@ -284,10 +257,8 @@ def gluon_decode_split_kernel(
     hi = gl.minimum(lo + chunk, seq_len)
     n_tiles = gl.maximum(hi - lo + BLOCK_N - 1, 0) // BLOCK_N
 
-    q1_smem, q2_smem = _stage_q(
-        qn_ptr, qp_ptr, b, hg, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, num_heads,
-        mma, D1, D2,
-    )  # fmt: skip
+    q1_smem = _q_rows_smem(qn_ptr, b, hg, stride_qn_b, stride_qn_h, num_heads, D1, mma)
+    q2_smem = _q_rows_smem(qp_ptr, b, hg, stride_qp_b, stride_qp_h, num_heads, D2, mma)
     row_scale = gl.full([_HEADS], score_scale, gl.float32, row_s)
     if Q_SCALED:
         offs_hs = hg * _HEADS + gl.arange(0, _HEADS, row_s)
