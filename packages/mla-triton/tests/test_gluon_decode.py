@@ -118,7 +118,7 @@ def test_kernel_args_bind_every_parameter(recipe: str) -> None:
     """The launch's keyword arguments (``decode.split_kernel_args`` filtered, plus the
     kernel's own) are exactly the kernel's parameters, with the recipe's values."""
     from mla_triton.decode import _check
-    from mla_triton.gluon_decode import gluon_kernel_args
+    from mla_triton.gluon_decode import launch_gluon_decode
     from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
 
     quant = AttentionQuant.uniform("fp8") if recipe == "fp8" else None
@@ -130,19 +130,11 @@ def test_kernel_args_bind_every_parameter(recipe: str) -> None:
     out = torch.empty(3, 20, 512, dtype=torch.bfloat16)
     lse = torch.empty(3, 20)
     q_hat = q.to(torch.float16) if quant is not None else q
-    args = gluon_kernel_args(
-        c,
-        cache,
-        table,
-        seq,
-        out,
-        lse,
-        (lse, lse),
-        (q_hat[..., :512], q_hat[..., 512:], lse),
-        quant=quant,
-        num_splits=3,
-        config=VARIANTS[2],
-    )
+    queries = (q_hat[..., :512], q_hat[..., 512:], lse)
+    args = launch_gluon_decode(
+        c, cache, table, seq, out, lse, (lse, lse), queries, quant=quant, num_splits=3,
+        config=VARIANTS[2], launch=False,
+    )  # fmt: skip
     assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
     assert args["num_warps"] == 8 and args["HEAD_GROUPS"] == 1 and args["NUM_SPLITS"] == 3
     assert (args["BLOCK_N"], args["STAGES"], args["OVERLAP"]) == (32, 4, True)

@@ -33,7 +33,6 @@ __all__ = [
     "gluon_decode_config",
     "gluon_decode_preferred",
     "gluon_decode_supported",
-    "gluon_kernel_args",
     "gluon_recipe",
     "launch_gluon_decode",
 ]
@@ -166,46 +165,6 @@ def _kernel() -> Any:
     return gluon_decode_split_kernel
 
 
-def gluon_kernel_args(
-    c: _Checked,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    partials: tuple[torch.Tensor, torch.Tensor],
-    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    *,
-    quant: AttentionQuant | None,
-    num_splits: int,
-    config: GluonDecodeConfig,
-) -> dict[str, Any]:
-    """The Gluon split kernel's keyword arguments: ``decode.split_kernel_args`` (the ones
-    both Triton split kernels take) restricted to this kernel's parameters, plus its own
-    (``k_inv_gs``, ``STAGES``, ``OVERLAP``, ``KV_FP8``) and ``num_warps``."""
-    from mla_triton.decode import DecodeConfig, _operand, split_kernel_args
-    from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
-
-    recipe = gluon_recipe(quant)
-    if isinstance(recipe, str):
-        raise ValueError(f"quant: the Gluon decode does not take it: {recipe}")
-    aq = quant if quant is not None else AttentionQuant()
-    qo, ko, vo, po = (_operand(op) for op in (aq.q, aq.k, aq.v, aq.p))
-    tiles = DecodeConfig(block_h=BLOCK_H, block_n=config.block_n, num_warps=NUM_WARPS,
-                         num_stages=config.stages)  # fmt: skip
-    shared = split_kernel_args(
-        c, kv_cache, block_table, seq_lens, out, lse, partials, queries, (qo, ko, vo, po),
-        tiles, num_splits, queries[0].shape[2], recipe.mma_f16,
-    )  # fmt: skip
-    names = set(_kernel().arg_names)
-    args = {k: v for k, v in shared.items() if k in names}
-    args.update(
-        k_inv_gs=1.0 / recipe.k_gs, STAGES=config.stages, OVERLAP=config.overlap,
-        KV_FP8=recipe.kv_fp8, num_warps=NUM_WARPS,
-    )  # fmt: skip
-    return args
-
-
 def launch_gluon_decode(
     c: _Checked,
     kv_cache: torch.Tensor,
@@ -219,7 +178,8 @@ def launch_gluon_decode(
     quant: AttentionQuant | None,
     num_splits: int,
     config: GluonDecodeConfig,
-) -> None:
+    launch: bool = True,
+) -> dict[str, Any]:
     """Launch the Gluon split kernel, then ``decode``'s merge (``_merge_splits``).
 
     ``c``: ``decode``'s checked inputs; ``partials`` ``(wacc, wml)`` and ``queries``
@@ -227,19 +187,36 @@ def launch_gluon_decode(
     scales when q is quantized: float16 when K is quantized too, else the input dtype;
     placeholders otherwise). Shapes: ``kv_cache [blocks, page, 576]``,
     ``block_table [B, pages]``, ``seq_lens [B]``, ``out [B, H, 512]``, ``lse [B, H]``.
-    No allocation, no synchronization (CUDA-graph safe).
+    No allocation, no synchronization (CUDA-graph safe). Returns the kernel's keyword
+    arguments: ``decode.split_kernel_args`` (those both Triton split kernels take)
+    restricted to this kernel's parameters, plus its own (``k_inv_gs``, ``STAGES``,
+    ``OVERLAP``, ``KV_FP8``) and ``num_warps``; ``launch=False`` only builds them.
     """
-    from mla_triton.decode import _merge_splits
-    from mla_triton.kernels.gluon_decode import BLOCK_H
+    from mla_triton.decode import DecodeConfig, _merge_splits, _operand, split_kernel_args
+    from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
 
-    if c.batch == 0:
-        return
-    args = gluon_kernel_args(
-        c, kv_cache, block_table, seq_lens, out, lse, partials, queries, quant=quant,
-        num_splits=num_splits, config=config,
+    recipe = gluon_recipe(quant)
+    if isinstance(recipe, str):
+        raise ValueError(f"quant: the Gluon decode does not take it: {recipe}")
+    aq = quant if quant is not None else AttentionQuant()
+    ops = tuple(_operand(op) for op in (aq.q, aq.k, aq.v, aq.p))
+    tiles = DecodeConfig(block_h=BLOCK_H, block_n=config.block_n, num_warps=NUM_WARPS,
+                         num_stages=config.stages)  # fmt: skip
+    shared = split_kernel_args(
+        c, kv_cache, block_table, seq_lens, out, lse, partials, queries,
+        (ops[0], ops[1], ops[2], ops[3]), tiles, num_splits, queries[0].shape[2],
+        recipe.mma_f16,
     )  # fmt: skip
-    _kernel()[(-(-c.heads // BLOCK_H) * num_splits * c.batch,)](**args)
-    _merge_splits(c, *partials, seq_lens, out, lse, num_splits, args["out_scale"], args["D1"])
+    kernel = _kernel()
+    args = {k: v for k, v in shared.items() if k in set(kernel.arg_names)}
+    args.update(
+        k_inv_gs=1.0 / recipe.k_gs, STAGES=config.stages, OVERLAP=config.overlap,
+        KV_FP8=recipe.kv_fp8, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    if launch and c.batch > 0:
+        kernel[(args["HEAD_GROUPS"] * num_splits * c.batch,)](**args)
+        _merge_splits(c, *partials, seq_lens, out, lse, num_splits, args["out_scale"], args["D1"])
+    return args
 
 
 def gluon_decode(
