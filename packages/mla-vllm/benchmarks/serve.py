@@ -288,10 +288,10 @@ def run_child(args: argparse.Namespace) -> int:
 
 def scan_log(text: str) -> dict[str, Any]:
     """vLLM's JIT-monitor warnings (kernel names, in order) and MLA_QUANT's warmup lines."""
-    lines = [line for line in text.splitlines() if "during inference" in line]
-    kernels = [m.group(1) for line in lines if (m := JIT_LINE.search(line))]
+    # only the per-kernel warnings: the monitor's own start line also says "during inference"
+    kernels = [m.group(1) for line in text.splitlines() if (m := JIT_LINE.search(line))]
     warmups = [m.group(0).strip() for m in WARMUP_LINE.finditer(text)]
-    return {"jit_warnings": len(lines), "jit_kernels": kernels, "mla_warmup": warmups}
+    return {"jit_warnings": len(kernels), "jit_kernels": kernels, "mla_warmup": warmups}
 
 
 def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:

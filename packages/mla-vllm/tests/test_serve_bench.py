@@ -79,6 +79,8 @@ def test_model_is_deepseek_v3_attention(serve: ModuleType) -> None:
 
 def test_log_scan(serve: ModuleType) -> None:
     log = (
+        "INFO 12-01 14:23:35 [jit_monitor.py:84] Kernel JIT monitor activated; monitored JIT "
+        "compilations during inference will use mode=warn.\n"
         "INFO 12-01 mla_vllm.warmup: MLA_QUANT warmup: 3 plans (decode, prefill, update) over 4 "
         "layers: 61 kernel variants in 12.3 s\n"
         "WARNING 12-01 [jit_monitor.py:131] Triton kernel JIT compilation during inference: "
