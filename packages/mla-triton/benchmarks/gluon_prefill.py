@@ -44,15 +44,11 @@ from typing import Any
 
 import torch
 
+# one benchmark dataset: the shapes of benchmarks/prefill.py (this script's folder)
+from prefill import DQK, DV, SHAPES
+
 from mla_formats import AttentionQuant
 
-DQK, DV = 192, 128
-VARLEN = [8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
-SHAPES: dict[str, tuple[list[int], int]] = {
-    "b4-h128-L4096": ([4096] * 4, 128),
-    "b1-h16-L16384": ([16384], 16),
-    "varlen16k-h128": (VARLEN, 128),
-}
 CHECK_LENS = [1, 17, 128, 1000, 4096]
 QUANTS: dict[str, AttentionQuant | None] = {
     "none": None,
