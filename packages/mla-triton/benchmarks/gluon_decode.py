@@ -137,7 +137,7 @@ def _check_case(
     """One case: the oracle and the Triton decode once, then every Gluon variant."""
     import mla_reference
     from mla_triton.decode import decode
-    from mla_triton.gluon_decode import VARIANTS, gluon_decode
+    from mla_triton.gluon_decode import VARIANTS
 
     name, batch, heads, lens, length, page, splits = case
     q, cache, table, seq = make_inputs(_case_lens(ci, batch, lens, length), heads, page, ci)
@@ -150,7 +150,9 @@ def _check_case(
             q.cpu(), cache.cpu(), table.cpu(), seq.cpu(), softmax_scale=SCALE, quant=quant
         )
         ref, rlse = ref.to(q.device), rlse.to(q.device)
-    tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits)
+    tri, tlse = decode(
+        q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits, impl="triton"
+    )
     p_quantized = quant is not None and not quant.p.is_identity
     triton_err = compare(tri, tlse, ref, rlse)
     results: list[dict[str, Any]] = []
@@ -163,7 +165,7 @@ def _check_case(
             continue
         try:
             t0 = time.monotonic()
-            out, lse = gluon_decode(
+            out, lse = decode(
                 q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits,
                 config=cfg,
             )  # fmt: skip
@@ -243,21 +245,8 @@ def _bench_shape(
     """Time every implementation at one shape into ``rec["timings"]``."""
     import triton
 
-    from mla_triton.decode import (
-        _check,
-        _operand,
-        _stage_q,
-        decode,
-        decode_num_splits,
-        decode_workspace_size,
-    )
-    from mla_triton.gluon_decode import (
-        VARIANTS,
-        GluonDecodeConfig,
-        GluonRecipe,
-        gluon_recipe,
-        launch_gluon_decode,
-    )
+    from mla_triton.decode import decode, decode_num_splits, decode_workspace_size
+    from mla_triton.gluon_decode import VARIANTS, GluonDecodeConfig
 
     q, cache, table, seq = make_inputs([length] * batch, heads, 64, seed=7)
     timings: dict[str, Any] = {}
@@ -270,31 +259,20 @@ def _bench_shape(
     def triton_run() -> tuple[torch.Tensor, torch.Tensor]:
         return decode(
             q, cache, table, seq, softmax_scale=SCALE, quant=quant, workspace=ws, out=out,
-            lse=lse, check_values=False,
+            lse=lse, check_values=False, impl="triton",
         )  # fmt: skip
 
     runs: dict[str, Any] = {"triton": triton_run}
-    # the Gluon kernel launched directly on preallocated buffers (no checks on the way)
-    splits = decode_num_splits(batch, heads, length, device=q.device, block_h=64)
-    rec["gluon_splits"] = splits
+    # the Gluon kernel through decode (config= picks the variant) on preallocated buffers
+    rec["gluon_splits"] = decode_num_splits(batch, heads, length, device=q.device, block_h=64)
     o_g = torch.empty_like(out)
     l_g = torch.empty_like(lse)
-    recipe = gluon_recipe(quant)
-    assert isinstance(recipe, GluonRecipe), recipe
-    c = _check(q, cache, table, seq, SCALE, 512, quant, None)
-    qo = _operand((quant or AttentionQuant()).q)
-    ws_g = torch.empty(decode_workspace_size(batch, heads, length, num_splits=splits),
-                       dtype=torch.uint8, device=q.device)  # fmt: skip
 
     def gluon_run(cfg: GluonDecodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        # q̂ (when q is quantized) by decode's q kernel into the workspace, then the split
-        # kernel and the merge: what a decode call through the Gluon path launches
-        wacc, wml, qn, qp, qs = _stage_q(c, qo, recipe.mma_f16, splits, 512, ws_g, l_g)
-        launch_gluon_decode(
-            c, cache, table, seq, o_g, l_g, (wacc, wml), (qn, qp, qs), quant=quant,
-            num_splits=splits, config=cfg,
+        return decode(
+            q, cache, table, seq, softmax_scale=SCALE, quant=quant, workspace=ws, out=o_g,
+            lse=l_g, check_values=False, config=cfg,
         )  # fmt: skip
-        return o_g, l_g
 
     for cfg in VARIANTS:
         runs[f"gluon-{cfg.name}"] = lambda cfg=cfg: gluon_run(cfg)

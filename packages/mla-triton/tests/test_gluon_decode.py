@@ -19,24 +19,33 @@ test_decode_gpu.py's inputs, CPU oracle and checks.
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import re
 import subprocess
 import sys
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
 
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.gluon_decode import (
+    IMPLS,
     UNQUANTIZED,
     VARIANTS,
     GluonDecodeConfig,
+    GluonFacts,
     GluonRecipe,
+    check_impl,
+    choose_impl,
     compile_variant,
+    gluon_api_missing,
     gluon_decode_preferred,
-    gluon_decode_supported,
     gluon_recipe,
+    gluon_unsupported,
     max_shared_bytes,
 )
 
@@ -120,48 +129,207 @@ def test_one_split_and_fp16_compile() -> None:
     assert "f32.f16.f16" in c.ptx
 
 
-def test_supported() -> None:
-    assert gluon_decode_supported(torch.bfloat16, None, 512, 64) is None
-    assert gluon_decode_supported(torch.float16, AttentionQuant(), 512, 64) is None
-    assert gluon_decode_supported(torch.bfloat16, AttentionQuant.uniform("fp8"), 512, 64) is None
-    assert gluon_decode_supported(torch.bfloat16, AttentionQuant(q="fp8", p="fp8"), 512, 64) is None
-    for bad in (
-        AttentionQuant(k="fp8"),  # V not quantized: K̂ and V̂ differ
-        AttentionQuant(k="nvfp4", v="nvfp4"),
-        AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="fp8"),
-        AttentionQuant(k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0)),  # not 2^k
-    ):
-        assert gluon_decode_supported(torch.bfloat16, bad, 512, 64) is not None, bad
+SM90 = GluonFacts(
+    device_type="cuda", capability=(9, 0), interpreting=False, api_missing=None,
+    dtype=torch.bfloat16, quant=None, heads=128, kv_lora_rank=512, rope=64,
+    kv_strides=(64 * 576, 576), kv_aligned=True,
+)  # fmt: skip
+"""The facts of a call the Gluon kernel takes (an H200, DeepSeek's widths)."""
+
+
+def test_dispatch_takes_the_covered_calls() -> None:
+    """None (the Gluon kernel) for every recipe of ``gluon_recipe``, both 16-bit dtypes."""
+    for quant in (None, AttentionQuant(), AttentionQuant.uniform("fp8"),
+                  AttentionQuant(q="fp8", p="fp8"), AttentionQuant(k="fp8", v="fp8")):  # fmt: skip
+        for dtype in (torch.bfloat16, torch.float16):
+            assert gluon_unsupported(replace(SM90, quant=quant, dtype=dtype)) is None, quant
     assert GluonRecipe(q_scaled=True, kv_fp8=True, p_fmt=1, p_gs=FP8.p_gs) == FP8
     kv8 = gluon_recipe(AttentionQuant(k="fp8", v="fp8"))
     assert FP8.mma_f16 and isinstance(kv8, GluonRecipe) and not kv8.mma_f16
-    assert gluon_decode_supported(torch.float32, None, 512, 64) is not None
-    assert gluon_decode_supported(torch.bfloat16, None, 256, 64) is not None
+
+
+@pytest.mark.parametrize(
+    ("change", "needle", "covered"),
+    [
+        ({"device_type": "cpu", "capability": None}, "tensors on cpu", False),
+        ({"capability": (8, 0)}, "capability (8, 0)", False),
+        ({"capability": (10, 0)}, "capability (10, 0)", False),
+        ({"interpreting": True}, "interpreter", True),
+        ({"api_missing": "Triton 3.9.0: ..."}, "Triton 3.9.0", True),
+        ({"dtype": torch.float32}, "16-bit only", True),
+        ({"kv_lora_rank": 256}, "kv_lora_rank 256", True),
+        ({"rope": 32}, "rope 32", True),
+        ({"kv_strides": (64 * 584, 584)}, "strides", True),
+        ({"kv_aligned": False}, "aligned", True),
+        ({"quant": AttentionQuant(k="fp8")}, "both none or both fp8", False),
+        ({"quant": AttentionQuant(k="nvfp4", v="nvfp4")}, "nvfp4", False),
+        ({"quant": AttentionQuant(p="nvfp4")}, "nvfp4", False),
+        ({"quant": AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="fp8")}, "static", False),
+        ({"quant": AttentionQuant(k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0))},
+         "power-of-two", False),
+        ({"heads": 32}, "32 heads", False),
+        ({"heads": 16}, "16 heads", False),
+    ],
+)  # fmt: skip
+def test_dispatch_refusals(change: dict[str, Any], needle: str, covered: bool) -> None:
+    """Each fact that rules the Gluon kernel out, with its reason; the head count only
+    under ``"auto"`` (``"gluon"`` runs any head count)."""
+    facts = replace(SM90, **change)
+    why = gluon_unsupported(facts)
+    assert why is not None and needle in why.reason and why.covered == covered, why
+    forced = gluon_unsupported(facts, forced=True)
+    assert (forced is None) == ("heads" in change), forced
+    assert choose_impl("auto", facts) == "triton" and choose_impl("triton", SM90) == "triton"
+    if forced is not None:
+        with pytest.raises(ValueError, match=rf"^impl: .*{re.escape(needle)}"):
+            choose_impl("gluon", facts)
+    assert choose_impl("auto", SM90) == choose_impl("gluon", SM90) == "gluon"
+
+
+def test_fallback_logged_once_per_reason(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On sm90, a platform or tensor reason is logged once; the recipe, the head count
+    and another GPU are not logged."""
+    import mla_triton.gluon_decode as gd
+
+    monkeypatch.setattr(gd, "_logged", set())
+    caplog.set_level(logging.INFO, logger="mla_triton")
+    for _ in range(3):
+        choose_impl("auto", replace(SM90, kv_aligned=False))
+        choose_impl("auto", replace(SM90, api_missing="no Gluon here"))
+        choose_impl("auto", replace(SM90, heads=16))
+        choose_impl("auto", replace(SM90, quant=AttentionQuant.uniform("nvfp4")))
+        choose_impl("auto", replace(SM90, capability=(8, 0)))
+    logged = [r.getMessage() for r in caplog.records if r.name == "mla_triton"]
+    assert len(logged) == 2 and "aligned" in logged[0] and "no Gluon here" in logged[1], logged
+
+
+def test_impl_values_checked() -> None:
+    assert [check_impl(v) for v in IMPLS] == ["auto", "triton", "gluon"]
+    for bad in ("Gluon", "", None, 1):
+        with pytest.raises(ValueError, match=r"^impl: expected one of"):
+            check_impl(bad)
+
+
+def test_triton_release_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This Triton (3.8) has the API; another release is a reason, cached once."""
+    import triton
+
+    gluon_api_missing.cache_clear()
+    try:
+        assert gluon_api_missing() is None
+        gluon_api_missing.cache_clear()
+        monkeypatch.setattr(triton, "__version__", "3.9.0")
+        why = gluon_api_missing()
+        assert why is not None and "Triton 3.9.0" in why
+        monkeypatch.setattr(triton, "__version__", "3.8.0")
+        assert gluon_api_missing() == why  # cached
+    finally:
+        gluon_api_missing.cache_clear()
+
+
+def _cpu_case(heads: int) -> tuple[torch.Tensor, ...]:
+    q = torch.zeros(3, heads, 576, dtype=torch.float16)
+    cache = torch.zeros(7, 64, 576, dtype=torch.float16)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    return q, cache, table, torch.tensor([5, 0, 128], dtype=torch.int32)
+
+
+def test_decode_impl_refused_before_any_launch() -> None:
+    """A bad ``impl``, or ``"gluon"`` where it cannot run (here: on the CPU; the shadow),
+    is a ValueError naming ``impl`` and nothing launches; ``"auto"`` runs Triton here."""
+    from mla_triton import allocate_shadow, decode, decode_shadow
+    from mla_triton.gluon_decode import GluonDecodeConfig
+    from mla_triton.warmup import record_keys
+
+    q, cache, table, seq = _cpu_case(128)
+    fp8 = AttentionQuant.uniform("fp8")
+    shadow = allocate_shadow(7, 64, fp8)
+    calls = {
+        "decode": lambda impl: decode(q, cache, table, seq, softmax_scale=SCALE, impl=impl),
+        "shadow": lambda impl: decode_shadow(
+            q, cache, shadow, table, seq, softmax_scale=SCALE, quant=fp8, impl=impl
+        ),
+    }
+    with record_keys() as keys:
+        for call in calls.values():
+            for bad in ("flashmla", None):
+                with pytest.raises(ValueError, match=r"^impl: expected one of"):
+                    call(bad)
+        with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
+            calls["decode"]("gluon")
+        with pytest.raises(ValueError, match=r"^impl: the Gluon decode_shadow is not"):
+            calls["shadow"]("gluon")
+        with pytest.raises(ValueError, match=r"^config: a GluonDecodeConfig"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, impl="triton",
+                   config=GluonDecodeConfig(64, 2))  # fmt: skip
+        with pytest.raises(ValueError, match=r"^config: expected None, DecodeConfig or Gluon"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, config="bn64")  # type: ignore[arg-type]
+    assert not keys
+    with record_keys() as keys:
+        decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2)
+    assert {k.rsplit(".", 1)[1] for k, _ in keys} == {"decode_split_kernel", "decode_merge_kernel"}
+
+
+@pytest.fixture
+def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode`` dispatches CPU tensors as on an H200 (launches must be intercepted)."""
+    import mla_triton.gluon_decode as gd
+
+    real = gd.gluon_facts
+
+    def facts(*args: Any) -> GluonFacts:
+        f = real(*args)
+        return replace(f, device_type="cuda", capability=(9, 0), interpreting=False,
+                       api_missing=None)  # fmt: skip
+
+    monkeypatch.setattr(gd, "gluon_facts", facts)
+
+
+def _launched(call: Any) -> list[tuple[str, dict[str, Any], Any]]:
+    """The ``(kernel, keyword arguments, grid)`` of every launch ``call()`` makes (none run)."""
+    from mla_triton.warmup import _intercept
+
+    seen: list[tuple[str, dict[str, Any], Any]] = []
+
+    def action(run: Any, kernel: Any, args: Any, kwargs: dict[str, Any], grid: Any) -> None:
+        seen.append((kernel.fn.__name__, kwargs, grid))
+
+    with _intercept(action):
+        call()
+    return seen
+
+
+def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.parametrize("recipe", ["none", "fp8"])
-def test_kernel_args_bind_every_parameter(recipe: str) -> None:
-    """The launch's keyword arguments (``decode.split_kernel_args`` filtered, plus the
-    kernel's own) are exactly the kernel's parameters, with the recipe's values."""
-    from mla_triton.decode import _check
-    from mla_triton.gluon_decode import launch_gluon_decode
+def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
+    """On sm90 ``decode`` launches q̂ (fp8), the Gluon kernel with exactly its parameters
+    (``split_kernel_args`` filtered, plus its own) and the merge; at 20 heads ``"auto"``
+    keeps the Triton kernel, ``"gluon"`` takes it."""
+    from mla_triton.decode import decode
     from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
 
     quant = AttentionQuant.uniform("fp8") if recipe == "fp8" else None
-    q = torch.zeros(3, 20, 576, dtype=torch.bfloat16)
-    cache = torch.zeros(7, 64, 576, dtype=torch.bfloat16)
-    table = torch.zeros(3, 2, dtype=torch.int32)
-    seq = torch.tensor([5, 0, 128], dtype=torch.int32)
-    c = _check(q, cache, table, seq, SCALE, 512, quant, None)
-    out = torch.empty(3, 20, 512, dtype=torch.bfloat16)
-    lse = torch.empty(3, 20)
-    q_hat = q.to(torch.float16) if quant is not None else q
-    queries = (q_hat[..., :512], q_hat[..., 512:], lse)
-    args = launch_gluon_decode(
-        c, cache, table, seq, out, lse, (lse, lse), queries, quant=quant, num_splits=3,
-        config=VARIANTS[2], launch=False,
-    )  # fmt: skip
+    q, cache, table, seq = _cpu_case(20)
+    names = ["decode_q_kernel"] if quant is not None else []
+
+    def call(impl: str, config: GluonDecodeConfig | None = None) -> Any:
+        return lambda: decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant,
+                              num_splits=3, impl=impl, config=config)  # fmt: skip
+
+    auto = _launched(call("auto"))
+    assert [n for n, _, _ in auto] == [*names, "decode_split_kernel", "decode_merge_kernel"]
+    seen = _launched(call("gluon", VARIANTS[2]))
+    assert [n for n, _, _ in seen] == [*names, "gluon_decode_split_kernel", "decode_merge_kernel"]
+    implied = _launched(call("auto", VARIANTS[2]))  # a Gluon config implies "gluon"
+    assert [(n, _plain(a)) for n, a, _ in implied] == [(n, _plain(a)) for n, a, _ in seen]
+    _, args, grid = seen[-2]
     assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
+    assert grid == (1 * 3 * 3,)  # head groups x splits x requests
     assert args["num_warps"] == 8 and args["HEAD_GROUPS"] == 1 and args["NUM_SPLITS"] == 3
     assert (args["BLOCK_N"], args["STAGES"], args["OVERLAP"]) == (32, 4, True)
     assert (args["PAGE"], args["D1"], args["D2"], args["capacity"]) == (64, 512, 64, 128)
@@ -170,7 +338,34 @@ def test_kernel_args_bind_every_parameter(recipe: str) -> None:
     assert args["score_scale"] == pytest.approx(SCALE * 1.4426950408889634)
     p_gs = FP8.p_gs if quant is not None else 1.0
     assert args["p_inv_gs"] == pytest.approx(1.0 / p_gs) and args["out_scale"] == p_gs
-    assert args["qn_ptr"].dtype == (torch.float16 if quant is not None else torch.bfloat16)
+    assert args["qn_ptr"].dtype == torch.float16
+    default = _launched(call("gluon"))[-2][1]  # the default configuration
+    assert (default["BLOCK_N"], default["STAGES"], default["OVERLAP"]) == (64, 2, False)
+    q128, *_ = _cpu_case(128)
+    big = _launched(lambda: decode(q128, cache, table, seq, softmax_scale=SCALE, quant=quant))
+    assert [n for n, _, _ in big] == [*names, "gluon_decode_split_kernel"]  # one split
+
+
+def test_warmup_covers_the_gluon_keys(as_sm90: None) -> None:
+    """``warmup_decode`` on an sm90 engine compiles the Gluon kernel for every split count
+    serving reaches: the keys of a serving sweep (record_keys, sm_90) are all warmed."""
+    from test_warmup import make_engine, sweep, warm
+
+    from mla_triton.warmup import decode_split_counts, record_keys
+
+    for quant in (None, AttentionQuant.uniform("fp8")):
+        engine = make_engine(quant, False, blocks=37, width=35, max_rows=40, max_seq_len=2176,
+                             dtype=torch.float16, device="cpu")  # fmt: skip
+        with record_keys() as warmed:
+            warm(engine, prefill_too=False)
+        with record_keys() as served:
+            sweep(engine, random.Random(0), prefill_too=False)
+        gluon = {key for kernel, key in warmed if kernel.endswith("gluon_decode_split_kernel")}
+        assert len(gluon) == len(decode_split_counts(40, 128, 2176, block_h=64)) == 8
+        split = {kernel.rsplit(".", 1)[1] for kernel, _ in served if "split" in kernel}
+        assert split == {"gluon_decode_split_kernel"}, split  # 128 heads on sm90: Gluon only
+        missing = set(served) - set(warmed)
+        assert not missing, sorted(missing)[:3]
 
 
 def test_preferred() -> None:
@@ -223,13 +418,14 @@ def test_matches_reference(
     from test_decode_gpu import check, make_inputs, reference
 
     from mla_triton.decode import decode
-    from mla_triton.gluon_decode import gluon_decode
 
     quant = GPU_RECIPES[recipe]
     q, cache, table, seq = make_inputs(lens, heads, page, seed=len(lens) + heads)
-    out, lse = gluon_decode(
+    out, lse = decode(
         q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits, config=config
     )
     check(out, lse, *reference(q, cache, table, seq, quant), quant)
-    tri, tlse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits)
+    tri, tlse = decode(
+        q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits, impl="triton"
+    )
     check(out, lse, tri, tlse, quant)

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from mla_triton.kernels.decode_kernel import (
     decode_split_kernel,
 )
 from mla_triton.qdq_device import FORMAT_CODES
+
+if TYPE_CHECKING:
+    from mla_triton.gluon_decode import GluonDecodeConfig
 
 __all__ = [
     "DecodeConfig",
@@ -661,7 +664,8 @@ def decode(
     lse: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     check_values: bool | None = None,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | GluonDecodeConfig | None = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantized absorbed-MLA decode: split-K over a paged latent cache (SPEC 3 to 6).
 
@@ -700,7 +704,16 @@ def decode(
             (a device sync) and raise ``ValueError``. None: only when they are CPU
             tensors. bfloat16 under Triton's interpreter runs in float32 inside
             (``interpreted_bf16``).
-        config: tile configuration override (benchmarks); None: ``decode_config``.
+        config: tile configuration override (benchmarks): a ``DecodeConfig`` for the
+            Triton kernel, a ``gluon_decode.GluonDecodeConfig`` for the Gluon one (it
+            implies ``impl="gluon"``); None: the chosen kernel's default.
+        impl: which split kernel runs (docs/gluon.md): ``"auto"`` the Gluon sm90 kernel
+            where ``gluon_decode.gluon_unsupported`` is None (an sm90 GPU with the
+            Triton release it is written for, a recipe it implements, more than 32
+            heads, widths 512 + 64), else the Triton kernel (an unexpected fallback on
+            sm90 is logged once, logger ``mla_triton``); ``"triton"``; ``"gluon"``
+            (a ValueError naming ``impl`` where it cannot run). Same contract,
+            workspace and outputs either way.
 
     Returns:
         ``(out [B, H, kv_lora_rank] in q's dtype, lse [B, H] float32)``, the LSE in
@@ -719,13 +732,48 @@ def decode(
     ``mla_formats`` does. Memory the block table does not reference (other pages,
     slots past a sequence's end) is never read.
     """
+    from mla_triton import gluon_decode as gluon
+
+    chosen = gluon.check_impl(impl)
     c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
+    family, cfg = _dispatch(c, kv_cache, quant, kv_lora_rank, chosen, config)
     recipe = quant if quant is not None else AttentionQuant()
     return run_decode(
-        c, kv_cache, block_table, seq_lens, recipe, _ON_READ, out=out, lse=lse,
+        c, kv_cache, block_table, seq_lens, recipe, family, out=out, lse=lse,
         num_splits=num_splits, workspace=workspace, max_seq_len=max_seq_len,
-        check_values=check_values, config=config, kv_lora_rank=kv_lora_rank,
+        check_values=check_values, config=cfg, kv_lora_rank=kv_lora_rank,
     )  # fmt: skip
+
+
+def _dispatch(
+    c: _Checked,
+    kv_cache: torch.Tensor,
+    quant: AttentionQuant | None,
+    kv_lora_rank: int,
+    impl: str,
+    config: object,
+) -> tuple[SplitFamily, object]:
+    """``decode``'s split family and the config for ``run_decode`` (``impl`` checked):
+    the Gluon family where ``gluon_decode.choose_impl`` picks it, else on-read Triton."""
+    from mla_triton import gluon_decode as gluon
+
+    if isinstance(config, gluon.GluonDecodeConfig):
+        if impl == "triton":
+            raise ValueError("config: a GluonDecodeConfig configures impl='gluon', not 'triton'")
+        impl = "gluon"
+    elif config is not None and not isinstance(config, DecodeConfig):
+        raise ValueError(
+            f"config: expected None, DecodeConfig or GluonDecodeConfig, got {type(config).__name__}"
+        )
+    elif config is not None:
+        if impl == "gluon":
+            raise ValueError("config: impl='gluon' takes a GluonDecodeConfig, got a DecodeConfig")
+        return _ON_READ, config  # a Triton tile configuration: the Triton kernel
+    facts = gluon.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
+    if gluon.choose_impl(impl, facts) == "triton":
+        return _ON_READ, None
+    gcfg = config if isinstance(config, gluon.GluonDecodeConfig) else None
+    return gluon.gluon_family(gcfg or gluon.gluon_decode_config(c.heads)), None
 
 
 class SplitFamily:

@@ -1,10 +1,11 @@
-"""Launcher of the Gluon sm90 decode (``kernels.gluon_decode``) and its CPU compile check.
+"""The Gluon sm90 decode (``kernels.gluon_decode``): dispatch, split family, CPU compile.
 
-``launch_gluon_decode`` takes the tensors ``mla_triton.decode`` has already checked
-(SPEC 5) and launches the Gluon split kernel and, with several splits, the Triton
-merge kernel on the same workspace layout. Only the unquantized recipe (q, K, V,
-P all ``none``) and 16-bit inputs are implemented so far; ``gluon_decode_supported``
-says whether a call can take this path.
+``decode(impl="auto")`` runs this kernel where ``gluon_unsupported`` is None (an sm90
+GPU, the Triton release the kernel is written for, a recipe of ``gluon_recipe``, more
+than 32 heads, 16-bit inputs of widths 512 + 64, 16-byte aligned cache rows), through
+the decode core (``decode.run_decode``) with ``gluon_family``: q̂ by ``decode``'s q
+kernel, the split policy, the workspace, ``split_kernel_args`` and the Triton merge
+kernel are those of the Triton path; only the split kernel differs.
 
 ``compile_variant`` compiles one kernel variant for sm_90a without a GPU (Gluon has
 no interpreter): the CPU test and the benchmark's report use it.
@@ -12,29 +13,35 @@ no interpreter): the CPU test and the benchmark's report use it.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mla_formats import AttentionQuant
-
-if TYPE_CHECKING:
-    from mla_triton.decode import _Checked
+from mla_triton.decode import DecodeConfig, _OnRead, _operand, _Operands
 
 __all__ = [
+    "IMPLS",
     "UNQUANTIZED",
     "GluonDecodeConfig",
+    "GluonFacts",
     "GluonRecipe",
+    "Unsupported",
+    "check_impl",
+    "choose_impl",
     "compile_variant",
-    "gluon_decode",
+    "gluon_api_missing",
     "gluon_decode_config",
     "gluon_decode_preferred",
-    "gluon_decode_supported",
+    "gluon_facts",
+    "gluon_family",
     "gluon_recipe",
-    "launch_gluon_decode",
+    "gluon_unsupported",
 ]
 
 LOG2E = math.log2(math.e)
@@ -119,8 +126,6 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     Implemented: q none or fp8 (static or dynamic); K and V both none, or both fp8 with
     the same static power-of-two global scale; P none or fp8.
     """
-    from mla_triton.decode import _operand
-
     if quant is None:
         return UNQUANTIZED
     qo, ko, vo, po = (_operand(op) for op in (quant.q, quant.k, quant.v, quant.p))
@@ -136,27 +141,162 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     )  # fmt: skip
 
 
-def gluon_decode_supported(
-    q_dtype: torch.dtype, quant: AttentionQuant | None, kv_lora_rank: int, rope: int
-) -> str | None:
-    """None when the Gluon kernel implements the call, else the reason it does not."""
-    if q_dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q_dtype} (16-bit only)"
-    if (kv_lora_rank, rope) != (512, 64):
-        return f"kv_lora_rank {kv_lora_rank} + rope {rope} (512 + 64 only)"
-    recipe = gluon_recipe(quant)
-    return recipe if isinstance(recipe, str) else None
-
-
 def gluon_decode_preferred(num_heads: int) -> bool:
     """Whether the Gluon kernel is the faster choice for ``num_heads`` query heads.
 
-    Measured on an H200 (docs/gluon.md, first run, quant none): with 128 heads the Gluon
-    kernel ran 1.2x to 1.4x the Triton one; with 16 it ran 0.69x (48 of its 64 wgmma
-    rows are padding, and one CTA fills an SM's shared memory, where the Triton kernel
-    runs 16 heads a program, several programs an SM). Up to 32 heads: the Triton kernel.
+    Measured on an H200 (docs/gluon.md, quant none): with 128 heads the Gluon kernel
+    ran 1.5x the Triton one; with 16 it ran 0.85x to 0.93x (48 of its 64 wgmma rows
+    are padding, and one CTA fills an SM's shared memory, where the Triton kernel runs
+    16 heads a program, several programs an SM). Up to 32 heads: the Triton kernel.
     """
     return num_heads > 32
+
+
+# ---------------------------------------------------------------------- dispatch
+
+IMPLS = ("auto", "triton", "gluon")
+"""The values of ``decode``'s ``impl`` argument."""
+_TRITON_RELEASE = (3, 8)  # the Gluon API the kernel is written against (vLLM 0.33's Triton)
+_log = logging.getLogger("mla_triton")
+_logged: set[str] = set()
+
+
+def check_impl(impl: object) -> str:
+    """``impl`` if it is one of ``IMPLS``, else a ValueError naming it."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    return impl
+
+
+@functools.cache
+def gluon_api_missing() -> str | None:
+    """None when the installed Triton has the Gluon API the kernel uses, else why not
+    (checked once: the release, then importing the kernel module)."""
+    try:
+        import triton
+
+        release = tuple(int(x) for x in triton.__version__.split(".")[:2])
+        if release != _TRITON_RELEASE:
+            return (
+                f"Triton {triton.__version__}: the Gluon kernel is written for Triton "
+                f"{_TRITON_RELEASE[0]}.{_TRITON_RELEASE[1]} (Gluon's API moves between releases)"
+            )
+        _kernel()
+    except Exception as exc:  # an import or API error of this Triton: fall back
+        return f"the Gluon API of this Triton is not usable: {type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass(frozen=True)
+class GluonFacts:
+    """What the dispatch decision reads of a call and its platform (no tensors).
+
+    Attributes:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        capability: the CUDA device's compute capability, None off CUDA.
+        interpreting: Triton's interpreter is on (``TRITON_INTERPRET``).
+        api_missing: ``gluon_api_missing()``.
+        dtype: q's dtype.
+        quant: the recipe.
+        heads, kv_lora_rank, rope: q's heads and widths.
+        kv_strides: the cache's page and row strides (elements).
+        kv_aligned: the cache's data pointer is 16-byte aligned.
+    """
+
+    device_type: str
+    capability: tuple[int, int] | None
+    interpreting: bool
+    api_missing: str | None
+    dtype: torch.dtype
+    quant: AttentionQuant | None
+    heads: int
+    kv_lora_rank: int
+    rope: int
+    kv_strides: tuple[int, int]
+    kv_aligned: bool
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Why the Gluon kernel does not take a call; ``covered`` False for the recipe or
+    the head count (what the Gluon kernel does not implement or is not faster at, not
+    logged), True for the platform or the tensors (logged once when auto falls back)."""
+
+    reason: str
+    covered: bool
+
+
+def gluon_unsupported(f: GluonFacts, *, forced: bool = False) -> Unsupported | None:
+    """None when ``impl="auto"`` (``forced``: ``"gluon"``) runs the call through the
+    Gluon kernel, else why not. A pure function of ``f`` (testable without a GPU)."""
+    if f.device_type != "cuda":
+        return Unsupported(f"tensors on {f.device_type}, not CUDA", False)
+    if f.capability != (9, 0):
+        return Unsupported(f"device capability {f.capability}, the Gluon kernel is sm90", False)
+    if f.interpreting:
+        return Unsupported("Triton's interpreter is on (Gluon has none)", True)
+    if f.api_missing is not None:
+        return Unsupported(f.api_missing, True)
+    if f.dtype not in (torch.float16, torch.bfloat16):
+        return Unsupported(f"dtype {f.dtype} (16-bit only)", True)
+    if (f.kv_lora_rank, f.rope) != (512, 64):
+        return Unsupported(f"kv_lora_rank {f.kv_lora_rank} + rope {f.rope} (512 + 64 only)", True)
+    if any(s % 16 for s in f.kv_strides) or not f.kv_aligned:
+        return Unsupported(
+            f"kv_cache page/row strides {f.kv_strides} must be multiples of 16 elements and "
+            "its data 16-byte aligned (the 16-byte cp.async tile copies)",
+            True,
+        )
+    recipe = gluon_recipe(f.quant)
+    if isinstance(recipe, str):
+        return Unsupported(recipe, False)
+    if not forced and not gluon_decode_preferred(f.heads):
+        return Unsupported(f"{f.heads} heads: the Triton kernel is faster up to 32", False)
+    return None
+
+
+def gluon_facts(
+    q: torch.Tensor, kv_cache: torch.Tensor, quant: AttentionQuant | None, kv_lora_rank: int
+) -> GluonFacts:
+    """The facts of a checked ``decode`` call: ``q`` is q_nope ``[B, H, kv_lora_rank]``
+    (``rope`` is the cache's width minus ``kv_lora_rank``)."""
+    device = q.device
+    cuda = device.type == "cuda"
+    capability = torch.cuda.get_device_capability(device) if cuda else None
+    return GluonFacts(
+        device_type=device.type,
+        capability=capability,
+        interpreting=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        api_missing=gluon_api_missing() if capability == (9, 0) else None,
+        dtype=q.dtype,
+        quant=quant,
+        heads=q.shape[1],
+        kv_lora_rank=kv_lora_rank,
+        rope=kv_cache.shape[2] - kv_lora_rank,
+        kv_strides=(kv_cache.stride(0), kv_cache.stride(1)),
+        kv_aligned=kv_cache.data_ptr() % 16 == 0,
+    )
+
+
+def choose_impl(impl: str, facts: GluonFacts) -> str:
+    """``"gluon"`` or ``"triton"`` for a checked call (``impl`` from ``check_impl``).
+
+    ``"triton"`` always; ``"gluon"`` where ``gluon_unsupported(forced=True)`` is None,
+    else a ValueError naming ``impl`` with the reason; ``"auto"`` the Gluon kernel where
+    ``gluon_unsupported`` is None, else the Triton one, logging the reason once (on an
+    sm90 GPU, for reasons other than the recipe or the head count).
+    """
+    if impl == "triton":
+        return "triton"
+    why = gluon_unsupported(facts, forced=impl == "gluon")
+    if why is None:
+        return "gluon"
+    if impl == "gluon":
+        raise ValueError(f"impl: the Gluon decode does not take this call: {why.reason}")
+    if why.covered and why.reason not in _logged:
+        _logged.add(why.reason)
+        _log.warning("mla_triton.decode: the Triton kernel on this sm90 GPU: %s", why.reason)
+    return "triton"
 
 
 def _kernel() -> Any:
@@ -165,110 +305,50 @@ def _kernel() -> Any:
     return gluon_decode_split_kernel
 
 
-def launch_gluon_decode(
-    c: _Checked,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    partials: tuple[torch.Tensor, torch.Tensor],
-    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    *,
-    quant: AttentionQuant | None,
-    num_splits: int,
-    config: GluonDecodeConfig,
-    launch: bool = True,
-) -> dict[str, Any]:
-    """Launch the Gluon split kernel, then ``decode``'s merge (``_merge_splits``).
+class _ByName:
+    """A kernel launched by keyword with only the arguments it declares (and
+    ``num_warps``): ``decode.split_kernel_args`` builds those of both Triton split
+    kernels, of which the Gluon kernel takes a subset."""
 
-    ``c``: ``decode``'s checked inputs; ``partials`` ``(wacc, wml)`` and ``queries``
-    ``(q_nope, q_pe, q_scale)`` as ``decode._stage_q`` returns them (q̂ and its global
-    scales when q is quantized: float16 when K is quantized too, else the input dtype;
-    placeholders otherwise). Shapes: ``kv_cache [blocks, page, 576]``,
-    ``block_table [B, pages]``, ``seq_lens [B]``, ``out [B, H, 512]``, ``lse [B, H]``.
-    No allocation, no synchronization (CUDA-graph safe). Returns the kernel's keyword
-    arguments: ``decode.split_kernel_args`` (those both Triton split kernels take)
-    restricted to this kernel's parameters, plus its own (``k_inv_gs``, ``STAGES``,
-    ``OVERLAP``, ``KV_FP8``) and ``num_warps``; ``launch=False`` only builds them.
-    """
-    from mla_triton.decode import DecodeConfig, _merge_splits, _operand, split_kernel_args
-    from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.names = frozenset(kernel.arg_names) | {"num_warps"}
 
-    recipe = gluon_recipe(quant)
-    if isinstance(recipe, str):
-        raise ValueError(f"quant: the Gluon decode does not take it: {recipe}")
-    aq = quant if quant is not None else AttentionQuant()
-    ops = tuple(_operand(op) for op in (aq.q, aq.k, aq.v, aq.p))
-    tiles = DecodeConfig(block_h=BLOCK_H, block_n=config.block_n, num_warps=NUM_WARPS,
-                         num_stages=config.stages)  # fmt: skip
-    shared = split_kernel_args(
-        c, kv_cache, block_table, seq_lens, out, lse, partials, queries,
-        (ops[0], ops[1], ops[2], ops[3]), tiles, num_splits, queries[0].shape[2],
-        recipe.mma_f16,
-    )  # fmt: skip
-    kernel = _kernel()
-    args = {k: v for k, v in shared.items() if k in set(kernel.arg_names)}
-    args.update(
-        k_inv_gs=1.0 / recipe.k_gs, STAGES=config.stages, OVERLAP=config.overlap,
-        KV_FP8=recipe.kv_fp8, num_warps=NUM_WARPS,
-    )  # fmt: skip
-    if launch and c.batch > 0:
-        kernel[(args["HEAD_GROUPS"] * num_splits * c.batch,)](**args)
-        _merge_splits(c, *partials, seq_lens, out, lse, num_splits, args["out_scale"], args["D1"])
-    return args
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        launch = self.kernel[grid]
+
+        def run(**kwargs: Any) -> Any:
+            return launch(**{k: v for k, v in kwargs.items() if k in self.names})
+
+        return run
 
 
-def gluon_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    quant: AttentionQuant | None = None,
-    num_splits: int | None = None,
-    config: GluonDecodeConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mla_triton.decode`` through the Gluon kernel (benchmarks and tests).
+class _GluonFamily(_OnRead):
+    """The decode core's split family of the Gluon kernel (``decode(impl="gluon")``):
+    the on-read recipe rules (V̂ is K̂ for fp8 K and V of one scale), 64 heads a CTA,
+    its tile configuration, and its own arguments (``k_inv_gs``, ``STAGES``,
+    ``OVERLAP``, ``KV_FP8``)."""
 
-    ``q [B, H, 576]`` and the cache in float16/bfloat16 on an sm90 GPU; the inputs
-    go through ``mla_triton.decode``'s checks first (a ValueError names a bad
-    argument), q̂ is staged by ``decode``'s own q kernel, the split count is
-    ``decode``'s policy for 64 heads per CTA. ``quant``: the recipes of
-    ``gluon_recipe``. Returns ``(out [B, H, 512] in q's dtype, lse [B, H] float32)``.
-    """
-    from mla_triton.decode import (
-        _check,
-        _check_num_splits,
-        _operand,
-        _stage_q,
-        decode_num_splits,
-    )
+    def __init__(self, config: GluonDecodeConfig) -> None:
+        self.config = config
+        self.kernel = _ByName(_kernel())
 
-    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, 512, quant, None)
-    reason = gluon_decode_supported(c.q_nope.dtype, quant, 512, c.rope)
-    if reason is not None:
-        raise ValueError(f"quant: the Gluon decode does not take this call: {reason}")
-    if q.device.type != "cuda":
-        raise ValueError(f"q: the Gluon decode runs on a CUDA device, got {q.device}")
-    recipe = gluon_recipe(quant)
-    assert isinstance(recipe, GluonRecipe)
-    cfg = config if config is not None else gluon_decode_config(c.heads)
-    splits = (
-        _check_num_splits(num_splits)
-        if num_splits is not None
-        else decode_num_splits(c.batch, c.heads, c.capacity, device=q.device, block_h=64)
-    )
-    out = torch.empty(c.batch, c.heads, 512, dtype=q.dtype, device=q.device)
-    lse = torch.empty(c.batch, c.heads, dtype=torch.float32, device=q.device)
-    qo = _operand(quant.q) if quant is not None else _operand(AttentionQuant().q)
-    wacc, wml, q_nope, q_pe, q_scale = _stage_q(c, qo, recipe.mma_f16, splits, 512, None, lse)
-    launch_gluon_decode(
-        c, kv_cache, block_table, seq_lens, out, lse, (wacc, wml), (q_nope, q_pe, q_scale),
-        quant=quant, num_splits=splits, config=cfg,
-    )  # fmt: skip
-    return out, lse
+    def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
+        from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
+
+        return DecodeConfig(block_h=BLOCK_H, block_n=self.config.block_n, num_warps=NUM_WARPS,
+                            num_stages=self.config.stages)  # fmt: skip
+
+    def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
+        ko = ops[1]
+        return {"k_inv_gs": 1.0 / ko.gs, "STAGES": cfg.num_stages, "OVERLAP": self.config.overlap,
+                "KV_FP8": ko.code == 1}  # fmt: skip
+
+
+@functools.cache
+def gluon_family(config: GluonDecodeConfig) -> _GluonFamily:
+    """The split family ``decode`` runs the Gluon kernel with (one per configuration)."""
+    return _GluonFamily(config)
 
 
 # ---------------------------------------------------------------------- CPU compile

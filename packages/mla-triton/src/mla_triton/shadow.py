@@ -53,6 +53,7 @@ from mla_triton.decode import (
     interpreted_bf16,
     run_decode,
 )
+from mla_triton.gluon_decode import check_impl
 from mla_triton.kernels.shadow_kernel import (
     shadow_decode_split_kernel,
     shadow_update_kernel,
@@ -618,6 +619,7 @@ def decode_shadow(
     max_seq_len: int | None = None,
     check_values: bool | None = None,
     config: DecodeConfig | None = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_triton.decode`` reading K̂ and V̂ from a shadow written by ``update_cache``.
 
@@ -635,7 +637,12 @@ def decode_shadow(
     with zeros past ``seq_lens``. With the same split count and tile
     configuration as ``decode``, the result is bit-identical to it; with
     different ones, equal up to float32 summation order (SPEC 4).
+
+    ``impl``: as ``decode``'s; only the Triton kernel reads a shadow so far, so
+    ``"auto"`` runs it and ``"gluon"`` is a ValueError naming ``impl``.
     """
+    if check_impl(impl) == "gluon":
+        raise ValueError("impl: the Gluon decode_shadow is not implemented yet (use 'auto')")
     qq = _check_quant(quant)
     st = _check_storage(storage)
     c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, qq, max_seq_len)
