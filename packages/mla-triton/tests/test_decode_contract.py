@@ -16,7 +16,10 @@ case takes a fraction of a second. What is checked, against ``mla_reference``:
   launch, or the oracle's result.
 
 ``MLA_CONTRACT_DEVICE=cuda`` runs the same cases on a GPU (compiled kernels, the
-hardware fp8 conversion); the oracle runs on the CPU.
+hardware fp8 conversion); the oracle runs on the CPU. ``MLA_CONTRACT_IMPL=gluon`` (with
+``cuda``, on an sm90 GPU) runs ``decode`` through the Gluon kernel (``impl="gluon"``) at
+the widths it takes (kv_lora_rank 512 + rope 64) on the recipes it implements (none,
+fp8); the shadow's tests, which have no Gluon path yet, are skipped in that mode.
 """
 
 from __future__ import annotations
@@ -41,7 +44,13 @@ from mla_triton import allocate_shadow, decode, decode_shadow, update_cache
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 DEVICE = torch.device(os.environ.get("MLA_CONTRACT_DEVICE", "cpu"))
-R, ROPE = 32, 16  # latent and rope widths
+IMPL = os.environ.get("MLA_CONTRACT_IMPL", "triton")  # decode's impl: "triton" or "gluon"
+GLUON = IMPL == "gluon"
+if IMPL not in ("triton", "gluon") or (GLUON and DEVICE.type != "cuda"):
+    raise ValueError(
+        f"MLA_CONTRACT_IMPL={IMPL!r}: 'triton', or 'gluon' with MLA_CONTRACT_DEVICE=cuda"
+    )
+R, ROPE = (512, 64) if GLUON else (32, 16)  # latent and rope widths (Gluon: DeepSeek's only)
 D = R + ROPE
 SCALE = 0.2
 ROW_TOL = 5e-2  # finite rows: the loose bound of test_decode (a P flip at most)
@@ -49,6 +58,7 @@ ROW_TOL = 5e-2  # finite rows: the loose bound of test_decode (a P flip at most)
 # the modules, not the functions ``mla_triton.decode`` and ``mla_triton.shadow`` re-exported
 decode_module = importlib.import_module("mla_triton.decode")
 shadow_module = importlib.import_module("mla_triton.shadow")
+gluon_module = importlib.import_module("mla_triton.gluon_decode")
 
 RECIPES: dict[str, AttentionQuant] = {
     "none": AttentionQuant(),
@@ -56,6 +66,11 @@ RECIPES: dict[str, AttentionQuant] = {
     "nvfp4": AttentionQuant(q="nvfp4", k="nvfp4", v="nvfp4", p="nvfp4"),
     "nvfp4_kdyn": AttentionQuant(q="nvfp4", k=OperandQuant("nvfp4", "dynamic"), v="nvfp4"),
 }
+if GLUON:  # the recipes the Gluon kernel implements
+    RECIPES = {k: RECIPES[k] for k in ("none", "fp8")}
+PATHS = ["decode"] if GLUON else ["decode", "shadow"]
+QUANTIZED = "fp8" if GLUON else "nvfp4"  # the quantized recipe of single-recipe tests
+shadow_only = pytest.mark.skipif(GLUON, reason="MLA_CONTRACT_IMPL=gluon: no Gluon shadow path")
 
 
 def make_case(
@@ -115,7 +130,7 @@ def run(
     """On-read ``decode`` or ``decode_shadow`` over a freshly written shadow."""
     if path == "decode":
         return decode(q, cache, table, lens, softmax_scale=SCALE, kv_lora_rank=R, quant=quant,
-                      **kwargs)  # fmt: skip
+                      impl=IMPL, **kwargs)  # fmt: skip
     shadow = write_shadow(cache, quant)
     return decode_shadow(q, cache, shadow, table, lens, softmax_scale=SCALE, kv_lora_rank=R,
                          quant=quant, **kwargs)  # fmt: skip
@@ -148,7 +163,7 @@ def assert_like_oracle(
 SITES = ["q", "latent", "rope"]
 
 
-@pytest.mark.parametrize("path", ["decode", "shadow"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("site", SITES)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
@@ -181,8 +196,8 @@ def test_unread_non_finite_memory_never_poisons() -> None:
             cache[blk] = float("nan")
     cache[int(table[0, 1]), 1:] = float("nan")  # past token 17
     cache[int(table[1, 2]), 1:] = float("nan")  # past token 33
-    for recipe in ("none", "nvfp4"):
-        for path in ("decode", "shadow"):
+    for recipe in ("none", QUANTIZED):
+        for path in PATHS:
             out, lse = run(path, q, cache, table, seq, RECIPES[recipe], num_splits=2)
             assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (recipe, path)
 
@@ -190,12 +205,12 @@ def test_unread_non_finite_memory_never_poisons() -> None:
 # ------------------------------------------------------------------- memory safety
 
 
-@pytest.mark.parametrize("path", ["decode", "shadow"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", [16, 32])
 @pytest.mark.parametrize("bad", ["page_negative", "page_past_end", "len_negative", "len_past"])
 def test_out_of_range_index_poisons_its_request_only(path: str, page: int, bad: str) -> None:
     """Unchecked bad indices: that request's out and LSE NaN, the others the oracle's."""
-    quant = RECIPES["nvfp4"]
+    quant = RECIPES[QUANTIZED]
     lens = [50, 70, 20]
     q, cache, table, seq = make_case(lens, 2, page, seed=11)
     ref_out, ref_lse = reference(q, cache, table, seq, quant)
@@ -219,6 +234,7 @@ def test_out_of_range_index_poisons_its_request_only(path: str, page: int, bad: 
         run(path, q, cache, table, seq, quant, check_values=True)
 
 
+@shadow_only
 def test_update_cache_skips_slots_outside_the_cache_and_refuses_duplicates() -> None:
     quant = RECIPES["nvfp4"]
     _, cache, _, _ = make_case([32], 1, 16, seed=3)
@@ -240,6 +256,7 @@ def test_update_cache_skips_slots_outside_the_cache_and_refuses_duplicates() -> 
 # ------------------------------------------------------------------ shadow recipe
 
 
+@shadow_only
 def test_shadow_read_or_written_with_another_recipe_is_refused() -> None:
     written = AttentionQuant(q="fp8", k=OperandQuant("fp8", 448.0), v="fp8", p="fp8")
     # the same layout shape (fp8 K and V sharing one scale), another scale: 224, not 448
@@ -266,8 +283,8 @@ def test_shadow_read_or_written_with_another_recipe_is_refused() -> None:
 # ------------------------------------------------------------------ bf16 interpreter
 
 
-@pytest.mark.parametrize("path", ["decode", "shadow"])
-@pytest.mark.parametrize("recipe", ["none", "fp8", "nvfp4"])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("recipe", [r for r in ("none", "fp8", "nvfp4") if r in RECIPES])
 def test_bfloat16_under_the_interpreter_is_correct(path: str, recipe: str) -> None:
     """bf16 in, bf16 out: rows within bf16 output rounding of the oracle (not 1e9)."""
     quant = RECIPES[recipe]
@@ -279,6 +296,7 @@ def test_bfloat16_under_the_interpreter_is_correct(path: str, recipe: str) -> No
     assert torch.allclose(lse, ref_lse.float(), atol=1e-3)
 
 
+@shadow_only
 def test_update_cache_bfloat16_under_the_interpreter_matches_torch() -> None:
     """Raw rows cast as torch casts them; K̂ the oracle's QDQ of those rows."""
     quant = RECIPES["fp8"]
@@ -324,6 +342,14 @@ def launches() -> Iterator[list[str]]:
         for module, group in names.items()
         for name in group
     ]
+    by_name = gluon_module._ByName
+    gluon_launch = by_name.__getitem__
+
+    def gluon_spy(self: Any, grid: Any) -> Any:
+        seen.append("gluon_decode_split_kernel")
+        return gluon_launch(self, grid)
+
+    patches.append(mock.patch.object(by_name, "__getitem__", gluon_spy))
     for p in patches:
         p.start()
     try:
@@ -358,7 +384,7 @@ DEFECTS: dict[str, str] = {
     recipe=st.sampled_from(list(RECIPES)),
     splits=st.sampled_from([None, 1, 2, 3]),
     strided=st.booleans(),
-    path=st.sampled_from(["decode", "shadow"]),
+    path=st.sampled_from(PATHS),
     defect=st.sampled_from(list(DEFECTS)),
     seed=st.integers(0, 2**16),
 )
@@ -438,7 +464,7 @@ def _call(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if path == "decode":
         return decode(q, cache, table, seq, softmax_scale=scale, kv_lora_rank=rank, quant=quant,
-                      check_values=True, **kwargs)  # fmt: skip
+                      check_values=True, impl=IMPL, **kwargs)  # fmt: skip
     shadow = (
         write_shadow(cache, quant)
         if cache.dtype == torch.float16 and cache.shape[-1] == D

@@ -14,6 +14,10 @@ with the bounds of bf16 (module test_decode's docstring explains the metric):
   A wrong axis, block origin or scale moves nearly every row past 4e-3.
 - LSE: 2e-5.
 
+Every test runs through the Triton split kernel (``impl="triton"``) and, on an sm90 GPU,
+through the Gluon one (``impl="gluon"``) for the recipes it implements
+(``gluon_decode.gluon_recipe``): the same bounds, the same contract.
+
 The oracle runs on the CPU (float64), on copies of the pages the batch uses:
 ``mla_formats`` on CUDA computes a global scale ``amax / unit_amax`` as
 ``amax * (1 / unit_amax)`` (PyTorch's CUDA division by a Python scalar multiplies
@@ -35,6 +39,7 @@ import mla_reference
 from mla_formats import AttentionQuant, OperandQuant, e4m3_round, qdq_factored
 from mla_triton import qdq_device as dev
 from mla_triton.decode import decode, decode_workspace_size
+from mla_triton.gluon_decode import GluonRecipe, gluon_recipe
 from mla_triton.kernels.decode_kernel import decode_q_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -135,10 +140,11 @@ def run_and_check(
     page: int,
     quant: AttentionQuant | None,
     seed: int = 0,
+    impl: str = "triton",
     **kwargs: object,
 ) -> None:
     q, cache, table, seq = make_inputs(lens, heads, page, seed)
-    out, lse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, **kwargs)  # type: ignore[arg-type]
+    out, lse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, impl=impl, **kwargs)  # type: ignore[arg-type]
     ref_out, ref_lse = reference(q, cache, table, seq, quant)
     check(out, lse, ref_out, ref_lse, quant)
 
@@ -165,25 +171,62 @@ RECIPES = {
     ),
 }
 LENS = [1, 15, 16, 17, 63, 64, 65, 1000, 4097]
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_matches_reference_128_heads(recipe: str) -> None:
-    run_and_check(LENS, 128, 64, RECIPES[recipe])
+def with_impls(recipes: list[str]) -> list[tuple[str, str]]:
+    """``(recipe, impl)``: Triton for each, Gluon too on sm90 where it takes the recipe."""
+    return [
+        (r, impl)
+        for r in recipes
+        for impl in ("triton", "gluon")
+        if impl == "triton" or (SM90 and isinstance(gluon_recipe(RECIPES[r]), GluonRecipe))
+    ]
+
+
+# the tests that use nvfp4 for the Triton kernel run the Gluon one on its two recipes
+NVFP4_OR_GLUON = [("nvfp4", "triton")] + ([("none", "gluon"), ("fp8", "gluon")] if SM90 else [])
+
+
+@pytest.mark.parametrize(("recipe", "impl"), with_impls(list(RECIPES)))
+def test_matches_reference_128_heads(recipe: str, impl: str) -> None:
+    run_and_check(LENS, 128, 64, RECIPES[recipe], impl=impl)
 
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128])
-@pytest.mark.parametrize("recipe", ["none", "nvfp4"])
-def test_page_sizes(page: int, recipe: str) -> None:
-    run_and_check([17, 300, 2049], 128, page, RECIPES[recipe], seed=1, num_splits=3)
+@pytest.mark.parametrize(("recipe", "impl"), with_impls(["none", "nvfp4", "fp8"]))
+def test_page_sizes(page: int, recipe: str, impl: str) -> None:
+    run_and_check([17, 300, 2049], 128, page, RECIPES[recipe], seed=1, impl=impl, num_splits=3)
 
 
 @pytest.mark.parametrize("heads", [1, 16, 20, 64, 96])
-def test_head_counts(heads: int) -> None:
-    run_and_check([33, 1000], heads, 64, RECIPES["nvfp4"], seed=2)
+@pytest.mark.parametrize(("recipe", "impl"), NVFP4_OR_GLUON)
+def test_head_counts(heads: int, recipe: str, impl: str) -> None:
+    run_and_check([33, 1000], heads, 64, RECIPES[recipe], seed=2, impl=impl)
 
 
-def test_offsets_beyond_2_31_elements() -> None:
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 GPU")
+def test_auto_runs_the_gluon_kernel_on_sm90() -> None:
+    """``impl="auto"`` launches the Gluon split kernel at 128 heads (none, fp8), the
+    Triton one at 16 heads and for nvfp4."""
+    from mla_triton.warmup import _intercept
+
+    seen: list[str] = []
+
+    def spy(run: object, kernel: object, args: object, kwargs: object, grid: object) -> None:
+        seen.append(kernel.fn.__name__)  # type: ignore[attr-defined]
+
+    q, cache, table, seq = make_inputs([100, 3000], 128, 64, seed=9)
+    with _intercept(spy):
+        for recipe in ("none", "fp8", "nvfp4"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, quant=RECIPES[recipe])
+        decode(q[:, :16], cache, table, seq, softmax_scale=SCALE)
+    split = [name for name in seen if "split" in name]
+    assert split == ["gluon_decode_split_kernel"] * 2 + ["decode_split_kernel"] * 2, seen
+
+
+@pytest.mark.parametrize(("recipe", "impl"), NVFP4_OR_GLUON)
+def test_offsets_beyond_2_31_elements(recipe: str, impl: str) -> None:
     """A cache of more than 2^31 elements with the used pages at its top."""
     page = 64
     n_blocks = 2**31 // (page * 576) + 64
@@ -191,31 +234,33 @@ def test_offsets_beyond_2_31_elements() -> None:
         [100, 3000], 16, page, seed=3, n_blocks=n_blocks, high_pages=True
     )
     assert cache.numel() > 2**31 and int(table.max()) * page * 576 > 2**31
-    quant = RECIPES["nvfp4"]
-    out, lse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant)
+    quant = RECIPES[recipe]
+    out, lse = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, impl=impl)
     ref = reference(q, cache, table, seq, quant)
     check(out, lse, *ref, quant)
 
 
-@pytest.mark.parametrize("recipe", ["none", "nvfp4"])
-def test_split_and_batch_invariance(recipe: str) -> None:
+@pytest.mark.parametrize(("recipe", "impl"), with_impls(["none", "nvfp4", "fp8"]))
+def test_split_and_batch_invariance(recipe: str, impl: str) -> None:
     quant = RECIPES[recipe]
     q, cache, table, seq = make_inputs([5000, 64, 8191, 5000], 128, 64, seed=4)
-    one = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=1)
-    many = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=16)
+    one = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=1, impl=impl)
+    many = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=16, impl=impl)
     assert (one[1] - many[1]).abs().max().item() <= 1e-5
     err = row_errors(many[0], one[0])
     assert int((err > 8e-3).sum()) <= max(1, err.numel() // 50) and err.max().item() <= LOOSE
     alone = decode(
-        q[2:3], cache, table[2:3], seq[2:3], softmax_scale=SCALE, quant=quant, num_splits=16
-    )
+        q[2:3], cache, table[2:3], seq[2:3], softmax_scale=SCALE, quant=quant, num_splits=16,
+        impl=impl,
+    )  # fmt: skip
     assert torch.equal(alone[0][0], many[0][2]) and torch.equal(alone[1][0], many[1][2])
 
 
-def test_poisoned_memory() -> None:
-    quant = RECIPES["nvfp4"]
+@pytest.mark.parametrize(("recipe", "impl"), NVFP4_OR_GLUON)
+def test_poisoned_memory(recipe: str, impl: str) -> None:
+    quant = RECIPES[recipe]
     q, cache, table, seq = make_inputs([0, 17, 1000], 128, 64, seed=5)
-    want = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=4)
+    want = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=4, impl=impl)
     used = torch.zeros(cache.shape[0], dtype=torch.bool, device="cuda")
     for b, n in enumerate(seq.tolist()):
         pages = table[b, : -(-n // 64)].long()
@@ -239,13 +284,15 @@ def test_poisoned_memory() -> None:
         workspace=ws,
         out=out,
         lse=lse,
+        impl=impl,
     )
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
 
 
-def test_cuda_graph_capture_and_replay() -> None:
+@pytest.mark.parametrize(("recipe", "impl"), NVFP4_OR_GLUON)
+def test_cuda_graph_capture_and_replay(recipe: str, impl: str) -> None:
     """No host sync, fixed allocations: capture once, replay with new lengths and data."""
-    quant = RECIPES["nvfp4"]
+    quant = RECIPES[recipe]
     q, cache, table, seq = make_inputs([900, 2000, 50, 4000], 128, 64, seed=6)
     max_len = table.shape[1] * 64
     ws = torch.empty(decode_workspace_size(4, 128, max_len), dtype=torch.uint8, device="cuda")
@@ -264,6 +311,7 @@ def test_cuda_graph_capture_and_replay() -> None:
             out=out,
             lse=lse,
             max_seq_len=max_len,
+            impl=impl,
         )
 
     s = torch.cuda.Stream()
