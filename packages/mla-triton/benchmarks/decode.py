@@ -13,6 +13,12 @@ length ``L``. ``--plan sweep`` adds tile configurations (see ``PLANS``); the
 ``*-k``, ``*-v``, ``*-p``, ``*-q`` recipes quantize one operand only, to show where
 the time of on-read QDQ goes. Measured ceilings of the card (a device-to-device
 copy and a bf16 matmul) and the eager reference at one small shape are printed too.
+
+``--impls auto,triton,gluon`` times each default entry through each of ``decode``'s
+``impl`` values (a row records which split kernel ran: ``auto`` picks the Gluon one on
+sm90 where it takes the call); ``--flashmla`` times FlashMLA bf16 (vLLM's wheel,
+``flash_mla_with_kvcache``) on the same cache per shape, in the same process, and every
+row gets its ratio to it; ``--shapes`` and ``--recipes`` narrow the plan.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
 from mla_formats import AttentionQuant
 from mla_triton.decode import DecodeConfig, decode, decode_config, decode_num_splits
+from mla_triton.gluon_decode import gluon_decode_config, gluon_facts, gluon_unsupported
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {  # batch, heads, seq len, page size
     "b128-h128-L8192": (128, 128, 8192, 64),
@@ -57,6 +66,7 @@ class Entry:
     recipe: str
     config: DecodeConfig | None = None  # None: decode_config's default
     num_splits: int | None = None  # None: the default policy
+    impl: str = "auto"  # decode's impl (a DecodeConfig runs the Triton kernel)
 
 
 def _cfg(bh: int, bn: int, warps: int, stages: int) -> DecodeConfig:
@@ -138,9 +148,10 @@ def _compile_one(entry: Entry) -> str:
         quant=RECIPES[entry.recipe],
         num_splits=_splits(entry),
         config=entry.config,
+        impl=entry.impl,
     )
     torch.cuda.synchronize()
-    return f"{entry.shape} {entry.recipe} {entry.config} {time.time() - t0:.1f}s"
+    return f"{entry.shape} {entry.recipe} {entry.impl} {entry.config} {time.time() - t0:.1f}s"
 
 
 def precompile(entries: list[Entry], workers: int) -> None:
@@ -173,15 +184,19 @@ def time_entry(entry: Entry, warmup_ms: int, rep_ms: int) -> dict[str, object]:
             out=out,
             lse=lse,
             max_seq_len=seq,
+            impl=entry.impl,
         )
 
     ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     cfg = entry.config or decode_config(heads, RECIPES[entry.recipe])
     ok = bool(torch.isfinite(out).all())
+    kernel = kernel_of(entry, q, cache)
     return {
         "shape": entry.shape,
         "recipe": entry.recipe,
-        "config": asdict(cfg),
+        "impl": entry.impl,
+        "kernel": kernel,
+        "config": {"gluon": gluon_decode_config(heads).name} if kernel == "gluon" else asdict(cfg),
         "default_config": entry.config is None,
         "num_splits": splits,
         "ms": ms,
@@ -189,6 +204,65 @@ def time_entry(entry: Entry, warmup_ms: int, rep_ms: int) -> dict[str, object]:
         "gbps": nbytes(batch, heads, seq) / ms / 1e6,
         "finite": ok,
     }
+
+
+def kernel_of(entry: Entry, q: torch.Tensor, cache: torch.Tensor) -> str:
+    """The split kernel ``decode`` runs for ``entry``: ``"gluon"`` or ``"triton"``."""
+    if entry.impl == "triton" or entry.config is not None:
+        return "triton"
+    if entry.impl == "gluon":
+        return "gluon"
+    quant = RECIPES[entry.recipe]
+    return (
+        "gluon"
+        if gluon_unsupported(gluon_facts(q[..., :512], cache, quant, 512)) is None
+        else "triton"
+    )
+
+
+def flashmla_run(
+    q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, seq: torch.Tensor, scale: float
+) -> Callable[[], Any]:
+    """A closure running FlashMLA bf16 (vLLM's wheel) on the same cache; it returns
+    ``(out [B, 1, H, 512], lse)``. ``q [B, H, 576]``, ``cache [blocks, page, 576]``."""
+    from vllm.v1.attention.ops import flashmla
+
+    ok, why = flashmla.is_flashmla_dense_supported()
+    if not ok:
+        raise RuntimeError(f"FlashMLA unavailable: {why}")
+    meta, _ = flashmla.get_mla_metadata()
+    q4 = q.unsqueeze(1)  # [B, 1, H, 576]
+    k4 = cache.unsqueeze(2)  # [blocks, page, 1, 576]
+
+    def run() -> Any:
+        return flashmla.flash_mla_with_kvcache(
+            q4, k4, table, seq, 512, meta, None, softmax_scale=scale, causal=False
+        )
+
+    return run
+
+
+def time_flashmla(shape: str, warmup_ms: int, rep_ms: int) -> dict[str, object]:
+    """FlashMLA bf16 at ``shape`` (the inputs of ``time_entry``), its agreement with
+    ``decode`` (max row error) and its time."""
+    import triton.testing
+
+    batch, heads, seq, _page = SHAPES[shape]
+    q, cache, table, lens = make_inputs(shape, "cuda")
+    row: dict[str, object] = {"shape": shape, "recipe": "none", "impl": "flashmla"}
+    try:
+        run = flashmla_run(q, cache, table, lens, 0.1)
+        out = run()[0].reshape(batch, heads, 512).double()
+        ref = decode(q, cache, table, lens, softmax_scale=0.1, impl="triton")[0].double()
+        row["max_row_err_vs_triton"] = float(
+            ((out - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-3)).max()
+        )
+        ms = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    except Exception as exc:  # FlashMLA missing or failing: recorded, the run goes on
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        return row
+    row.update(ms=ms, tflops=flops(batch, heads, seq) / ms / 1e9, finite=True)
+    return row
 
 
 def ceilings() -> dict[str, float]:
@@ -273,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=200)
     parser.add_argument("--sanitize", action="store_true", help="run small decodes only")
     parser.add_argument("--sanity-only", action="store_true", help="only the eager-oracle check")
+    parser.add_argument("--impls", default="auto", help="comma-separated: auto, triton, gluon")
+    parser.add_argument("--flashmla", action="store_true", help="time FlashMLA bf16 (vLLM)")
+    parser.add_argument("--shapes", default="", help="comma-separated shapes (default: the plan's)")
+    parser.add_argument("--recipes", default="", help="comma-separated recipes (default: all)")
+    parser.add_argument("--no-ceilings", action="store_true", help="skip the card's ceilings")
     parser.add_argument(
         "--once",
         nargs=2,
@@ -304,7 +383,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         torch.cuda.synchronize()
         return 0
-    entries = PLANS[args.plan]
+    entries = [
+        e
+        for e in PLANS[args.plan]
+        if (not args.shapes or e.shape in args.shapes.split(","))
+        and (not args.recipes or e.recipe in args.recipes.split(","))
+    ]
+    impls = [i for i in args.impls.split(",") if i]
+    entries = [  # an entry with its own DecodeConfig runs the Triton kernel only
+        replace(e, impl=i) for e in entries for i in (impls if e.config is None else ["triton"])
+    ]
     t0 = time.time()
     precompile(entries, args.workers)
     print(f"precompiled {len(entries)} entries in {time.time() - t0:.0f}s", flush=True)
@@ -317,28 +405,49 @@ def main(argv: list[str] | None = None) -> int:
     for entry in entries:
         rows.append(time_entry(entry, args.warmup_ms, args.rep_ms))
         r = rows[-1]
-        print(f"{r['shape']:17s} {r['recipe']:8s} {r['ms']:8.3f} ms", flush=True)
-    ceil = ceilings()
+        print(f"{r['shape']:17s} {r['recipe']:8s} {r['impl']:6s} {r['ms']:8.3f} ms", flush=True)
+    flash: dict[str, dict[str, object]] = {}
+    if args.flashmla:
+        for shape in dict.fromkeys(e.shape for e in entries):
+            flash[shape] = time_flashmla(shape, args.warmup_ms, args.rep_ms)
+            print(f"{shape:17s} flashmla {flash[shape].get('ms', flash[shape].get('error'))}")
+    for r in rows:
+        base = flash.get(str(r["shape"]), {}).get("ms")
+        if isinstance(base, float):
+            r["vs_flashmla"] = base / float(r["ms"])  # type: ignore[arg-type]
+    ceil = ceilings() if not args.no_ceilings else {"copy_GBps": 0.0, "bf16_matmul_TFLOPs": 0.0}
     sanity = reference_sanity()
 
     lines = [
         f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}",
         f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), "
         f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
-        f"{'shape':17s} {'recipe':8s} {'config (bh,bn,warps,stages)':34s} {'splits':>6s} "
-        f"{'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>7s}",
+        f"{'shape':17s} {'recipe':8s} {'impl':6s} {'kernel':6s} "
+        f"{'config (bh,bn,warps,stages)':34s} {'splits':>6s} "
+        f"{'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>7s} {'xFlashMLA':>9s}",
     ]
     for r in rows:
         c = r["config"]
         assert isinstance(c, dict)
-        tag = f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']}" + (
-            " (default)" if r["default_config"] else ""
-        )
+        tag = (
+            str(c["gluon"])
+            if "gluon" in c
+            else f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']}"
+        ) + (" (default)" if r["default_config"] else "")
+        ratio = f"{r['vs_flashmla']:9.2f}" if "vs_flashmla" in r else f"{'':9s}"
         lines.append(
-            f"{r['shape']:17s} {r['recipe']:8s} {tag:34s} {r['num_splits']:>6} "
-            f"{r['ms']:8.3f} {r['tflops']:8.1f} {r['gbps']:7.0f}"
+            f"{r['shape']:17s} {r['recipe']:8s} {r['impl']:6s} {r['kernel']:6s} {tag:34s} "
+            f"{r['num_splits']:>6} {r['ms']:8.3f} {r['tflops']:8.1f} {r['gbps']:7.0f} {ratio}"
             + ("" if r["finite"] else "  NON-FINITE")
         )
+    for fl in flash.values():
+        if "ms" in fl:
+            lines.append(
+                f"{fl['shape']:17s} none     flashmla bf16 {fl['ms']:8.3f} ms {fl['tflops']:8.1f} "
+                f"TFLOP/s (max row err vs triton {fl['max_row_err_vs_triton']:.1e})"
+            )
+        else:
+            lines.append(f"{fl['shape']:17s} flashmla: {fl.get('error')}")
     lines.append(
         f"reference sanity ({sanity['shape']}): eager oracle {sanity['reference_s']:.2f}s, "
         f"kernel max row rel err {sanity['max_row_rel_err']:.2e}, "
@@ -350,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"decode-{args.plan}.json"), "w") as f:
             json.dump(
-                {"info": info, "ceilings": ceil, "rows": rows, "reference": sanity}, f, indent=1
-            )
+                {"info": info, "ceilings": ceil, "rows": rows, "flashmla": list(flash.values()),
+                 "reference": sanity}, f, indent=1,
+            )  # fmt: skip
         with open(os.path.join(args.out, f"decode-{args.plan}.txt"), "w") as f:
             f.write(text + "\n")
     return (

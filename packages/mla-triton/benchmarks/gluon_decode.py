@@ -219,25 +219,6 @@ def flops(batch: int, heads: int, seq: int) -> float:
     return 2.0 * batch * heads * seq * (576 + 512)
 
 
-def _flashmla(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, seq: torch.Tensor) -> Any:
-    """A closure running FlashMLA bf16 (vLLM's wheel) on the same cache, and its output."""
-    from vllm.v1.attention.ops import flashmla
-
-    ok, why = flashmla.is_flashmla_dense_supported()
-    if not ok:
-        raise RuntimeError(f"FlashMLA unavailable: {why}")
-    meta, _ = flashmla.get_mla_metadata()
-    q4 = q.unsqueeze(1)  # [B, 1, H, 576]
-    k4 = cache.unsqueeze(2)  # [blocks, page, 1, 576]
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return flashmla.flash_mla_with_kvcache(  # type: ignore[no-any-return]
-            q4, k4, table, seq, 512, meta, None, softmax_scale=SCALE, causal=False
-        )
-
-    return run
-
-
 def _bench_shape(
     rec: dict[str, Any], batch: int, heads: int, length: int, deadline: float,
     with_flashmla: bool, quant: AttentionQuant | None,
@@ -278,7 +259,9 @@ def _bench_shape(
         runs[f"gluon-{cfg.name}"] = lambda cfg=cfg: gluon_run(cfg)
     if with_flashmla and quant is None:
         try:
-            runs["flashmla"] = _flashmla(q, cache, table, seq)
+            from decode import flashmla_run  # benchmarks/decode.py (this script's folder)
+
+            runs["flashmla"] = flashmla_run(q, cache, table, seq, SCALE)
         except Exception as exc:
             timings["flashmla"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(traceback.format_exc(), flush=True)
