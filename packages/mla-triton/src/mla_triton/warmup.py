@@ -276,15 +276,22 @@ def warmup_decode(
     storage: str = "fp16",
     kv_lora_rank: int = 512,
     index_dtype: torch.dtype = torch.int32,
+    impl: str = "auto",
 ) -> tuple[int, ...]:
     """Compile decode for every split count ``max_rows`` rows up to ``max_seq_len`` can take.
 
     ``kv_cache`` is the engine's raw latent cache ``[blocks, page, kv_lora_rank +
     rope]`` (its strides and block count key the kernels); ``shadow`` its uint8
     shadow bytes (``decode_shadow`` with ``quant`` and ``storage``; None: on-read
-    ``decode``); ``pages_per_row`` the block table's width. Call inside
-    ``compile_only``. Returns the split counts compiled.
+    ``decode``); ``pages_per_row`` the block table's width; ``impl`` as serving passes
+    it to ``decode`` (``auto`` on an sm90 GPU compiles the Gluon split kernel where the
+    dispatch takes it: it reads only the engine's fixed geometry, heads, dtype, recipe
+    and cache strides, so serving calls dispatch alike). Call inside ``compile_only``.
+    Returns the split counts compiled.
     """
+    from mla_triton.gluon_decode import check_impl
+
+    check_impl(impl)
     heads = _positive(num_heads, "num_heads")
     width = _positive(pages_per_row, "pages_per_row")
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
@@ -296,7 +303,11 @@ def warmup_decode(
     if shadow is not None:
         assert quant is not None
         block_h = shadow_decode_config(heads, quant, storage).block_h
-    else:
+    elif impl == "gluon":
+        from mla_triton.kernels.gluon_decode import BLOCK_H as GLUON_BLOCK_H
+
+        block_h = GLUON_BLOCK_H
+    else:  # auto: the Gluon kernel only above 32 heads, where both kernels take 64 a program
         block_h = decode_config(heads, quant).block_h
     device = kv_cache.device
     rows = _positive(max_rows, "max_rows")
@@ -318,12 +329,13 @@ def warmup_decode(
         if shadow is None:
             decode(query, kv_cache, table, lens, softmax_scale=softmax_scale,
                    kv_lora_rank=kv_lora_rank, quant=quant, num_splits=count,
-                   max_seq_len=1, check_values=False)  # fmt: skip
+                   max_seq_len=1, check_values=False, impl=impl)  # fmt: skip
         else:
             assert quant is not None
             decode_shadow(query, kv_cache, shadow, table, lens, softmax_scale=softmax_scale,
                           quant=quant, storage=storage, kv_lora_rank=kv_lora_rank,
-                          num_splits=count, max_seq_len=1, check_values=False)  # fmt: skip
+                          num_splits=count, max_seq_len=1, check_values=False,
+                          impl=impl)  # fmt: skip
     return splits
 
 
