@@ -357,13 +357,17 @@ def vllm_e2e(session: nox.Session) -> None:
 
     Fails with exit code 2 and a message when there is no GPU or no vLLM 0.33.0.
     Arguments after ``--`` go to tests-vllm-e2e/run_e2e.py (``--out``, ``--tol``). Then
-    tests-vllm-e2e/measure_e2e.py: mla-compare, lm-eval and ModelOpt amax (issue 18).
+    tests-vllm-e2e/measure_e2e.py: mla-compare, lm-eval and ModelOpt amax (issue 18),
+    then mla-compare again against FLASHMLA (recipes none and nvfp4).
     """
     _install_vllm(session)
     session.install("lm-eval")
     session.run("python", str(ROOT / "tests-vllm-e2e" / "run_e2e.py"), *session.posargs)
-    out = str(Path(session.create_tmp()) / "measure-e2e")
-    session.run("python", str(ROOT / "tests-vllm-e2e" / "measure_e2e.py"), "--out", out)
+    out = Path(session.create_tmp())
+    measure = str(ROOT / "tests-vllm-e2e" / "measure_e2e.py")
+    session.run("python", measure, "--out", str(out / "measure-e2e"))
+    flashmla = ["--backend", "FLASHMLA", "--recipes", "none,nvfp4", "--skip-lm-eval"]
+    session.run("python", measure, *flashmla, "--out", str(out / "measure-e2e-flashmla"))
 
 
 @nox.session

@@ -1,16 +1,24 @@
 """mla-compare, lm-eval and ModelOpt amax on the tiny seeded model, on a CUDA GPU.
 
-``python tests-vllm-e2e/measure_e2e.py [--out DIR] [--jobs 3] [--skip-lm-eval]``
-(``nox -s vllm_e2e`` runs it after ``run_e2e.py``). It writes the e2e's seeded
+``python tests-vllm-e2e/measure_e2e.py [--out DIR] [--jobs 3] [--backend FLASHMLA]
+[--recipes none,nvfp4] [--skip-lm-eval] [--lm-eval-plain]`` (``nox -s vllm_e2e`` runs
+it after ``run_e2e.py``, once against each native backend). It writes the e2e's seeded
 2-layer model with a word-level tokenizer trained here (``tokenizers``, no hub
 access), a checkpoint-scales directory and a ModelOpt amax state file of known
 values, then runs at once:
 
-- ``mla-compare`` (``python -m mla_vllm.compare``) against TRITON_MLA for the recipes
-  none, fp8, nvfp4, nvfp4 through the shadow, nvfp4 with the checkpoint scales and
-  nvfp4 with the ModelOpt state, on token-id and text prompts;
-- ``lm_eval run --model vllm`` with the documented ``--model_args`` JSON
-  (``attention_backend`` MLA_QUANT, ``additional_config`` nvfp4) on a local task.
+- ``mla-compare`` (``python -m mla_vllm.compare``) against ``--backend`` (TRITON_MLA or
+  FLASHMLA) for the recipes none, fp8, nvfp4, nvfp4 through the shadow, nvfp4 with
+  the checkpoint scales and nvfp4 with the ModelOpt state (``--recipes``: a subset),
+  on token-id and text prompts;
+- the documented lm-eval command, ``python -m mla_vllm.compare.lm_eval_run run --model
+  vllm`` (lm-eval's CLI, then an exit that cannot hang), with the ``--model_args`` JSON
+  (``attention_backend`` MLA_QUANT, ``additional_config`` nvfp4) on a local task;
+- with ``--lm-eval-plain``, also plain ``python -m lm_eval run ...`` under
+  ``PYTHONFAULTHANDLER=1``: if it is still alive ``--hang-grace`` seconds after its
+  results file appeared, its threads (``/proc``) and child processes are written to
+  ``DIR/lm_eval_plain_hang.json`` and it gets SIGABRT (faulthandler then prints every
+  Python thread's stack into ``DIR/lm_eval_plain.log``). Diagnostic only: not a check.
 
 Checks (exit code 1 when one fails): none's KL below 1e-3 nats and its top-1
 agreement 1.0 on positions whose native top-2 margin exceeds 0.05 nats; nvfp4's KL
@@ -22,6 +30,7 @@ Results: ``DIR/measure.json``, ``DIR/compare/report.{json,png}``, ``DIR/lm_eval/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -29,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +57,8 @@ WORDS = [
     *("mat", "end", "of", "and", "big", "small", "red", "blue"),
 ]
 TASK = "mla_tiny_mc"
+RECIPES = ("none", "fp8", "nvfp4", "nvfp4-shadow", "nvfp4-ckpt", "nvfp4-modelopt")
+BACKENDS = ("TRITON_MLA", "FLASHMLA")
 
 
 def write_tokenizer(model_dir: Path) -> None:
@@ -109,8 +121,13 @@ def write_task(root: Path) -> Path:
     return task_dir
 
 
-def lm_eval_command(model_dir: Path, task_dir: Path, out: Path) -> list[str]:
-    """The documented command (docs/vllm.md), with the small engine settings of this model."""
+def lm_eval_command(
+    model_dir: Path, task_dir: Path, out: Path, *, plain: bool = False
+) -> list[str]:
+    """The documented command (docs/vllm.md), with the small engine settings of this model.
+
+    ``plain``: ``python -m lm_eval`` itself instead of the wrapper (the exit diagnosis).
+    """
     model_args = {
         "pretrained": str(model_dir),
         "attention_backend": "MLA_QUANT",
@@ -124,7 +141,7 @@ def lm_eval_command(model_dir: Path, task_dir: Path, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "lm_eval",
+        "lm_eval" if plain else "mla_vllm.compare.lm_eval_run",
         "run",
         "--model",
         "vllm",
@@ -142,13 +159,35 @@ def lm_eval_command(model_dir: Path, task_dir: Path, out: Path) -> list[str]:
 
 
 def compare_command(
-    model_dir: Path, prompts_file: Path, scales: Path, state: Path, out: Path, jobs: int
+    model_dir: Path,
+    prompts_file: Path,
+    scales: Path,
+    state: Path,
+    out: Path,
+    jobs: int,
+    *,
+    backend: str = "TRITON_MLA",
+    recipes: tuple[str, ...] = RECIPES,
 ) -> list[str]:
+    """``mla-compare`` against ``backend`` for ``recipes`` (names of ``RECIPES``)."""
     ckpt = {
         "recipe": "nvfp4",
         "calibration": {"from": "checkpoint", "path": str(scales), "maxbound": 448},
     }
     modelopt = {"recipe": "nvfp4", "calibration": {"from": "modelopt", "path": str(state)}}
+    spelled = {
+        "none": "none",
+        "fp8": "fp8",
+        "nvfp4": "nvfp4",
+        "nvfp4-shadow": 'nvfp4-shadow={"recipe": "nvfp4", "kv_path": "shadow"}',
+        "nvfp4-ckpt": f"nvfp4-ckpt={json.dumps(ckpt)}",
+        "nvfp4-modelopt": f"nvfp4-modelopt={json.dumps(modelopt)}",
+    }
+    unknown = [r for r in recipes if r not in spelled]
+    if unknown or not recipes:
+        raise ValueError(f"recipes: expected names of {RECIPES}, got {list(recipes)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     return [
         sys.executable,
         "-m",
@@ -156,18 +195,9 @@ def compare_command(
         str(model_dir),
         "--prompts",
         str(prompts_file),
-        "--recipe",
-        "none",
-        "--recipe",
-        "fp8",
-        "--recipe",
-        "nvfp4",
-        "--recipe",
-        'nvfp4-shadow={"recipe": "nvfp4", "kv_path": "shadow"}',
-        "--recipe",
-        f"nvfp4-ckpt={json.dumps(ckpt)}",
-        "--recipe",
-        f"nvfp4-modelopt={json.dumps(modelopt)}",
+        *(word for r in recipes for word in ("--recipe", spelled[r])),
+        "--backend",
+        backend,
         "--top-k",
         "20",
         "--greedy-tokens",
@@ -189,10 +219,18 @@ def compare_command(
     ]
 
 
-def check_compare(report: dict[str, Any]) -> list[tuple[str, bool, str]]:
+IMPLS = {"TRITON_MLA": "TritonMLAImpl", "FLASHMLA": "FlashMLAImpl"}
+
+
+def check_compare(
+    report: dict[str, Any], backend: str = "TRITON_MLA"
+) -> list[tuple[str, bool, str]]:
     """The checks on mla-compare's report (name, passed, detail)."""
     r = report["recipes"]
-    out: list[tuple[str, bool, str]] = []
+    impl = report.get("native", {}).get("engine", {}).get("impl", [])
+    out: list[tuple[str, bool, str]] = [
+        (f"native engine ran {IMPLS[backend]}", impl == [IMPLS[backend]], f"impl {impl}")
+    ]
     for name, e in r.items():
         out.append((f"{name} ran", "error" not in e, e.get("error", "")[:300]))
     if "error" in r.get("none", {"error": ""}) or "error" in r.get("nvfp4", {"error": ""}):
@@ -219,7 +257,9 @@ def check_compare(report: dict[str, Any]) -> list[tuple[str, bool, str]]:
         },
     }
     for name, want in wants.items():
-        amax = r.get(name, {}).get("amax", {})
+        if name not in r or "error" in r[name]:
+            continue  # not selected (--recipes), or its failure is reported above
+        amax = r[name].get("amax", {})
         bad = []
         for (path, role), values in want.items():
             for i, value in enumerate(values):
@@ -242,8 +282,14 @@ def check_lm_eval(out: Path, log: str, rc: int) -> list[tuple[str, bool, str]]:
     acc = None
     if results:
         acc = json.loads(results[-1].read_text()).get("results", {}).get(TASK, {}).get("acc,none")
+    shut = re.search(r"\[mla lm_eval_run\] shut down (\d+) vLLM engine", log)
     return [
         ("lm-eval exited 0", rc == 0, f"exit code {rc}"),
+        (
+            "lm-eval's wrapper shut its engine down",
+            shut is not None and shut.group(1) == "1",
+            shut.group(0) if shut else "no '[mla lm_eval_run] shut down' line in the log",
+        ),
         ("lm-eval reported acc", isinstance(acc, (int, float)), f"acc {acc}"),
         (
             "lm-eval's engine selected MLA_QUANT",
@@ -251,6 +297,56 @@ def check_lm_eval(out: Path, log: str, rc: int) -> list[tuple[str, bool, str]]:
             used.group(0) if used else "no 'Using ... MLA_QUANT backend.' in the log",
         ),
     ]
+
+
+def _threads(pid: int) -> list[dict[str, str]]:
+    """The threads of ``pid`` from ``/proc``: tid, name, state, kernel wait channel."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        row = {"tid": task.name}
+        for key in ("comm", "wchan", "stat"):
+            try:
+                row[key] = (task / key).read_text().strip()
+            except OSError:
+                row[key] = ""
+        stat = row.pop("stat").rpartition(")")[2].split()
+        row["state"] = stat[0] if stat else ""
+        out.append(row)
+    return out
+
+
+def watch_exit(
+    proc: subprocess.Popen[bytes], results: Path, grace: float, stop_at: float, report: Path
+) -> None:
+    """If ``proc`` outlives its results file by ``grace`` s, record its threads and children
+    in ``report`` (JSON) and send it SIGABRT (faulthandler prints its Python stacks)."""
+    from mla_vllm.compare.lm_eval_run import child_processes
+
+    seen_at = None
+    while proc.poll() is None and time.time() < stop_at:
+        if seen_at is None and any(results.rglob("results_*.json")):
+            seen_at = time.time()
+        if seen_at is not None and time.time() - seen_at > grace:
+            state = {
+                "pid": proc.pid,
+                "alive_after_results_s": round(time.time() - seen_at, 1),
+                "threads": _threads(proc.pid),
+                "children": [
+                    {**c, "threads": _threads(c["pid"])} for c in child_processes(proc.pid)
+                ],
+            }
+            report.write_text(json.dumps(state, indent=2) + "\n")
+            os.kill(proc.pid, signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the engine processes too
+            return
+        time.sleep(1.0)
+    if seen_at is None:
+        report.write_text(json.dumps({"pid": proc.pid, "results_written": False}) + "\n")
+    else:
+        report.write_text(json.dumps({"pid": proc.pid, "exited_by_itself": proc.poll()}) + "\n")
 
 
 def _wait(proc: subprocess.Popen[bytes], seconds: float) -> int:
@@ -268,10 +364,21 @@ def main() -> int:
     parser.add_argument("--out", default="measure-e2e-out")
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--skip-lm-eval", action="store_true")
+    parser.add_argument("--backend", choices=BACKENDS, default="TRITON_MLA")
+    parser.add_argument(
+        "--recipes", default=",".join(RECIPES), help=f"comma-separated subset of {RECIPES}"
+    )
+    parser.add_argument(
+        "--lm-eval-plain",
+        action="store_true",
+        help="also run plain `python -m lm_eval` with the exit-hang diagnosis",
+    )
+    parser.add_argument("--hang-grace", type=float, default=20.0, help="seconds (--lm-eval-plain)")
     parser.add_argument(
         "--deadline", type=float, default=275.0, help="seconds; then the runs are stopped"
     )
     args = parser.parse_args()
+    recipes = tuple(r for r in args.recipes.split(",") if r)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="mla-measure-"))
@@ -291,6 +398,7 @@ def main() -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="INFO")
     lm_proc = None
     lm_log = out / "lm_eval.log"
+    watcher = plain = None
     if not args.skip_lm_eval:
         task_dir = write_task(work)
         with lm_log.open("w") as log:
@@ -301,7 +409,38 @@ def main() -> int:
                 env=env,
                 start_new_session=True,
             )
-    cmp_cmd = compare_command(model_dir, prompts_file, scales, state, out / "compare", args.jobs)
+        if args.lm_eval_plain:
+            plain_env = dict(env, PYTHONFAULTHANDLER="1")
+            with (out / "lm_eval_plain.log").open("w") as log:
+                plain = subprocess.Popen(
+                    lm_eval_command(model_dir, task_dir, out / "lm_eval_plain", plain=True),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=plain_env,
+                    start_new_session=True,
+                )
+            watcher = threading.Thread(
+                target=watch_exit,
+                args=(
+                    plain,
+                    out / "lm_eval_plain",
+                    args.hang_grace,
+                    t0 + args.deadline - 5.0,
+                    out / "lm_eval_plain_hang.json",
+                ),
+                daemon=True,
+            )
+            watcher.start()
+    cmp_cmd = compare_command(
+        model_dir,
+        prompts_file,
+        scales,
+        state,
+        out / "compare",
+        args.jobs,
+        backend=args.backend,
+        recipes=recipes,
+    )
     with (out / "compare.log").open("w") as log:
         proc = subprocess.Popen(
             cmp_cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -310,12 +449,23 @@ def main() -> int:
     checks: list[tuple[str, bool, str]] = [("mla-compare exited 0", rc == 0, f"exit code {rc}")]
     report_file = out / "compare" / "report.json"
     if report_file.is_file():
-        checks += check_compare(json.loads(report_file.read_text()))
+        checks += check_compare(json.loads(report_file.read_text()), args.backend)
     else:
         checks.append(("mla-compare wrote report.json", False, "missing"))
     if lm_proc is not None:
         lm_rc = _wait(lm_proc, args.deadline - (time.time() - t0))
         checks += check_lm_eval(out / "lm_eval", lm_log.read_text(errors="replace"), lm_rc)
+    diagnostics: dict[str, Any] = {}
+    if watcher is not None and plain is not None:
+        watcher.join(timeout=max(1.0, args.deadline - (time.time() - t0)))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(plain.pid, signal.SIGKILL)  # whatever of its group is left
+        plain.wait()
+        hang = out / "lm_eval_plain_hang.json"
+        diagnostics["lm_eval_plain"] = {
+            "exit_code": plain.returncode,
+            "hang": json.loads(hang.read_text()) if hang.is_file() else None,
+        }
     summary = {
         "seconds": round(time.time() - t0, 1),
         "commands": {
@@ -325,11 +475,25 @@ def main() -> int:
             else lm_eval_command(model_dir, work / "task", out / "lm_eval"),
         },
         "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks],
+        "diagnostics": diagnostics,
     }
     (out / "measure.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"measure_e2e: {summary['seconds']} s")
     for name, ok, detail in checks:
         print(f"  [{'ok' if ok else 'FAIL'}] {name}: {detail}")
+    if "lm_eval_plain" in diagnostics:
+        d = diagnostics["lm_eval_plain"]
+        info = d["hang"] or {}
+        names = sorted({t["comm"] for t in info.get("threads", [])})
+        print(
+            f"  [diag] plain lm_eval: exit code {d['exit_code']}; "
+            + (
+                f"alive {info['alive_after_results_s']} s after its results, SIGABRT sent; "
+                f"threads {names}; {len(info['children'])} child process(es)"
+                if "threads" in info
+                else f"{info}"
+            )
+        )
     table = out / "compare.log"
     if table.is_file():
         print("\n".join(table.read_text(errors="replace").splitlines()[-14:]))

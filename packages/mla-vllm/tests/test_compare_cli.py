@@ -226,3 +226,74 @@ def test_engine_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch, "has_entry_point", lambda: True)
     env = launch.child_env({"name": "a", "tensor_parallel_size": 2})
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+
+
+def test_flashmla_native_backend(tmp_path: Path) -> None:
+    """``--backend FLASHMLA`` serves the native run on FLASHMLA; the recipes stay MLA_QUANT."""
+    model, prompts = _write_inputs(tmp_path)
+    engine = FakeEngine()
+    argv = [str(model), "--prompts", str(prompts), "--recipe", "none", "--recipe", "nvfp4"]
+    report = run(
+        [*argv, "--backend", "FLASHMLA", "--out", str(tmp_path / "o")],
+        launcher=engine,
+        console=_quiet(),
+    )
+    backends = {s["name"]: s["backend"] for s in engine.specs}
+    assert backends == {"native": "FLASHMLA", "none": "MLA_QUANT", "nvfp4": "MLA_QUANT"}
+    assert report["native"]["backend"] == "FLASHMLA"
+    assert report["recipes"]["none"]["kl_max"] == 0.0
+    with pytest.raises(SystemExit):  # argparse: not a native MLA backend of mla-compare
+        run([*argv, "--backend", "FLASH_ATTN"], launcher=engine, console=_quiet())
+    assert len(engine.specs) == 3
+
+
+class _StopError(Exception):
+    """Raised by the stand-in ``vllm.LLM`` once it has its arguments."""
+
+
+def test_engine_reaches_llm_the_same_way_at_any_tp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``engine.run_spec`` (the engine process's code) up to ``vllm.LLM(...)``: FLASHMLA
+    and MLA_QUANT, TP=1 and TP=2 give the same arguments but for the ones they name."""
+    import vllm
+
+    from mla_vllm.compare import engine
+
+    seen: list[dict[str, Any]] = []
+
+    def record(**kwargs: Any) -> None:
+        seen.append(kwargs)
+        raise _StopError
+
+    monkeypatch.setattr(vllm, "LLM", record)
+    spec = {
+        "name": "native",
+        "model": "/m",
+        "backend": "FLASHMLA",
+        "mla_quant": None,
+        "prompts": [[1, 2, 3]],
+        "top_k": 5,
+        "dtype": "bfloat16",
+        "max_model_len": 64,
+        "kv_cache_memory_bytes": 1 << 20,
+    }
+    quant = {"recipe": "nvfp4", "observe": {"enabled": True, "interval": 1}}
+    for extra in (
+        {},
+        {"tensor_parallel_size": 2},
+        {"backend": "MLA_QUANT", "mla_quant": quant},
+        {"backend": "MLA_QUANT", "mla_quant": quant, "tensor_parallel_size": 2},
+    ):
+        with pytest.raises(_StopError):
+            engine.run_spec({**spec, **extra})
+    one, two, q1, q2 = seen
+    assert one["attention_backend"] == "FLASHMLA" and one["additional_config"] == {}
+    assert one["tensor_parallel_size"] == 1 and two["tensor_parallel_size"] == 2
+    assert {k: v for k, v in two.items() if k != "tensor_parallel_size"} == {
+        k: v for k, v in one.items() if k != "tensor_parallel_size"
+    }
+    assert q1["attention_backend"] == "MLA_QUANT" and q1["additional_config"] == {
+        "mla_quant": quant
+    }
+    assert q2 == {**q1, "tensor_parallel_size": 2}
+    assert one["model"] == "/m" and one["kv_cache_memory_bytes"] == 1 << 20
+    assert one["max_logprobs"] == 20 and one["skip_tokenizer_init"] is True
