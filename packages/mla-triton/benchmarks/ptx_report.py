@@ -19,6 +19,7 @@ information removed: equal PTX is equal machine code, so a refactor that keeps i
 needs no new timing. The Triton used is the one installed here (3.8 with torch
 2.14; the H200 machine has 3.6).
 
+``--splits N`` runs the decode calls with N splits (the merge kernel then runs too).
 ``--prefill`` records ``prefill`` launches instead (cases ``RECIPE:DTYPE:CAUSAL``,
 default ``PREFILL_CASES``; DeepSeek's 192/128 head dims, the tiling
 ``default_config`` picks on a GPU, bf16 kept as bf16). Every report line also
@@ -46,23 +47,37 @@ TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "i32
 TYPES.update({"int64": "i64", "uint8": "u8"})
 
 
-def _arg_type(value: Any) -> str:
-    """Triton signature type of a launch argument, with the JIT's integer specialization."""
+def _encode(value: Any, constexpr: bool = False) -> Any:
+    """A launch argument as JSON, reduced to what keys a compile: a tensor by its dtype, a
+    tuple as a list, a constexpr as is, a runtime int by its specialization class (1,
+    divisible by 16, other, beyond int32), a float as 1.0."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return "*" + TYPES[str(value.dtype).removeprefix("torch.")]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        base = "i32" if -(2**31) <= value < 2**31 else "i64"
-        return base + (":1" if value == 1 else ":16" if value % 16 == 0 else "")
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"unexpected launch argument {type(value).__name__}")
+        return {"tensor": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, tuple):
+        return [_encode(v, constexpr) for v in value]
+    if constexpr or isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int) and value != 1:
+        base = 16 if -(2**31) <= value < 2**31 else 2**36  # i32 or i64
+        return base if value % 16 == 0 else base + 1
+    return 1.0 if isinstance(value, float) else value
 
 
-def record(path: Path, cases: list[str]) -> None:
+def _decode(value: Any) -> Any:
+    """``_encode``'s inverse, tensors as Triton's ``MockTensor`` (a 16-byte aligned pointer)."""
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    if isinstance(value, dict):
+        return MockTensor(getattr(torch, value["tensor"]))
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    return value
+
+
+def record(path: Path, cases: list[str], splits: int = 1) -> None:
     """Child, under TRITON_INTERPRET=1: run the cases and write their launches to ``path``."""
     import torch
     import triton.runtime.interpreter as interpreter
@@ -79,19 +94,13 @@ def record(path: Path, cases: list[str]) -> None:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             bound = dict(zip(params, args, strict=False)) | kwargs
-            signature: dict[str, str] = {}
-            constexprs: dict[str, Any] = {}
-            for name, param in params.items():
-                if "constexpr" in str(param.annotation) or bound.get(name) is None:
-                    signature[name] = "constexpr"
-                    constexprs[name] = bound.get(name)
-                else:
-                    signature[name] = _arg_type(bound[name])
             entry = {
                 "module": self.fn.__module__,
                 "kernel": self.fn.__name__,
-                "signature": signature,
-                "constexprs": constexprs,
+                "args": {
+                    name: _encode(bound.get(name), "constexpr" in str(param.annotation))
+                    for name, param in params.items()
+                },
                 "num_warps": kwargs.get("num_warps", 4),
                 "num_stages": kwargs.get("num_stages", 3),
             }
@@ -119,7 +128,7 @@ def record(path: Path, cases: list[str]) -> None:
         table = torch.arange(blocks, dtype=torch.int32)[None]
         seq = torch.tensor([length], dtype=torch.int32)
         q = torch.randn(1, int(heads), 576, generator=g).half()
-        kw: dict[str, Any] = {"softmax_scale": 0.07, "quant": quant, "num_splits": 1}
+        kw: dict[str, Any] = {"softmax_scale": 0.07, "quant": quant, "num_splits": splits}
         decode_shadow(q, cache, shadow, table, seq, storage=storage, **kw)
         decode(q, cache, table, seq, **kw)
     path.write_text(json.dumps(launches, indent=1, default=str))
@@ -179,29 +188,27 @@ def compile_all(launches: list[dict[str, Any]], out: Path) -> list[str]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     found = get_ptxas(90)
     ptxas = getattr(found, "path", None) or found[0]
     lines = []
+    backend = make_backend(GPUTarget("cuda", 90, 32))
     for i, launch in enumerate(launches):
         fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        constexprs = dict(launch["constexprs"])
-        if "HW_FP8" in constexprs:
-            constexprs["HW_FP8"] = True
-        signature: dict[str, str] = {}
-        attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-        for j, (name, kind) in enumerate(launch["signature"].items()):
-            base, _, spec = kind.partition(":")
-            if base == "constexpr" or spec == "1":
-                signature[name] = "constexpr"
-                constexprs.setdefault(name, 1)
-                continue
-            signature[name] = base
-            if base.startswith("*") or spec == "16":
-                attrs[(j,)] = [["tt.divisibility", 16]]
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        args = {name: _decode(value) for name, value in launch["args"].items()}
+        if "HW_FP8" in args:
+            args["HW_FP8"] = True
+        # the JIT's own specialization (ints of 1 become constants, multiples of 16 and
+        # pointers are marked divisible by 16), tuples element by element
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
         options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
+        bound, specialization, opts = binder(**args, **options)
+        _, signature, constexprs, attrs = fn._pack_args(
+            backend, options, bound, specialization, opts
+        )
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         name = f"{i:02d}-{launch['kernel']}"
         ptx = out / f"{name}.ptx"
@@ -214,10 +221,13 @@ def compile_all(launches: list[dict[str, Any]], out: Path) -> list[str]:
         ).stderr
         regs = re.findall(r"Used (\d+) registers", log)
         spills = re.findall(r"(\d+) bytes spill stores", log)
+        named = dict(args)
+        if isinstance(named.get("SHAPE"), tuple):  # (D1, D2, PAGE, BLOCK_H, BLOCK_N, ...)
+            named |= {"BLOCK_H": named["SHAPE"][3], "BLOCK_N": named["SHAPE"][4]}
         tiles = ",".join(
-            f"{k}={constexprs[k]}"
+            f"{k}={named[k]}"
             for k in ("BLOCK_H", "BLOCK_M", "BLOCK_N", "K_FMT", "V_FMT", "STORE", "CAUSAL")
-            if k in constexprs
+            if k in named
         )
         line = (
             f"{name:32s} {tiles:46s} warps {launch['num_warps']} stages {launch['num_stages']}"
@@ -255,11 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", help="RECIPE:STORAGE:HEADS (repeatable)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("DIR_A", "DIR_B"))
     parser.add_argument("--prefill", action="store_true", help="prefill launches instead")
+    parser.add_argument("--splits", type=int, default=1, help="decode split count (2+: merge)")
     parser.add_argument("--_record", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cases = args.case or list(PREFILL_CASES if args.prefill else CASES)
     if args._record is not None:
-        record(args._record, cases)
+        record(args._record, cases, args.splits)
         return 0
     if args.compare:
         return compare(*args.compare)
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     launches_file = args.out / "launches.json"
     child = [sys.executable, __file__, "--_record", str(launches_file)]
-    child += [f"--case={c}" for c in cases]
+    child += [f"--case={c}" for c in cases] + [f"--splits={args.splits}"]
     subprocess.run(child, env=os.environ | {"TRITON_INTERPRET": "1"}, check=True)
     lines = compile_all(json.loads(launches_file.read_text()), args.out)
     import triton

@@ -302,7 +302,14 @@ def _launched(call: Any) -> list[tuple[str, dict[str, Any], Any]]:
 
 
 def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    """The launch arguments with each tensor (also inside a tuple) as its dtype and shape."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (v.dtype, tuple(v.shape))
+        return tuple(plain(x) for x in v) if isinstance(v, tuple) else v
+
+    return {k: plain(v) for k, v in kwargs.items()}
 
 
 @pytest.mark.parametrize("recipe", ["none", "fp8"])
@@ -330,17 +337,19 @@ def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
     _, args, grid = seen[-2]
     assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
     assert grid == (1 * 3 * 3,)  # head groups x splits x requests
-    assert args["num_warps"] == 8 and args["HEAD_GROUPS"] == 1 and args["NUM_SPLITS"] == 3
-    assert (args["BLOCK_N"], args["STAGES"], args["OVERLAP"]) == (32, 4, True)
-    assert (args["PAGE"], args["D1"], args["D2"], args["capacity"]) == (64, 512, 64, 128)
+    # SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS, SPLIT_ALIGN_)
+    assert args["num_warps"] == 8 and args["SHAPE"] == (512, 64, 64, 64, 32, 1, 64)
+    assert args["NUM_SPLITS"] == 3 and (args["STAGES"], args["OVERLAP"]) == (4, True)
+    split = args["split"]  # kernels.common.split_program's tuple
+    assert len(split) == 13 and split[1][0] is cache and split[11] == (20, 128, 7)
     assert args["Q_SCALED"] == args["KV_FP8"] == (quant is not None)
     assert args["P_FMT"] == (1 if quant is not None else 0)
-    assert args["score_scale"] == pytest.approx(SCALE * 1.4426950408889634)
+    assert split[12] == pytest.approx(SCALE * 1.4426950408889634)
     p_gs = FP8.p_gs if quant is not None else 1.0
     assert args["p_inv_gs"] == pytest.approx(1.0 / p_gs) and args["out_scale"] == p_gs
-    assert args["qn_ptr"].dtype == torch.float16
+    assert split[0][0].dtype == torch.float16
     default = _launched(call("gluon"))[-2][1]  # the default configuration
-    assert (default["BLOCK_N"], default["STAGES"], default["OVERLAP"]) == (64, 2, False)
+    assert (default["SHAPE"][4], default["STAGES"], default["OVERLAP"]) == (64, 2, False)
     q128, *_ = _cpu_case(128)
     big = _launched(lambda: decode(q128, cache, table, seq, softmax_scale=SCALE, quant=quant))
     assert [n for n, _, _ in big] == [*names, "gluon_decode_split_kernel"]  # one split

@@ -628,16 +628,11 @@ def _merge_splits(
     if splits == 1:
         return
     decode_merge_kernel[(-(-c.heads // _MERGE_BLOCK_H), c.batch)](
-        wacc,
-        wml,
+        (wacc, wml),
         seq_lens,
-        out_t,
-        lse_t,
+        (out_t, lse_t),
         seq_lens.stride(0),
-        out_t.stride(0),
-        out_t.stride(1),
-        lse_t.stride(0),
-        lse_t.stride(1),
+        (out_t.stride(0), out_t.stride(1), lse_t.stride(0), lse_t.stride(1)),
         c.heads,
         c.capacity,
         out_scale,
@@ -800,6 +795,13 @@ class SplitFamily:
         """The kernel's arguments beyond ``split_kernel_args``, by name."""
         raise NotImplementedError
 
+    def cache_args(
+        self, cache: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None:
+        """The cache pointers of ``split_program``'s ``split`` and their (page, row)
+        strides; None: the raw cache alone."""
+        return None
+
 
 class _OnRead(SplitFamily):
     """``decode``: K and V quantized on read from the raw cache (``decode_split_kernel``)."""
@@ -816,9 +818,7 @@ class _OnRead(SplitFamily):
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
         ko = ops[1]
         return {
-            "k_gs": ko.gs,
-            "k_inv_gs": 1.0 / ko.gs,
-            "k_inv_6gs": 1.0 / (6.0 * ko.gs),
+            "k_scales": _scales(ko.gs),
             "K_EXACT": not ko.pow2,
             "KV_SHARED": self.v_shares_k(ops),
         }
@@ -894,7 +894,7 @@ def _launch_splits(
     )
     args = split_kernel_args(
         c, kv_cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
-        ops, cfg, splits, kv_lora_rank, pv_f16,
+        ops, cfg, splits, kv_lora_rank, pv_f16, family.cache_args(kv_cache),
     )  # fmt: skip
     grid = (-(-c.heads // cfg.block_h) * splits * c.batch,)
     family.kernel[grid](**args, **family.extra_args(kv_cache, cfg, ops))
@@ -936,57 +936,35 @@ def split_kernel_args(
     splits: int,
     kv_lora_rank: int,
     pv_f16: bool,
+    cache: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
-    """The keyword arguments both split kernels (on-read and shadow) take, by name.
+    """The keyword arguments the split kernels share, by name.
 
-    ``partials``: the workspace's ``(acc, ml)``; ``queries``: ``(q_nope, q_pe,
-    q_scale)`` as ``_stage_q`` returns them; ``operands``: q, k, v, p.
+    ``split``: ``kernels.common.split_program``'s tuple; ``partials``: the workspace's
+    ``(acc, ml)``; ``queries``: ``(q_nope, q_pe, q_scale)`` as ``_stage_q`` returns them;
+    ``operands``: q, k, v, p; ``cache``: the family's cache pointers and their (page,
+    row) strides (``SplitFamily.cache_args``; None: the raw cache alone).
     """
     q_nope, q_pe, q_scale = queries
     qo, ko, vo, po = operands
+    ptrs, strides = cache if cache is not None else ((kv_cache,), tuple(kv_cache.stride()[:2]))
+    split = (
+        (q_nope, q_pe, q_scale), ptrs, block_table, seq_lens, (out_t, lse_t), partials,
+        (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1)), strides,
+        (block_table.stride(0), block_table.stride(1)), seq_lens.stride(0),
+        (out_t.stride(0), out_t.stride(1), lse_t.stride(0), lse_t.stride(1)),
+        (c.heads, c.capacity, kv_cache.shape[0]),
+        c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
+    )  # fmt: skip
+    shape = (kv_lora_rank, c.rope, c.page_size, cfg.block_h, cfg.block_n,
+             -(-c.heads // cfg.block_h), SPLIT_ALIGN)  # fmt: skip
     return {
-        "qn_ptr": q_nope,
-        "qp_ptr": q_pe,
-        "qgs_ptr": q_scale,
-        "kv_ptr": kv_cache,
-        "bt_ptr": block_table,
-        "seq_lens_ptr": seq_lens,
-        "out_ptr": out_t,
-        "lse_ptr": lse_t,
-        "wacc_ptr": partials[0],
-        "wml_ptr": partials[1],
-        "stride_qn_b": q_nope.stride(0),
-        "stride_qn_h": q_nope.stride(1),
-        "stride_qp_b": q_pe.stride(0),
-        "stride_qp_h": q_pe.stride(1),
-        "stride_kv_page": kv_cache.stride(0),
-        "stride_kv_row": kv_cache.stride(1),
-        "stride_bt_b": block_table.stride(0),
-        "stride_bt_p": block_table.stride(1),
-        "stride_sl": seq_lens.stride(0),
-        "stride_o_b": out_t.stride(0),
-        "stride_o_h": out_t.stride(1),
-        "stride_lse_b": lse_t.stride(0),
-        "stride_lse_h": lse_t.stride(1),
-        "num_heads": c.heads,
-        "capacity": c.capacity,
-        "num_blocks": kv_cache.shape[0],
-        "score_scale": c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
-        "v_gs": vo.gs,
-        "v_inv_gs": 1.0 / vo.gs,
-        "v_inv_6gs": 1.0 / (6.0 * vo.gs),
-        "p_gs": po.gs,
-        "p_inv_gs": 1.0 / po.gs,
-        "p_inv_6gs": 1.0 / (6.0 * po.gs),
+        "split": split,
+        "v_scales": _scales(vo.gs),
+        "p_scales": _scales(po.gs),
         "out_scale": po.gs * vo.gs,
-        "D1": kv_lora_rank,
-        "D2": c.rope,
-        "PAGE": c.page_size,
-        "BLOCK_H": cfg.block_h,
-        "BLOCK_N": cfg.block_n,
+        "SHAPE": shape,
         "NUM_SPLITS": splits,
-        "HEAD_GROUPS": -(-c.heads // cfg.block_h),
-        "SPLIT_ALIGN_": SPLIT_ALIGN,
         "Q_SCALED": qo.code != 0,
         "K_FMT": ko.code,
         "K_DYN": ko.dynamic,
@@ -998,3 +976,8 @@ def split_kernel_args(
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
+
+
+def _scales(gs: float) -> tuple[float, float, float]:
+    """A static scale triple as the kernels take it: ``(gs, 1 / gs, 1 / (6 gs))``."""
+    return (gs, 1.0 / gs, 1.0 / (6.0 * gs))

@@ -341,8 +341,8 @@ class _GluonFamily(_OnRead):
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
         ko = ops[1]
-        return {"k_inv_gs": 1.0 / ko.gs, "STAGES": cfg.num_stages, "OVERLAP": self.config.overlap,
-                "KV_FP8": ko.code == 1}  # fmt: skip
+        return {"k_inv_gs": 1.0 / ko.gs, "p_inv_gs": 1.0 / ops[3].gs, "STAGES": cfg.num_stages,
+                "OVERLAP": self.config.overlap, "KV_FP8": ko.code == 1}  # fmt: skip
 
 
 @functools.cache
@@ -352,11 +352,6 @@ def gluon_family(config: GluonDecodeConfig) -> _GluonFamily:
 
 
 # ---------------------------------------------------------------------- CPU compile
-
-
-_POINTERS = ("qn_ptr", "qp_ptr", "kv_ptr", "bt_ptr", "seq_lens_ptr", "out_ptr", "lse_ptr",
-             "wacc_ptr", "wml_ptr")  # fmt: skip
-_FLOAT_ARGS = ("score_scale", "k_inv_gs", "p_inv_gs", "out_scale")
 
 
 @dataclass(frozen=True)
@@ -392,37 +387,40 @@ def compile_variant(
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
-    from mla_triton.kernels.gluon_decode import NUM_WARPS
+    from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
 
     fn = _kernel()
     q_dtype = "fp16" if recipe.mma_f16 else dtype
-    ptr_types = {
-        "qn_ptr": f"*{q_dtype}", "qp_ptr": f"*{q_dtype}", "qgs_ptr": "*fp32", "kv_ptr": f"*{dtype}",
-        "bt_ptr": f"*{index_dtype}", "seq_lens_ptr": f"*{index_dtype}",
-        "out_ptr": f"*{dtype}", "lse_ptr": "*fp32", "wacc_ptr": "*fp32", "wml_ptr": "*fp32",
-    }  # fmt: skip
+    # split_program's tuple: (type, marked divisible by 16) per element, nested as passed
+    div, i32 = ("i32", True), ("i32", False)
+
+    def ptr(t: str) -> tuple[str, bool]:
+        return (f"*{t}", True)
+
+    split = (
+        (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), (ptr(dtype),), ptr(index_dtype),
+        ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
+        (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
+        (i32, i32, i32), ("fp32", False),
+    )  # fmt: skip
     constexprs: dict[str, Any] = {
-        "D1": 512, "D2": 64, "PAGE": page, "BLOCK_N": config.block_n, "STAGES": config.stages,
-        "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled, "KV_FP8": recipe.kv_fp8,
-        "P_FMT": recipe.p_fmt, "NUM_SPLITS": num_splits, "HEAD_GROUPS": 2,
-        "SPLIT_ALIGN_": SPLIT_ALIGN,
+        "SHAPE": (512, 64, page, BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
+        "STAGES": config.stages, "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled,
+        "KV_FP8": recipe.kv_fp8, "P_FMT": recipe.p_fmt, "NUM_SPLITS": num_splits,
     }  # fmt: skip
-    signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    divisible = {"stride_qn_b", "stride_qn_h", "stride_qp_b", "stride_qp_h", "stride_kv_page",
-                 "stride_kv_row", "stride_o_b", "stride_o_h"}  # fmt: skip
-    for j, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ptr_types:
-            signature[name] = ptr_types[name]
-            attrs[(j,)] = [["tt.divisibility", 16]]
-        elif name in _FLOAT_ARGS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name in divisible:
-                attrs[(j,)] = [["tt.divisibility", 16]]
+
+    def types(node: Any, path: tuple[int, ...]) -> Any:
+        if isinstance(node[0], str):  # a leaf: (type, divisible)
+            if node[1]:
+                attrs[path] = [["tt.divisibility", 16]]
+            return node[0]
+        return tuple(types(child, (*path, k)) for k, child in enumerate(node))
+
+    signature: dict[str, Any] = {"split": types(split, (0,))}
+    signature |= dict.fromkeys(("k_inv_gs", "p_inv_gs", "out_scale"), "fp32")
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    assert list(signature) == list(fn.arg_names), fn.arg_names
     source = GluonASTSource(fn, signature, constexprs, attrs)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}

@@ -367,16 +367,18 @@ _Views = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 """A shadow's typed sections ``(k_hat, k_scale, v_hat)`` (``ShadowLayout.views``)."""
 
 
-def _section_args(views: _Views, dummy: torch.Tensor) -> dict[str, Any]:
-    """The kernels' arguments for a shadow's sections, by name: ``kh_ptr``, ``ks_ptr``,
-    ``vh_ptr`` and their page and row strides (an absent section: ``dummy``, never read,
+def _section_args(
+    views: _Views, cache: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The split kernel's cache pointers ``(kv_ptr, kh_ptr, ks_ptr, vh_ptr)`` and their
+    (page, row) strides, in that order (an absent section: the raw cache, never read,
     and zero strides)."""
-    args: dict[str, Any] = {}
-    for name, view in zip(("kh", "ks", "vh"), views, strict=True):
-        args[f"{name}_ptr"] = dummy if view is None else view
-        args[f"stride_{name}_page"] = 0 if view is None else view.stride(0)
-        args[f"stride_{name}_row"] = 0 if view is None else view.stride(1)
-    return args
+    ptrs = [cache]
+    strides = [cache.stride(0), cache.stride(1)]
+    for view in views:
+        ptrs.append(cache if view is None else view)
+        strides += [0, 0] if view is None else [view.stride(0), view.stride(1)]
+    return tuple(ptrs), tuple(strides)
 
 
 # ---------------------------------------------------------------------------- update
@@ -509,21 +511,20 @@ def _write_cache(
     ko, vo = _operand(q.k), _operand(q.v)
     hw = _hw_fp8(cache.device)
     v_token = vo.code == 1 and not lay.v_shared
+    ptrs, strides = _section_args((kh, ks, vh), cache)
     shadow_update_kernel[(-(-n // _UPDATE_BLOCK_T),)](
         kvc_ptr=x1,
         kpe_ptr=x2,
         slot_ptr=slots,
-        kv_ptr=cache,
+        cache=ptrs,
         num_tokens=n,
         stride_kvc_t=x1.stride(0),
         stride_kpe_t=x2.stride(0),
         stride_slot=slots.stride(0),
-        stride_kv_page=cache.stride(0),
-        stride_kv_row=cache.stride(1),
+        cache_strides=strides,
         capacity=cache.shape[0] * page_size,
         k_gs=ko.gs,
         v_gs=vo.gs,
-        **_section_args((kh, ks, vh), cache),
         D1=d1,
         D2=d2,
         PAGE=page_size,
@@ -674,9 +675,12 @@ class _ShadowFamily(SplitFamily):
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
         vo = ops[2]
         v_src = 0 if vo.code == 0 else (2 if self.lay.v_shared else 1)
-        return _section_args(self.views, cache) | {
+        return {
             "V_SRC": v_src,
             "V_TAIL": vo.code == 2,
             "TAIL_LOOP": _tail_loop(cfg.block_h, vo.code == 2),
             "STORE": STORAGES.index(self.lay.storage),
         }
+
+    def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        return _section_args(self.views, cache)

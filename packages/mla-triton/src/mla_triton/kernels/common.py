@@ -248,6 +248,54 @@ def load_q(
 
 
 @triton.jit
+def split_program(split, SHAPE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """What a split kernel's program owns (``split_bounds``): ``(hg, split, b, seq_len,
+    poisoned, lo, hi)``, after the tiling's static checks.
+
+    ``split``: the arguments every split kernel takes first (``decode.split_kernel_args``),
+    ``(q, cache, bt_ptr, seq_lens_ptr, out, partials, q_strides, cache_strides,
+    bt_strides, stride_sl, o_strides, sizes, score_scale)``, with ``q``, ``out``,
+    ``partials``, ``q_strides`` and ``o_strides`` as in this module's docstring, ``cache``
+    the family's cache pointers (the raw cache's first) and ``cache_strides`` their (page,
+    row) strides, ``bt_strides = (stride_bt_b, stride_bt_p)``, ``sizes = (num_heads,
+    capacity, num_blocks)``. ``SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS,
+    SPLIT_ALIGN_)``.
+    """
+    split_invariants(SHAPE[0], SHAPE[1], SHAPE[3], SHAPE[4], SHAPE[6])
+    seq_lens_ptr, stride_sl, capacity = split[3], split[9], split[11][1]
+    return split_bounds(seq_lens_ptr, stride_sl, capacity, NUM_SPLITS, SHAPE[5], SHAPE[6])
+
+
+@triton.jit
+def split_start(split, prog, Q_SCALED: tl.constexpr, SHAPE: tl.constexpr):
+    """A split program's q and starting state (``load_q``), for ``prog`` (``split_program``'s).
+
+    Returns ``(heads, offs_n, bt_row, q1, q2, row_scale, m_i, l_i, acc)``: ``heads =
+    (offs_h, h_mask)``, the program's heads and which exist; ``offs_n``, a tile's token
+    offsets ``[BLOCK_N]``; ``bt_row``, the request's block-table row.
+    """
+    D1: tl.constexpr = SHAPE[0]
+    D2: tl.constexpr = SHAPE[1]
+    BLOCK_H: tl.constexpr = SHAPE[3]
+    q, bt_ptr, q_strides, bt_strides, score_scale = (
+        split[0],
+        split[2],
+        split[6],
+        split[8],
+        split[12],
+    )
+    num_heads = split[11][0]
+    offs_h = prog[0] * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < num_heads
+    offs_n = tl.arange(0, SHAPE[4])
+    q1, q2, row_scale, m_i, l_i, acc = load_q(
+        q, q_strides, prog[2], offs_h, h_mask, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2
+    )
+    bt_row = bt_ptr + prog[2] * bt_strides[0]
+    return (offs_h, h_mask), offs_n, bt_row, q1, q2, row_scale, m_i, l_i, acc
+
+
+@triton.jit
 def tile_pages(
     bt_row,
     start,
@@ -358,28 +406,17 @@ def write_out(
 
 @triton.jit
 def finish_split(
-    acc,
-    m_i,
-    l_i,
-    poisoned,
-    out,
-    o_strides,
-    partials,
-    b,
-    split,
-    lo,
-    seq_len,
-    offs_h,
-    h_mask,
-    num_heads,
-    out_scale,
-    D1: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    acc, m_i, l_i, prog, heads, split, out_scale, SHAPE: tl.constexpr, NUM_SPLITS: tl.constexpr
 ):
-    """A split program's epilogue: with one split, out and LSE (``write_out``); else the
-    split's partial ``acc``, ``m``, ``l`` into the workspace ``partials``: acc ``[B,
-    NUM_SPLITS, H, D1]`` and (m, l) ``[B, NUM_SPLITS, H, 2]`` float32, written only by
-    a split that holds tokens."""
+    """A split program's epilogue (``prog``, ``heads`` and ``split`` as ``split_program``'s
+    and ``split_start``'s): with one
+    split, out and LSE (``write_out``); else the split's partial ``acc``, ``m``, ``l`` into
+    the workspace ``partials``: acc ``[B, NUM_SPLITS, H, D1]`` and (m, l) ``[B, NUM_SPLITS,
+    H, 2]`` float32, written only by a split that holds tokens."""
+    D1: tl.constexpr = SHAPE[0]
+    _, s, b, seq_len, poisoned, lo, _ = prog
+    offs_h, h_mask = heads
+    out, partials, o_strides, num_heads = split[4], split[5], split[10], split[11][0]
     if NUM_SPLITS == 1:
         write_out(
             acc, m_i, l_i, seq_len > 0, poisoned, out_scale, out, o_strides, b, offs_h, h_mask, D1
@@ -387,7 +424,7 @@ def finish_split(
     else:
         wacc_ptr, wml_ptr = partials
         offs_d1 = tl.arange(0, D1)
-        row = (b * NUM_SPLITS + split) * num_heads + offs_h  # int64 [BLOCK_H]
+        row = (b * NUM_SPLITS + s) * num_heads + offs_h  # int64 [BLOCK_H]
         st_mask = h_mask & (lo < seq_len)
         tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
         tl.store(wml_ptr + row * 2, m_i, mask=st_mask)

@@ -69,15 +69,14 @@ from mla_triton.kernels.common import (
     AXIS_TOKENS,
     SPLIT_ALIGN,
     finish_split,
-    load_q,
     qdq_latent,
     qdq_p,
     request_len,
     scores,
     softmax_step,
-    split_bounds,
     split_chunk,
-    split_invariants,
+    split_program,
+    split_start,
     tile_pages,
     write_out,
 )
@@ -183,51 +182,13 @@ def decode_q_kernel(
 
 @triton.jit
 def decode_split_kernel(
-    qn_ptr,
-    qp_ptr,
-    qgs_ptr,
-    kv_ptr,
-    bt_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    lse_ptr,
-    wacc_ptr,
-    wml_ptr,
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    stride_kv_page,
-    stride_kv_row,
-    stride_bt_b,
-    stride_bt_p,
-    stride_sl,
-    stride_o_b,
-    stride_o_h,
-    stride_lse_b,
-    stride_lse_h,
-    num_heads,
-    capacity,
-    num_blocks,
-    score_scale,  # softmax_scale * log2(e), times K's global scale when it is static
-    k_gs,
-    k_inv_gs,
-    k_inv_6gs,
-    v_gs,
-    v_inv_gs,
-    v_inv_6gs,
-    p_gs,
-    p_inv_gs,
-    p_inv_6gs,
+    split,
+    k_scales,
+    v_scales,
+    p_scales,
     out_scale,  # gs_p * gs_v
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SHAPE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    HEAD_GROUPS: tl.constexpr,
-    SPLIT_ALIGN_: tl.constexpr,
     Q_SCALED: tl.constexpr,
     K_FMT: tl.constexpr,
     K_DYN: tl.constexpr,
@@ -241,6 +202,11 @@ def decode_split_kernel(
 ):
     """Stage 1: one (head group, split, request) over its chunk of the paged cache.
 
+    ``split``: the arguments every split kernel takes (``common.split_program``), here
+    with ``cache = (kv_ptr,)`` and ``cache_strides = (stride_kv_page, stride_kv_row)``;
+    ``SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS, SPLIT_ALIGN_)``; ``k_scales``,
+    ``v_scales``, ``p_scales``: static ``(gs, 1 / gs, 1 / (6 gs))`` triples.
+
     Shapes: q ``[B, H, D1]`` + ``[B, H, D2]``; cache rows ``D1 + D2`` wide at
     ``page * stride_kv_page + slot * stride_kv_row``; out ``[B, H, D1]``, lse
     ``[B, H]`` (one split) or workspace acc ``[B, NUM_SPLITS, H, D1]`` and (m, l)
@@ -249,27 +215,22 @@ def decode_split_kernel(
     (``QK`` follows q's dtype: fp16 q̂ when q and K are quantized). ``KV_SHARED``:
     fp8 K and V with one static scale, V̂ is K̂'s first ``D1`` features.
     """
-    split_invariants(D1, D2, BLOCK_H, BLOCK_N, SPLIT_ALIGN_)
-    out = (out_ptr, lse_ptr)
-    o_strides = (stride_o_b, stride_o_h, stride_lse_b, stride_lse_h)
-    hg, split, b, seq_len, poisoned, lo, hi = split_bounds(
-        seq_lens_ptr, stride_sl, capacity, NUM_SPLITS, HEAD_GROUPS, SPLIT_ALIGN_
+    D1: tl.constexpr = SHAPE[0]
+    D2: tl.constexpr = SHAPE[1]
+    PAGE: tl.constexpr = SHAPE[2]
+    BLOCK_H: tl.constexpr = SHAPE[3]
+    BLOCK_N: tl.constexpr = SHAPE[4]
+    prog = split_program(split, SHAPE, NUM_SPLITS)
+    heads, offs_n, bt_row, q1, q2, row_scale, m_i, l_i, acc = split_start(
+        split, prog, Q_SCALED, SHAPE
     )
-    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < num_heads
+    lo, hi = prog[5], prog[6]
+    (kv_ptr,), (stride_kv_page, stride_kv_row), stride_bt_p = split[1], split[7], split[8][1]
+    num_blocks = split[11][2]
     offs_d1 = tl.arange(0, D1)
     offs_d2 = tl.arange(0, D2)
-    offs_n = tl.arange(0, BLOCK_N)
-    q1, q2, row_scale, m_i, l_i, acc = load_q(
-        (qn_ptr, qp_ptr, qgs_ptr), (stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h), b,
-        offs_h, h_mask, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
-    )  # fmt: skip
     pv_dtype = tl.float16 if PV_F16 else kv_ptr.dtype.element_ty
-    k_scales = (k_gs, k_inv_gs, k_inv_6gs)
-    v_scales = (v_gs, v_inv_gs, v_inv_6gs)
-    p_scales = (p_gs, p_inv_gs, p_inv_6gs)
     QK_RAW: tl.constexpr = K_FMT == 0 or not Q_SCALED  # raw operands: inf scores become NaN
-    bt_row = bt_ptr + b * stride_bt_b
 
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n
@@ -303,24 +264,16 @@ def decode_split_kernel(
         acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    finish_split(
-        acc, m_i, l_i, poisoned, out, o_strides, (wacc_ptr, wml_ptr), b, split, lo, seq_len,
-        offs_h, h_mask, num_heads, out_scale, D1, NUM_SPLITS,
-    )  # fmt: skip
+    finish_split(acc, m_i, l_i, prog, heads, split, out_scale, SHAPE, NUM_SPLITS)
 
 
 @triton.jit
 def decode_merge_kernel(
-    wacc_ptr,
-    wml_ptr,
+    partials,
     seq_lens_ptr,
-    out_ptr,
-    lse_ptr,
+    out,
     stride_sl,
-    stride_o_b,
-    stride_o_h,
-    stride_lse_b,
-    stride_lse_h,
+    o_strides,
     num_heads,
     capacity,
     out_scale,
@@ -331,8 +284,10 @@ def decode_merge_kernel(
 ):
     """Stage 2: merge a request's non-empty splits for ``BLOCK_H`` heads by their LSE.
 
-    Split maxima are integers (base 2), so the weights ``2^(m_s - M)`` are exact.
+    ``partials``, ``out``, ``o_strides``: as the split kernels' (``common``). Split
+    maxima are integers (base 2), so the weights ``2^(m_s - M)`` are exact.
     """
+    wacc_ptr, wml_ptr = partials
     hb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     seq_len, poisoned = request_len(seq_lens_ptr, b, stride_sl, capacity)
@@ -359,7 +314,4 @@ def decode_merge_kernel(
         l = l * alpha + l_s * beta  # noqa: E741
         m = m_new
 
-    write_out(
-        acc, m, l, seq_len > 0, poisoned, out_scale, (out_ptr, lse_ptr),
-        (stride_o_b, stride_o_h, stride_lse_b, stride_lse_h), b, offs_h, h_mask, D1,
-    )  # fmt: skip
+    write_out(acc, m, l, seq_len > 0, poisoned, out_scale, out, o_strides, b, offs_h, h_mask, D1)

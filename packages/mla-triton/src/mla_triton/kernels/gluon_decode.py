@@ -179,48 +179,17 @@ def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, d
 
 @gluon.jit
 def gluon_decode_split_kernel(
-    qn_ptr,
-    qp_ptr,
-    qgs_ptr,
-    kv_ptr,
-    bt_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    lse_ptr,
-    wacc_ptr,
-    wml_ptr,
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    stride_kv_page,
-    stride_kv_row,
-    stride_bt_b,
-    stride_bt_p,
-    stride_sl,
-    stride_o_b,
-    stride_o_h,
-    stride_lse_b,
-    stride_lse_h,
-    num_heads,
-    capacity,
-    num_blocks,
-    score_scale,  # softmax_scale * log2(e), times K's static global scale
+    split,
     k_inv_gs,
     p_inv_gs,
     out_scale,  # gs_p * gs_v
-    D1: gl.constexpr,
-    D2: gl.constexpr,
-    PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr,
+    SHAPE: gl.constexpr,
     STAGES: gl.constexpr,
     OVERLAP: gl.constexpr,
     Q_SCALED: gl.constexpr,
     KV_FP8: gl.constexpr,
     P_FMT: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
-    HEAD_GROUPS: gl.constexpr,
-    SPLIT_ALIGN_: gl.constexpr,
 ):
     """Stage 1: one (head group, split, request).
 
@@ -229,8 +198,29 @@ def gluon_decode_split_kernel(
     workspace acc ``[B, NUM_SPLITS, H, D1]`` and ``(m, l)`` ``[B, NUM_SPLITS, H, 2]``.
     Recipes: ``Q_SCALED``: q is q̂ (factored, by ``decode_q_kernel``) with its global
     scales ``qgs [B, H]``; ``KV_FP8``: K̂ = V̂ (fp8, one static power-of-two global scale)
-    quantized in place once the tile has landed; ``P_FMT`` 0 or 1 (fp8).
+    quantized in place once the tile has landed; ``P_FMT`` 0 or 1 (fp8). ``split`` and
+    ``SHAPE`` as the Triton split kernels' (``kernels.common.split_program``; ``cache =
+    (kv_ptr,)``, ``BLOCK_H`` 64).
     """
+    qn_ptr, qp_ptr, qgs_ptr = split[0]
+    (kv_ptr,) = split[1]
+    bt_ptr, seq_lens_ptr = split[2], split[3]
+    out_ptr, lse_ptr = split[4]
+    wacc_ptr, wml_ptr = split[5]
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h = split[6]
+    stride_kv_page, stride_kv_row = split[7]
+    stride_bt_b, stride_bt_p = split[8]
+    stride_sl = split[9]
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h = split[10]
+    num_heads, capacity, num_blocks = split[11]
+    score_scale = split[12]  # softmax_scale * log2(e), times K's static global scale
+    D1: gl.constexpr = SHAPE[0]
+    D2: gl.constexpr = SHAPE[1]
+    PAGE: gl.constexpr = SHAPE[2]
+    BLOCK_N: gl.constexpr = SHAPE[4]
+    HEAD_GROUPS: gl.constexpr = SHAPE[5]
+    SPLIT_ALIGN_: gl.constexpr = SHAPE[6]
+    gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
     dtype: gl.constexpr = kv_ptr.dtype.element_ty  # the raw cache
     mma: gl.constexpr = qn_ptr.dtype.element_ty  # q (or q̂), K̂, V̂ and P̂ in the MMAs
     # S [64, BLOCK_N]: each warpgroup half of the tokens; O [64, D1]: half the features.

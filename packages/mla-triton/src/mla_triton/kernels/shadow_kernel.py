@@ -47,13 +47,12 @@ from mla_triton.kernels.common import (
     AXIS_TOKENS,
     finish_split,
     fp8_latent,
-    load_q,
     qdq_latent,
     qdq_p,
     scores,
     softmax_step,
-    split_bounds,
-    split_invariants,
+    split_program,
+    split_start,
     tile_pages,
 )
 
@@ -184,22 +183,12 @@ def shadow_update_kernel(
     kvc_ptr,
     kpe_ptr,
     slot_ptr,
-    kv_ptr,
-    kh_ptr,
-    ks_ptr,
-    vh_ptr,
+    cache,
     num_tokens,
     stride_kvc_t,
     stride_kpe_t,
     stride_slot,
-    stride_kv_page,
-    stride_kv_row,
-    stride_kh_page,
-    stride_kh_row,
-    stride_ks_page,
-    stride_ks_row,
-    stride_vh_page,
-    stride_vh_row,
+    cache_strides,
     capacity,
     k_gs,
     v_gs,
@@ -222,9 +211,13 @@ def shadow_update_kernel(
     those cast values, as the on-read decode computes them from the cache. Shadow
     rows: K̂ at ``page * stride_kh_page + slot * stride_kh_row`` (16-bit: D1 + D2
     float16; packed: see ``_store_k``, the rope part after the latent part), the K
-    scale float32, fp8 V̂ D1 values.
+    scale float32, fp8 V̂ D1 values. ``cache = (kv_ptr, kh_ptr, ks_ptr, vh_ptr)`` and
+    ``cache_strides``, their (page, row) strides, as the split kernel's (``split_program``).
     """
     tl.static_assert(PAGE % 16 == 0, "PAGE: a multiple of 16 (16-token V blocks in one page)")
+    kv_ptr, kh_ptr, ks_ptr, vh_ptr = cache
+    stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row = cache_strides[0:4]
+    stride_ks_page, stride_ks_row, stride_vh_page, stride_vh_row = cache_strides[4:8]
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     slot = tl.load(slot_ptr + t * stride_slot, mask=t < num_tokens, other=-1).to(tl.int64)
     ok = (slot >= 0) & (slot < capacity)
@@ -558,71 +551,28 @@ def _shadow_tile(
 
 @triton.jit
 def shadow_decode_split_kernel(
-    qn_ptr,
-    qp_ptr,
-    qgs_ptr,
-    kv_ptr,
-    kh_ptr,
-    ks_ptr,
-    vh_ptr,
-    bt_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    lse_ptr,
-    wacc_ptr,
-    wml_ptr,
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    stride_kv_page,
-    stride_kv_row,
-    stride_kh_page,
-    stride_kh_row,
-    stride_ks_page,
-    stride_ks_row,
-    stride_vh_page,
-    stride_vh_row,
-    stride_bt_b,
-    stride_bt_p,
-    stride_sl,
-    stride_o_b,
-    stride_o_h,
-    stride_lse_b,
-    stride_lse_h,
-    num_heads,
-    capacity,
-    num_blocks,
-    score_scale,  # softmax_scale * log2(e), times K's global scale when it is static
-    v_gs,
-    v_inv_gs,
-    v_inv_6gs,
-    p_gs,
-    p_inv_gs,
-    p_inv_6gs,
+    split,
+    v_scales,
+    p_scales,
     out_scale,  # gs_p * gs_v
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SHAPE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    HEAD_GROUPS: tl.constexpr,
-    SPLIT_ALIGN_: tl.constexpr,
+    STORE: tl.constexpr,
+    V_SRC: tl.constexpr,
+    V_TAIL: tl.constexpr,
+    TAIL_LOOP: tl.constexpr,
     Q_SCALED: tl.constexpr,
     K_FMT: tl.constexpr,
     K_DYN: tl.constexpr,
     V_FMT: tl.constexpr,
-    V_SRC: tl.constexpr,
     V_EXACT: tl.constexpr,
-    V_TAIL: tl.constexpr,
-    TAIL_LOOP: tl.constexpr,
     P_FMT: tl.constexpr,
     PV_F16: tl.constexpr,
-    STORE: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
-    """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``.
+    """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``
+    (``split`` with ``cache = (kv_ptr, kh_ptr, ks_ptr, vh_ptr)`` and their (page, row)
+    strides).
 
     The split's tiles that end at or before the sequence's end run in the main
     loop (``_shadow_tile`` with ``FULL``: shadow reads only, no masks). The tile
@@ -634,29 +584,16 @@ def shadow_decode_split_kernel(
     form that compiles with fewer spills; the bits are the same). Same tiles,
     same per-tile arithmetic and running maxima as on-read decode: bit-identical.
     """
-    split_invariants(D1, D2, BLOCK_H, BLOCK_N, SPLIT_ALIGN_)
+    PAGE: tl.constexpr = SHAPE[2]
+    BLOCK_N: tl.constexpr = SHAPE[4]
     tl.static_assert(PAGE % 16 == 0, "PAGE: a multiple of 16 (16-token V blocks in one page)")
-    out = (out_ptr, lse_ptr)
-    o_strides = (stride_o_b, stride_o_h, stride_lse_b, stride_lse_h)
-    hg, split, b, seq_len, poisoned, lo, hi = split_bounds(
-        seq_lens_ptr, stride_sl, capacity, NUM_SPLITS, HEAD_GROUPS, SPLIT_ALIGN_
-    )
+    prog = split_program(split, SHAPE, NUM_SPLITS)
+    seq_len, lo, hi = prog[3], prog[5], prog[6]
     full_hi = tl.maximum(tl.minimum(hi, (seq_len // BLOCK_N) * BLOCK_N), lo)
-    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < num_heads
-    q1, q2, row_scale, m_i, l_i, acc = load_q(
-        (qn_ptr, qp_ptr, qgs_ptr), (stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h), b,
-        offs_h, h_mask, num_heads, score_scale, Q_SCALED, BLOCK_H, D1, D2,
-    )  # fmt: skip
-    bt_row = bt_ptr + b * stride_bt_b
-    ptrs = (kv_ptr, kh_ptr, ks_ptr, vh_ptr)
-    strides = (
-        stride_kv_page, stride_kv_row, stride_kh_page, stride_kh_row, stride_ks_page,
-        stride_ks_row, stride_vh_page, stride_vh_row, stride_bt_p,
-    )  # fmt: skip
-    v_scales = (v_gs, v_inv_gs, v_inv_6gs)
-    p_scales = (p_gs, p_inv_gs, p_inv_6gs)
-    SHAPE: tl.constexpr = (D1, D2, PAGE, BLOCK_H, BLOCK_N)
+    heads, _, bt_row, q1, q2, row_scale, m_i, l_i, acc = split_start(split, prog, Q_SCALED, SHAPE)
+    ptrs = split[1]  # (kv_ptr, kh_ptr, ks_ptr, vh_ptr)
+    strides = split[7] + (split[8][1],)  # their (page, row) strides, then stride_bt_p
+    num_blocks = split[11][2]
     RECIPE: tl.constexpr = (
         Q_SCALED, K_FMT, K_DYN, V_FMT, V_SRC, V_EXACT, P_FMT, PV_F16, STORE, HW_FP8
     )  # fmt: skip
@@ -678,7 +615,4 @@ def shadow_decode_split_kernel(
             v_scales, p_scales, SHAPE, RECIPE, False, V_TAIL,
         )  # fmt: skip
 
-    finish_split(
-        acc, m_i, l_i, poisoned, out, o_strides, (wacc_ptr, wml_ptr), b, split, lo, seq_len,
-        offs_h, h_mask, num_heads, out_scale, D1, NUM_SPLITS,
-    )  # fmt: skip
+    finish_split(acc, m_i, l_i, prog, heads, split, out_scale, SHAPE, NUM_SPLITS)
