@@ -328,16 +328,15 @@ def watch_exit(
         if seen_at is None and any(results.rglob("results_*.json")):
             seen_at = time.time()
         if seen_at is not None and time.time() - seen_at > grace:
+            children = [{**c, "threads": _threads(c["pid"])} for c in child_processes(proc.pid)]
             state = {
                 "pid": proc.pid,
                 "alive_after_results_s": round(time.time() - seen_at, 1),
                 "threads": _threads(proc.pid),
-                "children": [
-                    {**c, "threads": _threads(c["pid"])} for c in child_processes(proc.pid)
-                ],
+                "children": children,
             }
             report.write_text(json.dumps(state, indent=2) + "\n")
-            for child in state["children"]:  # the engine's stacks too (same log)
+            for child in children:  # the engine's stacks too (same log)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child["pid"], signal.SIGABRT)
             time.sleep(2.0)
@@ -459,8 +458,12 @@ def main() -> int:
         checks.append(("mla-compare wrote report.json", False, "missing"))
     if lm_proc is not None:
         lm_rc = _wait(lm_proc, args.deadline - (time.time() - t0))
-        checks += check_lm_eval(out / "lm_eval", lm_log.read_text(errors="replace"), lm_rc)
+        lm_text = lm_log.read_text(errors="replace")
+        checks += check_lm_eval(out / "lm_eval", lm_text, lm_rc)
     diagnostics: dict[str, Any] = {}
+    if lm_proc is not None:  # the wrapper's exit report: threads and children left
+        said = [line for line in lm_text.splitlines() if line.startswith("[mla lm_eval_run]")]
+        diagnostics["lm_eval_wrapper_exit"] = said
     if watcher is not None and plain is not None:
         watcher.join(timeout=max(1.0, args.deadline - (time.time() - t0)))
         with contextlib.suppress(ProcessLookupError):
@@ -486,6 +489,8 @@ def main() -> int:
     print(f"measure_e2e: {summary['seconds']} s")
     for name, ok, detail in checks:
         print(f"  [{'ok' if ok else 'FAIL'}] {name}: {detail}")
+    for line in diagnostics.get("lm_eval_wrapper_exit", [])[:12]:
+        print(f"  [diag] {line[:300]}")
     if "lm_eval_plain" in diagnostics:
         d = diagnostics["lm_eval_plain"]
         info = d["hang"] or {}
