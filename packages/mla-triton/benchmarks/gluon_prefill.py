@@ -5,7 +5,7 @@ Run on a Hopper GPU from the repository root::
     PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
         python packages/mla-triton/benchmarks/gluon_prefill.py --out OUTDIR [--fa3]
 
-Correctness (bf16, recipe none): ``mla_triton.gluon_prefill.launch`` against
+Correctness (bf16, recipe none): ``mla_triton.prefill(..., impl="gluon")`` against
 ``mla_reference.prefill`` (float32 on the GPU) and against ``mla_triton.prefill``
 on varlen batches (lengths 1, 17, 128, 1000, 4096), H 16 and 128, causal and not,
 chunked context (fewer queries than keys), GQA, a strided V (a slice of a wider
@@ -27,12 +27,17 @@ are checked and timed, after an ablation (the kernel without its softmax: what
 hiding the softmax could reach at most). With
 ``--fa3``, FlashAttention-3 from the vLLM wheel
 (``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``) is timed in
-the same process. Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
+the same process. ``--dispatch`` times only what ``prefill`` runs by default
+(``impl="auto"``) against ``impl="triton"`` (and, with ``--fa3``, FA3 bf16) for the
+recipes none, fp8 and nvfp4. Every Gluon and Triton time is of a ``prefill`` call
+(its checks on preallocated ``out``, no host sync: ``max_seqlen_*`` given).
+Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -82,28 +87,29 @@ def _gluon(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
     causal: bool, config: Tiling | None = None, quant: AttentionQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    from mla_triton.gluon_prefill import GluonPrefillConfig, launch
+    from mla_triton.gluon_prefill import GluonPrefillConfig
 
-    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device="cuda")
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device="cuda")
-    launch(
-        q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
-        return_lse=True, out=out, lse=lse, max_seqlen_q=max(lens_q, default=0),
-        max_seqlen_k=max(lens_k, default=0), quant=quant,
-        config=GluonPrefillConfig(*config) if config else None,
-    )  # fmt: skip
-    return out, lse
+    return _prefill(q, k, v, lens_q, lens_k, causal, quant, "gluon",
+                    GluonPrefillConfig(*config) if config else None)  # fmt: skip
 
 
 def _triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
     causal: bool, quant: AttentionQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _prefill(q, k, v, lens_q, lens_k, causal, quant, "triton")
+
+
+def _prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens_q: list[int], lens_k: list[int],
+    causal: bool, quant: AttentionQuant | None, impl: str, config: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     from mla_triton import prefill
 
     return prefill(
         q, k, v, _cu(lens_q), _cu(lens_k), softmax_scale=q.shape[2] ** -0.5, causal=causal,
-        return_lse=True, quant=quant,
+        return_lse=True, quant=quant, impl=impl, config=config,
+        max_seqlen_q=max(lens_q, default=0), max_seqlen_k=max(lens_k, default=0),
     )  # fmt: skip
 
 
@@ -288,10 +294,10 @@ def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
 
 def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict[str, Any],
-                recipe: str = "none", ws: bool = False,
-                ablate: bool = False) -> None:  # fmt: skip
+                recipe: str = "none", ws: bool = False, ablate: bool = False,
+                dispatch: bool = False) -> None:  # fmt: skip
     from mla_triton import prefill
-    from mla_triton.gluon_prefill import GluonPrefillConfig, launch
+    from mla_triton.gluon_prefill import GluonPrefillConfig
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     total = sum(lens)
@@ -299,31 +305,28 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
         total, heads, DV, gen)  # fmt: skip
     cu = _cu(lens)
     out = torch.empty(total, heads, DV, dtype=q.dtype, device="cuda")
-    lse = torch.empty(heads, total, dtype=torch.float32, device="cuda")
-
     quant = QUANTS[recipe]
 
-    def gluon(c: Tiling) -> Callable[[], Any]:
-        return lambda: launch(
-            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, return_lse=False,
-            out=out, lse=lse, max_seqlen_q=max(lens), max_seqlen_k=max(lens), quant=quant,
-            config=GluonPrefillConfig(*c),
+    def call(impl: str, config: Any = None) -> Callable[[], Any]:
+        return lambda: prefill(
+            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, quant=quant, out=out,
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens), impl=impl, config=config,
         )  # fmt: skip
 
-    fns: dict[str, Callable[[], Any]] = {
-        "triton": lambda: prefill(
-            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, quant=quant,
-            max_seqlen_q=max(lens), max_seqlen_k=max(lens),
-        ),
-    }  # fmt: skip
-    if ablate:
+    def gluon(c: Tiling) -> Callable[[], Any]:
+        return call("gluon", GluonPrefillConfig(*c))
+
+    fns: dict[str, Callable[[], Any]] = {"triton": call("triton")}
+    if dispatch:  # what prefill runs by default, beside the Triton kernel and FA3
+        fns["auto"] = call("auto")
+    elif ablate:
         fns = {f"no-softmax{c}": gluon(c) for c in CONFIGS[:2]}
     elif ws:
         fns = {f"gluon{c}": gluon(c) for c in WS_CONFIGS}
     else:
         fns |= {f"gluon{c}": gluon(c) for c in (CONFIGS if recipe == "none" else CONFIGS[:2])}
-    if fa3 and recipe == "none" and not ws and not ablate:
-        fns["fa3"] = _fa3(q, k, v, cu, lens)
+    if fa3 and (recipe == "none" or dispatch) and not ws and not ablate:
+        fns["fa3"] = _fa3(q, k, v, cu, lens)  # bf16, the reference of every recipe
     for name, fn in fns.items():
         try:
             fn()
@@ -340,11 +343,12 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
                                       "error": repr(exc)})  # fmt: skip
 
 
-def timings(result: dict[str, Any], fa3: bool, recipe: str = "none", ws: bool = False) -> None:
+def timings(result: dict[str, Any], fa3: bool, recipe: str = "none", ws: bool = False,
+            dispatch: bool = False) -> None:  # fmt: skip
     """Timing rows (see the module doc)."""
     for shape, (lens, heads) in SHAPES.items():
         try:
-            _time_shape(shape, lens, heads, fa3, result, recipe, ws)
+            _time_shape(shape, lens, heads, fa3, result, recipe, ws, dispatch=dispatch)
         except Exception as exc:
             traceback.print_exc()
             result["timings"].append({"shape": shape, "error": repr(exc)})
@@ -404,6 +408,11 @@ def main() -> None:
     parser.add_argument("--no-bench", action="store_true", help="correctness only")
     parser.add_argument("--no-quant", action="store_true", help="recipe none only")
     parser.add_argument("--no-ws", action="store_true", help="no warp-specialized tilings")
+    parser.add_argument(
+        "--dispatch", action="store_true",
+        help="only prefill's default (impl auto) against impl triton (and --fa3) for "
+        "recipes none, fp8 and nvfp4",
+    )  # fmt: skip
     args = parser.parse_args()
     import triton
 
@@ -418,16 +427,24 @@ def main() -> None:
     }  # fmt: skip
     print(f"{result['device']}  torch {torch.__version__}  triton {triton.__version__}  ({smi})")
     t0 = time.time()
-    steps: list[tuple[bool, Callable[[], None]]] = [
-        (not args.no_check, lambda: checks(result)),
-        (not args.no_bench, lambda: timings(result, args.fa3)),
-        (not args.no_check and not args.no_quant, lambda: checks_quant(result)),
-        (not args.no_bench and not args.no_quant, lambda: timings(result, False, "fp8")),
-        (not args.no_bench and not args.no_quant, lambda: timings(result, False, "nvfp4")),
-        (not args.no_bench, lambda: ablation(result)),
-        (not args.no_check and not args.no_ws, lambda: checks_ws(result)),
-        (not args.no_bench and not args.no_ws, lambda: timings(result, False, ws=True)),
-    ]
+    dispatch = [
+        (True, functools.partial(timings, result, args.fa3, recipe, dispatch=True))
+        for recipe in ("none", "fp8", "nvfp4")
+    ]  # fmt: skip
+    steps: list[tuple[bool, Callable[[], None]]] = (
+        dispatch
+        if args.dispatch
+        else [
+            (not args.no_check, lambda: checks(result)),
+            (not args.no_bench, lambda: timings(result, args.fa3)),
+            (not args.no_check and not args.no_quant, lambda: checks_quant(result)),
+            (not args.no_bench and not args.no_quant, lambda: timings(result, False, "fp8")),
+            (not args.no_bench and not args.no_quant, lambda: timings(result, False, "nvfp4")),
+            (not args.no_bench, lambda: ablation(result)),
+            (not args.no_check and not args.no_ws, lambda: checks_ws(result)),
+            (not args.no_bench and not args.no_ws, lambda: timings(result, False, ws=True)),
+        ]
+    )
     for wanted, step in steps:
         if wanted:
             step()

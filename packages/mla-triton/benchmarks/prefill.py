@@ -14,6 +14,10 @@ backend, V zero-padded to 192 (flash needs equal head dims), one call per
 sequence for the varlen batch. TFLOP/s count ``2 Lq Lk (192 + 128)`` per head,
 halved for causal, for every row (the baseline's padding is not credited).
 
+The main table runs ``prefill(..., impl=IMPL)`` (``--impl``, default ``auto``: the
+Gluon kernel on an sm90 GPU where it covers the recipe, see docs/gluon.md; the
+tile sweep always the Triton kernel, ``PrefillConfig``).
+
 Also measured: the K/V QDQ pass alone, and a few tile configurations. With
 ``--before SRC`` (a ``packages/mla-triton/src`` of another checkout, e.g. a git
 worktree of the previous commit) the main table is timed for both versions in
@@ -77,6 +81,7 @@ class Job:
     recipe: str
     config: tuple[int, int, int, int] | None = None
     before: bool = False  # the --before copy
+    impl: str = "auto"  # prefill's impl (not passed to a --before copy)
 
 
 def _inputs(lens: list[int], heads: int, seed: int = 0) -> dict[str, Any]:
@@ -97,10 +102,11 @@ def _call(x: dict[str, Any], job: Job) -> Any:
     module = _prefill_module(job.before)
     quant, sparsity = RECIPES[job.recipe]
     config = module.PrefillConfig(*job.config) if job.config else None
+    impl = {} if job.before else {"impl": "triton" if job.config else job.impl}
     return lambda: module.prefill(
         x["q"], x["k"], x["v"], x["cu"], x["cu"], softmax_scale=DQK**-0.5, causal=True,
         quant=quant, sparsity=sparsity, max_seqlen_q=x["max"], max_seqlen_k=x["max"],
-        config=config,
+        config=config, **impl,
     )  # fmt: skip
 
 
@@ -186,9 +192,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="parallel compile workers")
     parser.add_argument("--quick", action="store_true", help="main table only")
     parser.add_argument("--before", help="another checkout's packages/mla-triton/src: A/B")
+    parser.add_argument("--impl", default="auto", choices=("auto", "triton", "gluon"),
+                        help="prefill's impl for the main table (sm90: auto is Gluon)")  # fmt: skip
     args = parser.parse_args()
 
-    jobs = [Job(r) for r in RECIPES]
+    jobs = [Job(r, impl=args.impl) for r in RECIPES]
     extra = [] if args.quick else [Job(r, config=c) for r in SWEPT for c in CONFIGS[1:]]
     before_dir = None
     if args.before:
@@ -211,7 +219,8 @@ def main() -> None:
     result: dict[str, Any] = {
         "device": gpu, "nvidia_smi": smi, "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "ceilings": _ceilings(), "rows": [], "kv_pass": [], "configs": [], "before": [],
+        "ceilings": _ceilings(), "impl": args.impl, "rows": [], "kv_pass": [], "configs": [],
+        "before": [],
     }  # fmt: skip
     lines = [f"{gpu}  torch {torch.__version__}  triton {result['triton']}  ({smi})"]
     lines.append(f"ceilings: {result['ceilings']}")
@@ -220,7 +229,8 @@ def main() -> None:
     )
     for shape, (lens, heads) in SHAPES.items():
         x = _inputs(lens, heads)
-        fns = {r: _call(x, Job(r)) for r in RECIPES} | {"sdpa-flash": _sdpa(x, heads)}
+        fns = {r: _call(x, Job(r, impl=args.impl)) for r in RECIPES}
+        fns["sdpa-flash"] = _sdpa(x, heads)
         times = {r: _bench(fn) for r, fn in fns.items()}
         times_2 = {r: _bench(fn) for r, fn in fns.items()}
         for r in fns:

@@ -7,6 +7,7 @@ from ``benchmarks/gluon_prefill.py`` and the GPU test below on an H200.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -22,14 +23,20 @@ import triton
 
 from mla_formats import AttentionQuant, NMSparsity
 from mla_triton import gluon_prefill as gp
+from mla_triton import prefill
+
+PREFILL = importlib.import_module("mla_triton.prefill")  # the module (the package's
+# attribute of that name is the function)
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a block may use on sm90
 _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 
 # (dtype, Dqk, Dv, config, causal, return_lse, quant): the default tiling, head dims
-# 128/64, the other tilings the benchmark sweeps (fp16, not causal, without LSE),
-# and the quantized variant (dynamic Q and K scales, P fp8, fp16 P V).
+# 128/64, the other tilings the benchmark sweeps (fp16, not causal, without LSE), and
+# every tiling prefill's dispatcher picks (gp.AUTO_CONFIGS: P none warp specialized,
+# P fp8 / nvfp4 with dynamic Q (and K) scales and fp16 P V).
 DEFAULT = gp.GluonPrefillConfig()
+AUTO = gp.AUTO_CONFIGS
 FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1}
 NVFP4 = {"q_dynamic": True, "p_fmt": 2}
 VARIANTS: list[tuple[torch.dtype, int, int, gp.GluonPrefillConfig, bool, bool, dict[str, Any]]]
@@ -38,9 +45,9 @@ VARIANTS = [
     (torch.bfloat16, 128, 64, DEFAULT, True, False, {}),
     (torch.float16, 192, 128, gp.GluonPrefillConfig(128, 128, 2), False, True, {}),
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(64, 64, 3), False, False, {}),
-    (torch.float16, 192, 128, DEFAULT, True, True, FP8),
-    (torch.float16, 192, 128, DEFAULT, True, True, NVFP4),
-    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(warp_specialize=True), True, True, {}),
+    (torch.float16, 192, 128, AUTO["fp8"], True, True, FP8),
+    (torch.float16, 192, 128, AUTO["nvfp4"], True, True, NVFP4),
+    (torch.bfloat16, 192, 128, AUTO["none"], True, True, {}),
 ]
 
 
@@ -100,14 +107,11 @@ def test_every_variant_compiles_for_sm90a() -> None:
         # warp specialized: a producer warpgroup beside the compute warps, registers moved
         assert got["setmaxnreg"] == config.warp_specialize, variant
         assert got["num_warps"] == config.num_warps + 4 * config.warp_specialize, variant
-        if config == DEFAULT:  # no spills at the default tiling
+        if config == DEFAULT or quant.get("p_fmt", 0) != 1:  # fp8 P at 128 x 128: 72 B
             assert got["LOCAL"] == 0 and got["STACK"] == 0, variant
-
-
-def _qkv(dim: int = 192, dim_v: int = 128, dtype: torch.dtype = torch.bfloat16) -> Any:
-    q = torch.zeros(8, 4, dim, dtype=dtype)
-    v = torch.zeros(8, 4, dim_v, dtype=dtype)
-    return q, v
+    # every tiling the dispatcher picks is compiled above, for its P format
+    picked = {(c, q.get("p_fmt", 0)) for _, _, _, c, _, _, q in VARIANTS}
+    assert {(AUTO[f], i) for i, f in enumerate(("none", "fp8", "nvfp4"))} <= picked
 
 
 @pytest.mark.parametrize(
@@ -118,26 +122,18 @@ def _qkv(dim: int = 192, dim_v: int = 128, dtype: torch.dtype = torch.bfloat16) 
         ({"dim": 160}, "q"),
         ({"dim": 320}, "q"),
         ({"dim_v": 96}, "v"),
-        ({}, "q"),  # a CPU tensor: not a Hopper GPU
     ],
 )
 def test_unsupported_names_the_argument(kwargs: dict[str, Any], name: str) -> None:
-    shape = {k: kwargs.pop(k) for k in ("dim", "dim_v", "dtype") if k in kwargs}
-    q, v = _qkv(**shape)
-    reason = gp.unsupported(q, v, kwargs.get("quant"), kwargs.get("sparsity"))
+    shape = {"dtype": torch.bfloat16, "dim": 192, "dim_v": 128, "sparsity": None} | kwargs
+    reason = gp.unsupported(shape["dtype"], shape["dim"], shape["dim_v"], shape["sparsity"])
     assert reason is not None and reason.startswith(f"{name}: ")
-    with pytest.raises(ValueError, match=f"^{name}: "):
-        gp.launch(
-            q, q, v, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-            softmax_scale=1.0, causal=True, return_lse=False, out=v, lse=v,
-            max_seqlen_q=8, **kwargs,
-        )  # fmt: skip
 
 
-def test_recipe_none_is_not_refused_for_its_quant() -> None:
-    q, v = _qkv()
-    reason = gp.unsupported(q, v, AttentionQuant(), None)
-    assert reason is not None and "Hopper" in reason  # only the device is wrong on CPU
+def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
+    for dtype in (torch.float16, torch.bfloat16):
+        for dim, dim_v in ((192, 128), (64, 64), (256, 128), (128, 64)):
+            assert gp.unsupported(dtype, dim, dim_v, None) is None
 
 
 @pytest.mark.parametrize(
@@ -200,10 +196,8 @@ def test_matches_the_oracle_on_a_gpu(causal: bool) -> None:
     v = torch.randn(tk, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], device="cuda").int()
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], device="cuda").int()
-    out = torch.empty(t, heads, 128, device="cuda", dtype=torch.bfloat16)
-    lse = torch.empty(heads, t, device="cuda")
-    gp.launch(q, k, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=causal, return_lse=True,
-              out=out, lse=lse, max_seqlen_q=max(lens_q))  # fmt: skip
+    out, lse = prefill(q, k, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=causal,
+                       return_lse=True, impl="gluon")  # fmt: skip
     ref, ref_lse = mla_reference.prefill(
         q, k, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=causal, return_lse=True,
         compute_dtype=torch.float32,
@@ -241,7 +235,7 @@ def test_launch_passes_factored_operands_and_scales(
 
     capture = _Capture()
     monkeypatch.setattr(kernels, "gluon_prefill_kernel", capture)
-    monkeypatch.setattr(gp, "unsupported", lambda *a: None)
+    monkeypatch.setattr(PREFILL, "_capability", lambda device: (9, 0))  # as on an H200
     gen = torch.Generator().manual_seed(0)
     lens = [3, 18]
     q = torch.randn(21, 2, 192, generator=gen).half()
@@ -252,10 +246,9 @@ def test_launch_passes_factored_operands_and_scales(
         q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
         v=OperandQuant("fp8", 3.0),
     )  # fmt: skip
-    out = torch.empty(21, 2, 128, dtype=torch.float16)
-    lse = torch.empty(2, 21)
-    gp.launch(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, out=out,
-              lse=lse, max_seqlen_q=max(lens), quant=quant)  # fmt: skip
+    # impl auto: the Gluon kernel (sm90 patched in above)
+    prefill(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, quant=quant,
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens))  # fmt: skip
     q_desc, k_desc, v_desc, _, _, qs, ks = capture.args[:7]
     q_ref, q_gs = qdq_factored(q, quant.q)
     k_ref, k_gs = qdq_factored(k, quant.k)
@@ -271,10 +264,13 @@ def test_launch_passes_factored_operands_and_scales(
     qk_scale, p_gs, p_inv_gs, out_scale = capture.args[9:13]
     assert p_gs == pytest.approx(2.0 / 448.0)
     # dynamic scales stay per token, static ones are folded in (K: 896 / 448)
-    assert qk_scale == pytest.approx(0.1 * gp.LOG2E * (1.0 if dynamic else 2.0))
+    assert qk_scale == pytest.approx(0.1 * PREFILL.LOG2E * (1.0 if dynamic else 2.0))
     assert p_inv_gs == pytest.approx(448.0 / 2.0) and out_scale == pytest.approx(
         2.0 / 448.0 * float(v_gs.flatten()[0])
     )  # fmt: skip
     assert capture.kwargs["Q_DYNAMIC"] and capture.kwargs["K_DYNAMIC"] == dynamic
     assert capture.kwargs["P_FMT"] == 1
     assert capture.grid == (1, 2, 2)
+    # auto's tiling for P fp8 (AUTO_CONFIGS)
+    assert capture.kwargs["BLOCK_N"] == gp.AUTO_CONFIGS["fp8"].block_n
+    assert capture.kwargs["WARP_SPEC"] == gp.AUTO_CONFIGS["fp8"].warp_specialize

@@ -14,6 +14,14 @@ Tolerances: the bf16 output rounding (and bf16 P in the PV dot when P is not
 quantized); with quantized P, a small fraction of elements may sit one P code
 away (GPU exp2 is approximate, so values near a rounding midpoint can flip),
 each bounded.
+
+The tests that the Gluon sm90 kernel covers (every recipe; no N:M, no
+``PrefillConfig``, head dims up to 256/128) run for ``impl`` "triton" and "gluon"
+(the latter skipped, as a GPU skip, off sm90): Gluon against the oracle and
+against the Triton kernel (same tolerances, NaN and -inf positions equal);
+``test_gluon_tilings`` runs every Gluon tiling ``prefill``'s dispatcher picks
+(``gluon_prefill.AUTO_CONFIGS``, the warp-specialized one included) with its recipes,
+the plain default, and the warp-specialized tilings with fp8 / nvfp4 P.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import triton.language as tl
 
 import mla_reference
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant, e2m1_round, e4m3_round
-from mla_triton import prefill
+from mla_triton import gluon_prefill, prefill
 from mla_triton import qdq_device as dev
 from mla_triton.prefill import PrefillConfig
 
@@ -107,9 +115,30 @@ def check(
     assert torch.allclose(lse[finite], ref_lse[finite].float(), atol=1e-3, rtol=1e-4), what
 
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(params=["triton", "gluon"])
+def impl(request: pytest.FixtureRequest) -> str:
+    """``prefill``'s implementation under test (Gluon: on an sm90 GPU only)."""
+    if request.param == "gluon" and not _sm90():
+        pytest.skip("impl gluon needs an sm90 (H100/H200) GPU")
+    return str(request.param)
+
+
 def run(q, k, v, cu_q, cu_k, scale, what, **kwargs):  # type: ignore[no-untyped-def]
+    """prefill against the oracle; with ``impl="gluon"`` against the Triton kernel too."""
     quant = kwargs.get("quant")
     out, lse = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, return_lse=True, **kwargs)
+    p_quantized = quant is not None and not quant.p.is_identity
+    if kwargs.get("impl") == "gluon":
+        triton_kwargs = kwargs | {"impl": "triton", "config": None}
+        want, want_lse = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, return_lse=True,
+                                 **triton_kwargs)  # fmt: skip
+        check(out.cpu(), want.cpu(), lse.cpu(), want_lse.cpu(), p_quantized=p_quantized,
+              what=f"{what} gluon vs triton")  # fmt: skip
+    kwargs.pop("impl", None)
     kwargs.pop("config", None)
     kwargs.pop("max_seqlen_q", None)
     kwargs.pop("max_seqlen_k", None)
@@ -118,7 +147,6 @@ def run(q, k, v, cu_q, cu_k, scale, what, **kwargs):  # type: ignore[no-untyped-
         *cpu, softmax_scale=scale, return_lse=True, compute_dtype=torch.float32,
         out_dtype=torch.float32, **kwargs,
     )  # fmt: skip
-    p_quantized = quant is not None and not quant.p.is_identity
     check(out.cpu(), ref, lse.cpu(), ref_lse, p_quantized=p_quantized, what=what)
     return out
 
@@ -128,15 +156,16 @@ LENS = [1, 15, 16, 17, 300, 1000, 2500]
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("name", list(QUANTS))
-def test_bf16_192_128_varlen(name: str, causal: bool) -> None:
+def test_bf16_192_128_varlen(name: str, causal: bool, impl: str) -> None:
     q, k, v, cu_q, cu_k, scale = make_batch(LENS, [n + 7 * (n % 2) for n in LENS], 16, 16)
-    run(q, k, v, cu_q, cu_k, scale, f"{name} causal={causal}", causal=causal, quant=QUANTS[name])
+    run(q, k, v, cu_q, cu_k, scale, f"{name} causal={causal}", causal=causal, quant=QUANTS[name],
+        impl=impl)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["none", "nvfp4"])
-def test_bf16_long_sequence_gqa(name: str) -> None:
+def test_bf16_long_sequence_gqa(name: str, impl: str) -> None:
     q, k, v, cu_q, cu_k, scale = make_batch([4096], [4096], 16, 2, seed=1)
-    run(q, k, v, cu_q, cu_k, scale, f"{name} L=4096 GQA 16/2", quant=QUANTS[name])
+    run(q, k, v, cu_q, cu_k, scale, f"{name} L=4096 GQA 16/2", quant=QUANTS[name], impl=impl)
 
 
 @pytest.mark.parametrize("name", ["none", "nvfp4"])
@@ -152,32 +181,38 @@ def test_bf16_576_512(name: str) -> None:
     run(q, k, v, cu_q, cu_k, scale, f"{name} 576/512", quant=QUANTS[name])
 
 
-def test_fp16_and_fused_placement() -> None:
+def test_fp16_and_fused_placement(impl: str) -> None:
     """Sequences of one 128-query tile: K/V QDQ fused into the attention kernel; an
     overstated max_seqlen_q (idle extra tiles) takes the K/V pass: the same numbers."""
     q, k, v, cu_q, cu_k, scale = make_batch([100, 120], [100, 900], 8, 8, dtype=torch.float16)
     quant = QUANTS["nvfp4"]
-    a = run(q, k, v, cu_q, cu_k, scale, "fp16 nvfp4 fused", quant=quant)
+    a = run(q, k, v, cu_q, cu_k, scale, "fp16 nvfp4 fused", quant=quant, impl=impl)
     b = run(q, k, v, cu_q, cu_k, scale, "fp16 nvfp4 prepass", quant=quant, max_seqlen_q=1000,
-            max_seqlen_k=900)  # fmt: skip
+            max_seqlen_k=900, impl=impl)  # fmt: skip
     assert torch.equal(a, b)
 
 
-def test_understated_max_seqlen_k_and_empty_batch() -> None:
+def test_understated_max_seqlen_k_and_empty_batch(impl: str) -> None:
     q, k, v, cu_q, cu_k, scale = make_batch([33, 500], [40, 512], 8, 8, seed=6)
-    want = run(q, k, v, cu_q, cu_k, scale, "nvfp4", quant=QUANTS["nvfp4"])
+    want = run(q, k, v, cu_q, cu_k, scale, "nvfp4", quant=QUANTS["nvfp4"], impl=impl)
     for max_k in (0, 1, 100):
         got = prefill(
             q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS["nvfp4"], max_seqlen_q=500,
-            max_seqlen_k=max_k,
+            max_seqlen_k=max_k, impl=impl,
         )  # fmt: skip
         assert torch.equal(got, want), max_k
     cu = torch.zeros(1, dtype=torch.int32, device="cuda")
-    out, lse = prefill(q[:0], k[:0], v[:0], cu, cu, softmax_scale=scale, return_lse=True)
+    out, lse = prefill(q[:0], k[:0], v[:0], cu, cu, softmax_scale=scale, return_lse=True,
+                       impl=impl)  # fmt: skip
     assert out.shape == (0, 8, 128) and lse.shape == (8, 0)
+    # sequences without keys (no key tokens at all): out 0, lse -inf
+    cu_k0 = torch.zeros(3, dtype=torch.int32, device="cuda")
+    out, lse = prefill(q, k[:0], v[:0], cu_q, cu_k0, softmax_scale=scale, return_lse=True,
+                       causal=False, impl=impl)  # fmt: skip
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
 
 
-def test_nan_rule_bf16() -> None:
+def test_nan_rule_bf16(impl: str) -> None:
     """NaN / inf in q, k and v (real tile sizes: the causal diagonal tiles are 128 x 64):
     exactly the rows that see them are NaN; the others match the oracle."""
     lens = [300, 200]
@@ -189,7 +224,7 @@ def test_nan_rule_bf16() -> None:
         for causal in (True, False):
             out, lse = prefill(
                 q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS[name], causal=causal,
-                return_lse=True,
+                return_lse=True, impl=impl,
             )  # fmt: skip
             want = torch.zeros(500, 16, dtype=torch.bool)
             want[10, 3] = True
@@ -218,15 +253,78 @@ def test_other_tilings_bf16(config: PrefillConfig) -> None:
         run(q, k, v, cu_q, cu_k, scale, f"{name} {config}", quant=QUANTS[name], config=config)
 
 
-def test_out_slice_and_max_seqlen_no_sync() -> None:
+def test_out_slice_and_max_seqlen_no_sync(impl: str) -> None:
     q, k, v, cu_q, cu_k, scale = make_batch([33, 500], [40, 512], 8, 8, seed=5)
-    want = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS["nvfp4"])
+    want = prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS["nvfp4"], impl=impl)
     big = torch.zeros(q.shape[0], 10, 160, dtype=q.dtype, device="cuda")
     prefill(
         q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS["nvfp4"], out=big[:, 1:9, 16:144],
-        max_seqlen_q=500, max_seqlen_k=512,
+        max_seqlen_q=500, max_seqlen_k=512, impl=impl,
     )  # fmt: skip
     assert torch.equal(big[:, 1:9, 16:144], want)
+
+
+_AUTO = gluon_prefill.AUTO_CONFIGS
+_PLAIN = gluon_prefill.GluonPrefillConfig()
+_WS = gluon_prefill.GluonPrefillConfig(warp_specialize=True)
+# (tiling, recipe): every tiling prefill's dispatcher picks with its recipes, the plain
+# default, and the warp-specialized tilings with quantized P and at 128 x 128
+GLUON_CASES = {
+    "auto-none": (_AUTO["none"], "none"),
+    "auto-fp8": (_AUTO["fp8"], "fp8"),
+    "auto-fp8-dynamic-k": (_AUTO["fp8"], "fp8-dynamic-k"),
+    "auto-nvfp4": (_AUTO["nvfp4"], "nvfp4"),
+    "auto-k-fp8-v-nvfp4": (_AUTO["nvfp4"], "k-fp8-v-nvfp4"),
+    "plain-none": (_PLAIN, "none"),
+    "plain-nvfp4": (_PLAIN, "nvfp4"),
+    "ws-fp8": (_WS, "fp8"),
+    "ws-nvfp4": (_WS, "nvfp4"),
+    "ws-128x128-none": (gluon_prefill.GluonPrefillConfig(128, 128, 2, True), "none"),
+}
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_gluon_tilings(case: str) -> None:
+    """Gluon tilings (``GLUON_CASES``), varlen causal with GQA and a chunked context
+    (non-causal, fewer queries than keys), against the oracle and the Triton kernel."""
+    config, name = GLUON_CASES[case]
+    q, k, v, cu_q, cu_k, scale = make_batch(LENS, [n + 7 * (n % 2) for n in LENS], 16, 4)
+    run(q, k, v, cu_q, cu_k, scale, f"{case} causal", quant=QUANTS[name], impl="gluon",
+        config=config)  # fmt: skip
+    q, k, v, cu_q, cu_k, scale = make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)
+    run(q, k, v, cu_q, cu_k, scale, f"{case} chunk", quant=QUANTS[name], causal=False,
+        impl="gluon", config=config)  # fmt: skip
+
+
+class _Spy:
+    """Stands in for a kernel: records its name at each launch, then launches it."""
+
+    def __init__(self, kernel: object, name: str, launched: list[str]) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid: object) -> object:
+        self.launched.append(self.name)
+        return self.kernel[grid]  # type: ignore[index]
+
+
+@pytest.mark.skipif(not _sm90(), reason="the dispatch default needs an sm90 (H100/H200) GPU")
+def test_auto_runs_gluon_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """impl="auto" launches the Gluon kernel on sm90 (no N:M), the Triton one with N:M."""
+    import importlib
+
+    from mla_triton.kernels import gluon_prefill as gk
+
+    prefill_module = importlib.import_module("mla_triton.prefill")
+    launched: list[str] = []
+    monkeypatch.setattr(gk, "gluon_prefill_kernel", _Spy(gk.gluon_prefill_kernel, "gluon",
+                                                          launched))  # fmt: skip
+    monkeypatch.setattr(prefill_module, "prefill_fwd_kernel", _Spy(
+        prefill_module.prefill_fwd_kernel, "triton", launched))  # fmt: skip
+    q, k, v, cu_q, cu_k, scale = make_batch([300], [300], 8, 8, seed=9)
+    prefill(q, k, v, cu_q, cu_k, softmax_scale=scale)
+    prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, sparsity=NMSparsity(2, 4))
+    assert launched == ["gluon", "triton"]
 
 
 @triton.jit

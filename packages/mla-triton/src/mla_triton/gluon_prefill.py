@@ -1,32 +1,40 @@
-"""Hopper (sm90) prefill in Gluon: launcher of ``kernels.gluon_prefill``.
+"""Hopper (sm90) prefill in Gluon: the Gluon family of ``mla_triton.prefill``.
 
-``launch`` takes the tensors ``mla_triton.prefill`` has already checked (SPEC 5) and
-computes what ``prefill`` computes (fp16 / bf16), with TMA loads, wgmma and
-mbarriers instead of Triton's generic pipeline. Q, K and V are QDQ'd (any format)
-in passes before attention, by ``mla_triton.prefill.quantize_kv`` (Q through its K
-path), into factored values (fp16 where both operands of a dot are quantized,
-else the input dtype, exact either way); P is QDQ'd in the kernel between the two
-MMAs (fp8 or nvfp4). What it does not cover (N:M sparsity, float32, head dims
-other than multiples of 64 up to 256 for Q/K and 64 or 128 for V) raises
-``ValueError`` naming the argument; ``unsupported`` gives the same reason without
-raising, for a dispatcher.
+``prefill(..., impl="auto" | "gluon")`` checks its inputs (SPEC 5), allocates the
+outputs and launches ``FAMILY`` (``kernels.gluon_prefill``: TMA loads, wgmma,
+mbarriers) where ``prefill.select_impl`` takes it; the numbers are those of the
+Triton kernel (docs/numerics.md). Q, K and V are QDQ'd (any format) by the prefill
+core's pass ``prefill.quantize_kv`` (Q through its K path) into factored values
+(fp16 where both operands of a dot are quantized, else the input dtype, exact
+either way); P is QDQ'd in the kernel between the two MMAs (fp8 or nvfp4). What
+the kernel does not cover (N:M sparsity, float32, head dims other than multiples
+of 64 up to 256 for Q/K and 64 or 128 for V): ``unsupported`` says why, for the
+dispatcher; ``api_missing`` whether the installed Triton has the Gluon API.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 
-from mla_formats import AttentionQuant, NMSparsity, OperandQuant
-from mla_triton.prefill import _global_scale, quantize_kv
-from mla_triton.qdq_device import FORMAT_CODES
+from mla_formats import AttentionQuant, NMSparsity
+from mla_triton.prefill import Checked, PrefillFamily, Recipe, quantize_kv
 
-__all__ = ["GluonPrefillConfig", "Variant", "compile_sm90", "launch", "unsupported"]
+__all__ = [
+    "AUTO_CONFIGS",
+    "FAMILY",
+    "GluonPrefillConfig",
+    "Variant",
+    "api_missing",
+    "auto_config",
+    "compile_sm90",
+    "unsupported",
+]
 
-LOG2E = 1.4426950408889634
 _CHUNK = 64  # columns of one Q / K shared tile
 
 
@@ -61,25 +69,59 @@ class GluonPrefillConfig:
         return self.block_m // 16
 
 
+# The tiling ``prefill`` runs the Gluon kernel with (no config given), by P's format:
+# the fastest measured on an H200 (benchmarks/results/gluon-prefill-fa3-h200.txt,
+# bf16 192/128, causal; ``benchmarks/gluon_prefill.py --no-check --fa3``): P none,
+# warp-specialized 128 x 64 x 3 (427.3 / 479.2 / 427.7 TFLOP/s at b4 h128 L4096,
+# b1 h16 L16384, varlen 16k against 410.8 / 450.6 / 420.6 for the best plain
+# tiling); P fp8 and nvfp4, plain 128 x 128 x 2 (fastest at 5 of those 6 cases; the
+# warp-specialized tilings were not timed with quantized P).
+AUTO_CONFIGS: dict[str, GluonPrefillConfig] = {
+    "none": GluonPrefillConfig(128, 64, 3, warp_specialize=True),
+    "fp8": GluonPrefillConfig(128, 128, 2),
+    "nvfp4": GluonPrefillConfig(128, 128, 2),
+}
+_P_FORMATS = ("none", "fp8", "nvfp4")  # by format code
+
+
+def auto_config(recipe: Recipe) -> GluonPrefillConfig:
+    """``AUTO_CONFIGS``' tiling for ``recipe``'s P format."""
+    return AUTO_CONFIGS[_P_FORMATS[recipe.p_fmt]]
+
+
+@functools.cache
+def api_missing() -> str | None:
+    """Why the installed Triton cannot build the kernel (its Gluon API: the kernel
+    module's imports, warp specialization, NVMMA layouts, host TMA descriptors); None
+    if it can. Checked once."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+
+        import mla_triton.kernels.gluon_prefill  # noqa: F401
+
+        for name in ("warp_specialize", "NVMMADistributedLayout", "DotOperandLayout"):
+            getattr(gl, name)
+        gl.NVMMASharedLayout.get_default_for  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        return f"triton {triton.__version__} lacks the Gluon API of the kernel ({e})"
+    return None
+
+
 def unsupported(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    quant: AttentionQuant | None,
-    sparsity: NMSparsity | None,
+    dtype: torch.dtype, dim: int, dim_v: int, sparsity: NMSparsity | None
 ) -> str | None:
-    """Why ``launch`` cannot take these (checked) inputs, naming the argument; None if it
-    can. Every recipe ``quant`` may give is covered (Q/K/V by the pass, P fp8 or nvfp4)."""
+    """Why the Gluon kernel does not cover inputs of ``dtype`` with head dims ``dim``
+    (Q, K) and ``dim_v`` (V) and ``sparsity``, naming the argument; None if it does.
+    Every recipe is covered (Q/K/V by the pass, P none, fp8 or nvfp4)."""
     if sparsity is not None:
         return "sparsity: the Gluon prefill has no N:M sparsity"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"q: the Gluon prefill takes float16 or bfloat16, got {q.dtype}"
-    dim, dim_v = q.shape[2], v.shape[2]
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"q: the Gluon prefill takes float16 or bfloat16, got {dtype}"
     if dim % _CHUNK or not _CHUNK <= dim <= 256:
         return f"q: head dim {dim} must be a multiple of 64 in [64, 256] for the Gluon prefill"
     if dim_v not in (64, 128):
         return f"v: head dim {dim_v} must be 64 or 128 for the Gluon prefill"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return f"q: the Gluon prefill needs a Hopper (sm90) GPU, got device {q.device}"
     return None
 
 
@@ -110,88 +152,53 @@ def _layout(block: list[int], dtype: torch.dtype) -> object:
     return gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
 
 
-def launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    *,
-    softmax_scale: float,
-    causal: bool,
-    return_lse: bool,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int | None = None,
-    quant: AttentionQuant | None = None,
-    sparsity: NMSparsity | None = None,
-    config: GluonPrefillConfig | None = None,
-) -> torch.Tensor:
-    """Varlen attention on checked inputs (as ``prefill`` checks them); returns ``out``.
+class _Gluon(PrefillFamily):
+    """``gluon_prefill_kernel`` after the Q and K/V passes (``quantize_kv``)."""
 
-    ``q [T, H, Dqk]``, ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]`` (fp16 or bf16, unit
-    stride on the head dim), ``cu_q`` / ``cu_k`` int32 ``[B + 1]`` offsets on q's
-    device, ``out [T, H, Dv]`` in q's dtype, ``lse [H, T]`` float32 (written when
-    ``return_lse``), ``max_seqlen_q`` the longest query sequence (sizes the grid),
-    ``max_seqlen_k`` the longest key sequence (sizes the K/V pass only; any value is
-    correct, ``max_seqlen_q`` by default).
-    """
-    reason = unsupported(q, v, quant, sparsity)
-    if reason is not None:
-        raise ValueError(reason)
-    if config is None:
-        config = GluonPrefillConfig()
-    elif not isinstance(config, GluonPrefillConfig):
-        raise ValueError(f"config: expected None or a GluonPrefillConfig, got {type(config)}")
-    tokens, heads, dim = q.shape
-    _, kv_heads, dim_v = v.shape
-    batch = cu_q.numel() - 1
-    if tokens == 0 or batch == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
-        if k.shape[0] == 0 and tokens:
-            out.zero_()
-            lse.fill_(float("-inf"))
-        return out
-    from mla_triton.kernels.gluon_prefill import gluon_prefill_kernel
+    name = "gluon"
 
-    quant = quant or AttentionQuant()
-    qq, kq, pq, vq = quant.q, quant.k, quant.p, quant.v
-    q_fmt, k_fmt, p_fmt, v_fmt = (FORMAT_CODES[op.format.name] for op in (qq, kq, pq, vq))
-    qk_dtype = torch.float16 if q_fmt and k_fmt else q.dtype
-    pv_dtype = torch.float16 if p_fmt and v_fmt else q.dtype
-    ones = torch.ones(1, dtype=torch.float32, device=q.device)
-    q_scales = k_scales = ones
-    if k_fmt or v_fmt:
-        k, v, k_scales = quantize_kv(
-            k, v, cu_k, quant, max_seqlen_k=max_seqlen_k or max_seqlen_q, k_dtype=qk_dtype,
-            v_dtype=pv_dtype,
+    def check_config(self, config: object, c: Checked) -> GluonPrefillConfig:
+        if config is None:
+            return auto_config(Recipe.of(c.quant))
+        if not isinstance(config, GluonPrefillConfig):
+            raise ValueError(f"config: expected None or a GluonPrefillConfig, got {type(config)}")
+        return config
+
+    def launch(self, c: Checked, recipe: Recipe, config: GluonPrefillConfig) -> None:
+        q, k, v, r = c.q, c.k, c.v, recipe
+        if k.shape[0] == 0:  # no keys (no TMA view of an empty tensor): every row empty
+            c.out.zero_()
+            c.lse.fill_(float("-inf"))
+            return
+        from mla_triton.kernels.gluon_prefill import gluon_prefill_kernel
+
+        heads, kv_heads, dim_v = q.shape[1], k.shape[1], v.shape[2]
+        qk_dtype, pv_dtype = r.dot_dtypes(q.dtype)
+        q_scales = k_scales = torch.ones(1, dtype=torch.float32, device=q.device)
+        if r.k_fmt or r.v_fmt:
+            k, v, k_scales = quantize_kv(
+                k, v, c.cu_k, c.quant, max_seqlen_k=c.max_seqlen_k, k_dtype=qk_dtype,
+                v_dtype=pv_dtype,
+            )  # fmt: skip
+        if r.q_fmt:  # Q through the pass's K path (V left alone: format none)
+            q, _, q_scales = quantize_kv(
+                q, q, c.cu_q, AttentionQuant(k=c.quant.q), max_seqlen_k=c.max_seqlen_q,
+                k_dtype=qk_dtype,
+            )  # fmt: skip
+        q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+        bm, bn = config.block_m, config.block_n
+        variant = Variant(c.causal, c.return_lse, r.q_dynamic, r.k_dynamic, r.p_fmt)
+        gluon_prefill_kernel[(triton.cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)](
+            _descriptor(q, [bm, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
+            _descriptor(v, [bn, dim_v]), c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k,
+            r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, heads // kv_heads,
+            q.stride(1), k.stride(1), v.stride(1), q_scales.stride(0) if r.q_dynamic else 0,
+            k_scales.stride(0) if r.k_dynamic else 0, c.out.stride(0), c.out.stride(1),
+            c.lse.stride(0), **variant.constexprs(q.shape[2], dim_v, config),
         )  # fmt: skip
-    if q_fmt:  # Q through the pass's K path (V left alone: format none)
-        q, _, q_scales = quantize_kv(
-            q, q, cu_q, AttentionQuant(k=qq), max_seqlen_k=max_seqlen_q, k_dtype=qk_dtype
-        )
-    q_dynamic, k_dynamic = q_fmt != 0 and qq.is_dynamic, k_fmt != 0 and kq.is_dynamic
-    qk_scale = softmax_scale * LOG2E * _static_gs(qq) * _static_gs(kq)
-    p_gs = _global_scale(pq)
-
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    bm, bn = config.block_m, config.block_n
-    grid = (triton.cdiv(max_seqlen_q, bm), heads, batch)
-    gluon_prefill_kernel[grid](
-        _descriptor(q, [bm, _CHUNK]), _descriptor(k, [bn, _CHUNK]), _descriptor(v, [bn, dim_v]),
-        out, lse, q_scales, k_scales, cu_q, cu_k, qk_scale, p_gs,
-        1.0 / (6.0 * p_gs) if p_fmt == 2 else 1.0 / p_gs, p_gs * _global_scale(vq),
-        heads // kv_heads, q.stride(1), k.stride(1), v.stride(1),
-        q_scales.stride(0) if q_dynamic else 0, k_scales.stride(0) if k_dynamic else 0,
-        out.stride(0), out.stride(1), lse.stride(0),
-        **Variant(causal, return_lse, q_dynamic, k_dynamic, p_fmt).constexprs(dim, dim_v, config),
-    )  # fmt: skip
-    return out
 
 
-def _static_gs(op: OperandQuant) -> float:
-    """The global scale folded into ``qk_scale``: static ones (dynamic: per token)."""
-    return 1.0 if op.is_dynamic else _global_scale(op)
+FAMILY = _Gluon()
 
 
 @dataclass(frozen=True)

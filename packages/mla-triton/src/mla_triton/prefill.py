@@ -9,10 +9,11 @@ kernel would otherwise repeat that per query tile, and launches
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 
 import torch
 import triton
@@ -21,7 +22,18 @@ from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 from mla_triton.kernels.prefill_kernel import kv_qdq_kernel, prefill_fwd_kernel
 from mla_triton.qdq_device import FORMAT_CODES
 
-__all__ = ["PrefillConfig", "default_config", "prefill", "quantize_kv"]
+__all__ = [
+    "IMPLS",
+    "Checked",
+    "Choice",
+    "PrefillConfig",
+    "PrefillFamily",
+    "Recipe",
+    "default_config",
+    "prefill",
+    "quantize_kv",
+    "select_impl",
+]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM_QK = 576
@@ -29,6 +41,11 @@ MAX_HEAD_DIM_V = 512
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DOT_F32, _DOT_F16, _DOT_BF16 = 0, 1, 2
 _WARPS = (1, 2, 4, 8, 16)
+IMPLS = ("auto", "triton", "gluon")
+"""``prefill``'s ``impl`` values: ``auto`` (Gluon where ``select_impl`` takes it, else
+Triton), ``triton`` (the portable kernel), ``gluon`` (the sm90 kernel, or ValueError)."""
+_LOG = logging.getLogger("mla_triton")
+_LOGGED: set[str] = set()  # fallback reasons logged once
 
 
 @dataclass(frozen=True)
@@ -254,7 +271,8 @@ if TYPE_CHECKING:
         out: torch.Tensor | None
         max_seqlen_q: int | None
         max_seqlen_k: int | None
-        config: PrefillConfig | None
+        config: PrefillConfig | Any | None
+        impl: str
 
 
 _T = torch.Tensor
@@ -288,7 +306,8 @@ def prefill(
     out: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
-    config: PrefillConfig | None = None,
+    config: PrefillConfig | Any | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Varlen flash attention with NVFP4/FP8 QDQ of Q, K, P and V (SPEC 3 to 6).
 
@@ -330,7 +349,19 @@ def prefill(
         max_seqlen_k: the longest key sequence: it only sizes the K/V pass's launch,
             which covers every key whatever the value, so an understated one is
             slower, never wrong. Checked as ``max_seqlen_q`` is.
-        config: tiling override; ``default_config`` otherwise.
+        config: tiling override: a ``PrefillConfig`` (the Triton kernel) or a
+            ``mla_triton.gluon_prefill.GluonPrefillConfig`` (the Gluon kernel; with
+            ``impl="auto"`` it asks for Gluon); None: ``default_config`` or
+            ``gluon_prefill.auto_config``.
+        impl: ``"auto"`` (default), ``"triton"`` or ``"gluon"``. ``auto`` runs the
+            Gluon kernel (``mla_triton.gluon_prefill``) on an sm90 GPU (capability
+            (9, 0)) when the installed Triton has the Gluon API it needs and the
+            inputs are ones it covers (float16 / bfloat16, Dqk a multiple of 64 up to
+            256, Dv 64 or 128, no ``sparsity``, no ``PrefillConfig``), else the Triton
+            kernel (``select_impl``; a fallback on sm90 for a reason other than the
+            inputs is logged once on the ``mla_triton`` logger). ``gluon`` where the
+            Gluon kernel cannot run raises ``ValueError`` naming ``impl`` with the
+            reason. Both compute the same numbers (docs/numerics.md).
 
     Returns:
         ``out [T, H, Dv]`` in q's dtype, or ``(out, lse)`` with ``lse [H, T]`` float32.
@@ -396,13 +427,7 @@ def prefill(
         raise ValueError(
             f"sparsity: expected None or mla_formats.NMSparsity, got {type(sparsity).__name__}"
         )
-    if config is None:
-        config = default_config(dim, dim_v, q.dtype, device, quant)
-    elif not isinstance(config, PrefillConfig):
-        raise ValueError(f"config: expected None or a PrefillConfig, got {type(config).__name__}")
-    if sparsity is not None and config.block_n % sparsity.m:
-        raise ValueError(f"sparsity: m = {sparsity.m} must divide the key tile "
-                         f"config.block_n = {config.block_n}")  # fmt: skip
+    family, config = _family(impl, config, q, dim_v, sparsity)
     if out is None:
         out = torch.empty(tokens, heads, dim_v, dtype=q.dtype, device=device)
     else:
@@ -426,90 +451,267 @@ def prefill(
     max_k = _check_max_seqlen(max_k, "max_seqlen_k", longest_k)
 
     lse = torch.empty(heads, tokens, dtype=torch.float32, device=device)
-    if tokens == 0 or max_q == 0:
-        return (out, lse) if return_lse else out
-    if _bf16_in_float32(q.dtype):
-        out32 = _launch(q.float(), k.float(), v.float(), cu_q, cu_k, softmax_scale, causal,
-                        quant, sparsity, return_lse, None, lse, max_q, max_k, config)  # fmt: skip
-        out.copy_(out32)
-    else:
-        _launch(q, k, v, cu_q, cu_k, softmax_scale, causal, quant, sparsity, return_lse, out,
-                lse, max_q, max_k, config)  # fmt: skip
+    c = Checked(q, k, v, cu_q, cu_k, out, lse, float(softmax_scale), causal, quant, sparsity,
+                return_lse, max_q, max_k)  # fmt: skip
+    config = family.check_config(config, c)
+    if tokens and max_q:
+        family.launch(c, Recipe.of(quant), config)
     return (out, lse) if return_lse else out
 
 
+@dataclass(frozen=True)
+class Checked:
+    """``prefill``'s arguments after its checks (SPEC 5): ``q [T, H, Dqk]``, ``k [Tk, Hkv,
+    Dqk]``, ``v [Tk, Hkv, Dv]``, int32 offsets ``cu_q`` / ``cu_k [B + 1]``, the outputs
+    ``out [T, H, Dv]`` and ``lse [H, T]`` float32, ``quant`` never None, and the longest
+    query / key sequence (``max_seqlen_*``, read or vouched for)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    softmax_scale: float
+    causal: bool
+    quant: AttentionQuant
+    sparsity: NMSparsity | None
+    return_lse: bool
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe as the kernels take it: format codes (0 none, 1 fp8, 2 nvfp4), dynamic
+    (per-token) Q and K amax, static global scales (1.0 where dynamic or none)."""
+
+    q_fmt: int
+    k_fmt: int
+    p_fmt: int
+    v_fmt: int
+    q_dynamic: bool
+    k_dynamic: bool
+    q_gs: float
+    k_gs: float
+    p_gs: float
+    v_gs: float
+
+    @classmethod
+    def of(cls, quant: AttentionQuant) -> Recipe:
+        q, k, p, v = (FORMAT_CODES[op.format.name] for op in (quant.q, quant.k, quant.p, quant.v))
+        gs = [_global_scale(op) for op in (quant.q, quant.k, quant.p, quant.v)]
+        return cls(q, k, p, v, q != 0 and quant.q.is_dynamic, k != 0 and quant.k.is_dynamic,
+                   gs[0], gs[1], gs[2], gs[3])  # fmt: skip
+
+    def qk_scale(self, softmax_scale: float) -> float:
+        """The scores' factor: softmax_scale * log2(e) times the static Q and K scales."""
+        return softmax_scale * LOG2E * self.q_gs * self.k_gs
+
+    @property
+    def p_inv_gs(self) -> float:
+        """``1 / p_gs`` (fp8) or ``1 / (6 p_gs)`` (nvfp4): P's QDQ divisor's reciprocal."""
+        return 1.0 / (6.0 * self.p_gs) if self.p_fmt == 2 else 1.0 / self.p_gs
+
+    @property
+    def out_scale(self) -> float:
+        """P's times V's global scale, applied once to the output."""
+        return self.p_gs * self.v_gs
+
+    def dot_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """Operand dtypes of ``Q Kᵀ`` and ``P V``: float16 when both operands are
+        quantized (their factored values are exact in fp16), else ``dtype``."""
+        qk = torch.float16 if self.q_fmt and self.k_fmt else dtype
+        return qk, torch.float16 if self.p_fmt and self.v_fmt else dtype
+
+
+class PrefillFamily:
+    """What a prefill kernel family adds to the core (``prefill``'s checks, the outputs,
+    the recipe, the Q/K/V pass ``quantize_kv``): its config check and default tiling,
+    and its launch. The Triton kernel (``_TRITON``, here) and the Gluon one
+    (``mla_triton.gluon_prefill.FAMILY``, taken where ``select_impl`` says)."""
+
+    name: str
+
+    def check_config(self, config: object, c: Checked) -> Any:
+        """``config`` checked for ``c`` (None: the family's default); ValueError names it."""
+        raise NotImplementedError
+
+    def launch(self, c: Checked, recipe: Recipe, config: Any) -> None:
+        """Write ``c.out`` (and ``c.lse`` with ``c.return_lse``) for a non-empty batch."""
+        raise NotImplementedError
+
+
+class _Triton(PrefillFamily):
+    """``prefill_fwd_kernel``: every recipe, N:M sparsity, float32, head dims to 576/512."""
+
+    name = "triton"
+
+    def check_config(self, config: object, c: Checked) -> PrefillConfig:
+        if config is None:
+            config = default_config(c.q.shape[2], c.v.shape[2], c.q.dtype, c.q.device, c.quant)
+        elif not isinstance(config, PrefillConfig):
+            raise ValueError(
+                f"config: expected None or a PrefillConfig, got {type(config).__name__}"
+            )
+        if c.sparsity is not None and config.block_n % c.sparsity.m:
+            raise ValueError(f"sparsity: m = {c.sparsity.m} must divide the key tile "
+                             f"config.block_n = {config.block_n}")  # fmt: skip
+        return config
+
+    def launch(self, c: Checked, recipe: Recipe, config: PrefillConfig) -> None:
+        if not _bf16_in_float32(c.q.dtype):
+            _launch(c, c.q, c.k, c.v, c.out, recipe, config)
+            return
+        out32 = torch.empty(c.out.shape, dtype=torch.float32, device=c.out.device)
+        _launch(c, c.q.float(), c.k.float(), c.v.float(), out32, recipe, config)
+        c.out.copy_(out32)
+
+
+_TRITON = _Triton()
+
+
+class Choice(NamedTuple):
+    """``select_impl``'s answer: the family to run, why ``auto`` did not take Gluon
+    (None when it did, or when Triton was asked for), and whether that reason is
+    unexpected on an sm90 GPU (logged once)."""
+
+    impl: str
+    reason: str | None = None
+    unexpected: bool = False
+
+
+def select_impl(
+    impl: object,
+    *,
+    capability: tuple[int, int] | None,
+    gluon_api: str | None,
+    gluon_unsupported: str | None,
+    config_impl: str | None,
+) -> Choice:
+    """Which prefill family runs (a pure function of what ``prefill`` finds).
+
+    ``capability``: q's CUDA device capability (None: CPU or Triton's interpreter);
+    ``gluon_api``: why the installed Triton lacks the Gluon API the kernel needs
+    (None: it has it); ``gluon_unsupported``: why the Gluon kernel does not cover the
+    inputs (recipe, dtype, head dims, sparsity; None: it does); ``config_impl``: the
+    family of a given config (``"triton"`` for a ``PrefillConfig``, ``"gluon"`` for a
+    ``GluonPrefillConfig``, None without one). Raises ValueError naming ``impl`` for an
+    unknown value or ``"gluon"`` where it cannot run, naming ``config`` for a config of
+    the other family.
+    """
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl: expected 'auto', 'triton' or 'gluon', got {impl!r}")
+    if config_impl is not None and impl != "auto" and config_impl != impl:
+        raise ValueError(f"config: a {config_impl} tiling, but impl={impl!r}")
+    if impl == "triton" or config_impl == "triton":
+        return Choice("triton", "config: a PrefillConfig (the Triton tiling)" if impl == "auto"
+                      else None)  # fmt: skip
+    reason = None
+    if capability != (9, 0):
+        got = capability if capability is not None else "no CUDA GPU (CPU or the interpreter)"
+        reason = f"q: the Gluon prefill needs an sm90 GPU (capability (9, 0)), got {got}"
+    unexpected = False
+    for found, is_api in ((gluon_api, True), (gluon_unsupported, False)):
+        if reason is None and found is not None:
+            reason, unexpected = found, is_api
+    if reason is None:
+        return Choice("gluon")
+    if impl == "gluon" or config_impl == "gluon":
+        what = "impl" if impl == "gluon" else "config"
+        raise ValueError(f"{what}: the Gluon prefill cannot run these inputs: {reason}")
+    return Choice("triton", reason, unexpected)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s CUDA capability; None on a CPU or under Triton's interpreter."""
+    if device.type != "cuda" or _interpreting():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
+def _family(
+    impl: object, config: object, q: torch.Tensor, dim_v: int, sparsity: NMSparsity | None
+) -> tuple[PrefillFamily, object]:
+    """The family ``select_impl`` picks for checked inputs; logs an unexpected fallback."""
+    from mla_triton import gluon_prefill
+
+    if config is None or isinstance(config, PrefillConfig):
+        config_impl = None if config is None else "triton"
+    elif isinstance(config, gluon_prefill.GluonPrefillConfig):
+        config_impl = "gluon"
+    else:
+        raise ValueError(f"config: expected None, a PrefillConfig or a GluonPrefillConfig, "
+                         f"got {type(config).__name__}")  # fmt: skip
+    capability = _capability(q.device)
+    on_sm90 = capability == (9, 0) and impl != "triton" and config_impl != "triton"
+    choice = select_impl(
+        impl, capability=capability,
+        gluon_api=gluon_prefill.api_missing() if on_sm90 else None,
+        gluon_unsupported=gluon_prefill.unsupported(q.dtype, q.shape[2], dim_v, sparsity),
+        config_impl=config_impl,
+    )  # fmt: skip
+    if choice.unexpected and choice.reason not in _LOGGED:
+        _LOGGED.add(str(choice.reason))
+        _LOG.warning("mla_triton.prefill: the Gluon sm90 kernel is not used: %s", choice.reason)
+    return (gluon_prefill.FAMILY if choice.impl == "gluon" else _TRITON), config
+
+
 def _launch(
+    c: Checked,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    quant: AttentionQuant,
-    sparsity: NMSparsity | None,
-    return_lse: bool,
-    out: torch.Tensor | None,
-    lse: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    out: torch.Tensor,
+    recipe: Recipe,
     config: PrefillConfig,
-) -> torch.Tensor:
-    """``prefill``'s kernels on checked arguments (``out`` None: a new one); returns out."""
-    tokens, heads, dim = q.shape
-    _, kv_heads, dim_v = v.shape
+) -> None:
+    """``prefill_fwd_kernel`` (after the K/V pass) on ``c``, with ``q``, ``k``, ``v`` and
+    ``out`` those of ``c`` or their float32 copies (``_bf16_in_float32``)."""
+    _, heads, dim = q.shape
+    kv_heads, dim_v = v.shape[1:]
     device = q.device
-    if out is None:
-        out = torch.empty(tokens, heads, dim_v, dtype=q.dtype, device=device)
-    batch = cu_q.numel() - 1
-    qq, kq, pq, vq = quant.q, quant.k, quant.p, quant.v
-    q_fmt, k_fmt = FORMAT_CODES[qq.format.name], FORMAT_CODES[kq.format.name]
-    p_fmt, v_fmt = FORMAT_CODES[pq.format.name], FORMAT_CODES[vq.format.name]
-    q_dynamic = q_fmt != 0 and qq.is_dynamic
-    k_dynamic = k_fmt != 0 and kq.is_dynamic
-    q_gs, k_gs = _global_scale(qq), _global_scale(kq)
-    p_gs, v_gs = _global_scale(pq), _global_scale(vq)
-
+    batch = c.cu_q.numel() - 1
+    r = recipe
     # Dot operand types: fp16 when both operands are quantized (their factored
     # values are exact in fp16; P's fp8 codes convert to fp16 in one step), else
     # the inputs' 16-bit type, or float32 IEEE dots for float32 inputs.
     plain = {torch.float16: _DOT_F16, torch.bfloat16: _DOT_BF16}.get(q.dtype, _DOT_F32)
-    qk_dot = _DOT_F16 if q_fmt and k_fmt else plain
-    pv_dot = _DOT_F16 if p_fmt and v_fmt else plain
-    k_dtype = torch.float16 if q_fmt and k_fmt else k.dtype
-    v_dtype = torch.float16 if p_fmt and v_fmt else v.dtype
+    qk_dot = _DOT_F16 if r.q_fmt and r.k_fmt else plain
+    pv_dot = _DOT_F16 if r.p_fmt and r.v_fmt else plain
+    k_dtype, v_dtype = r.dot_dtypes(k.dtype)
     d1, d2 = _split_head_dim(dim)
     dvp = triton.next_power_of_2(dim_v)
     group = heads // kv_heads
-    m_tiles = triton.cdiv(max_seqlen_q, config.block_m)
+    m_tiles = triton.cdiv(c.max_seqlen_q, config.block_m)
 
     # K and V: quantized once (see the kernel module's docstring)
-    kv_quant = k_fmt != 0 or v_fmt != 0
+    kv_quant = r.k_fmt != 0 or r.v_fmt != 0
     fused = kv_quant and m_tiles == 1 and group == 1
     k_in, v_in, k_scales = k, v, torch.ones(1, dtype=torch.float32, device=device)
     if kv_quant and not fused:
         k_in, v_in, k_scales = quantize_kv(
-            k, v, cu_k, quant, max_seqlen_k=max_seqlen_k, k_dtype=k_dtype, v_dtype=v_dtype
+            k, v, c.cu_k, c.quant, max_seqlen_k=c.max_seqlen_k, k_dtype=k_dtype, v_dtype=v_dtype
         )
 
-    qk_scale = softmax_scale * LOG2E * q_gs * (1.0 if k_dynamic else k_gs)
-    p_inv_gs = 1.0 / (6.0 * p_gs) if p_fmt == 2 else 1.0 / p_gs
+    sparsity = c.sparsity
     nm_n, nm_m = (sparsity.n, sparsity.m) if sparsity is not None else (0, 1)
     n_sink = sparsity.dense_sink_tokens if sparsity is not None else 0
     n_recent = sparsity.dense_recent_tokens if sparsity is not None else 0
     prefill_fwd_kernel[(m_tiles, heads, batch)](
-        q, k_in, v_in, k_scales, out, lse, cu_q, cu_k,
-        qk_scale, q_gs, k_gs, v_gs, p_gs, p_inv_gs, p_gs * v_gs,
+        q, k_in, v_in, k_scales, out, c.lse, c.cu_q, c.cu_k,
+        r.qk_scale(c.softmax_scale), r.q_gs, r.k_gs, r.v_gs, r.p_gs, r.p_inv_gs, r.out_scale,
         n_sink, n_recent, group,
         q.stride(0), q.stride(1), k_in.stride(0), k_in.stride(1),
-        v_in.stride(0), v_in.stride(1), k_scales.stride(0) if k_dynamic else 0,
-        out.stride(0), out.stride(1), lse.stride(0),
+        v_in.stride(0), v_in.stride(1), k_scales.stride(0) if r.k_dynamic else 0,
+        out.stride(0), out.stride(1), c.lse.stride(0),
         D1=d1, D2=d2, D2_VALID=dim - d1, DV=dim_v, DVP=dvp,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
-        Q_FMT=q_fmt, Q_DYNAMIC=q_dynamic, K_FMT=k_fmt, K_DYNAMIC=k_dynamic,
-        V_FMT=v_fmt, KV_FUSED=fused, P_FMT=p_fmt,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=c.causal,
+        Q_FMT=r.q_fmt, Q_DYNAMIC=r.q_dynamic, K_FMT=r.k_fmt, K_DYNAMIC=r.k_dynamic,
+        V_FMT=r.v_fmt, KV_FUSED=fused, P_FMT=r.p_fmt,
         NM_N=nm_n, NM_M=nm_m, NM_DENSE=n_sink + n_recent > 0,
-        QK_DOT=qk_dot, PV_DOT=pv_dot, RETURN_LSE=return_lse, HW_FP8=_hw_fp8(device),
+        QK_DOT=qk_dot, PV_DOT=pv_dot, RETURN_LSE=c.return_lse, HW_FP8=_hw_fp8(device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out

@@ -368,13 +368,18 @@ def warmup_prefill(
     quant: AttentionQuant | None = None,
     sparsity: NMSparsity | None = None,
     context: bool = True,
+    impl: str = "auto",
 ) -> int:
     """Compile ``prefill``'s variants for one recipe; returns the number of calls.
 
     New tokens: causal, ``sparsity``, with and without the LSE; with ``context``,
     context chunks: non-causal, no sparsity, the LSE, offsets 16-byte aligned and
     not (vLLM slices a chunk's offsets out of one buffer). Each over
-    ``PREFILL_SHAPES``. Call inside ``compile_only``.
+    ``PREFILL_SHAPES``, through ``prefill(..., impl=impl)``: each call compiles the
+    kernels that ``impl`` dispatches it to (``auto`` on an sm90 GPU: the Gluon kernel
+    and its Q/K/V passes where ``prefill.select_impl`` takes Gluon, e.g. the context
+    chunks when new tokens are N:M sparse, the Triton kernel for the rest), as
+    serving calls with the same ``impl`` will. Call inside ``compile_only``.
     """
     heads = _positive(num_heads, "num_heads")
     calls = 0
@@ -391,7 +396,7 @@ def warmup_prefill(
             cu = _offsets(lengths, shift, device)
             prefill(q, k, v, cu, cu, softmax_scale=softmax_scale, causal=causal, quant=quant,
                     sparsity=sparsity if causal else None, return_lse=lse,
-                    max_seqlen_q=longest, max_seqlen_k=longest)  # fmt: skip
+                    max_seqlen_q=longest, max_seqlen_k=longest, impl=impl)  # fmt: skip
             calls += 1
     return calls
 

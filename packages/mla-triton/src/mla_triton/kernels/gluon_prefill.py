@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla_triton.kernels import common
+from mla_triton.kernels.prefill_kernel import key_bounds, query_tile
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns of one Q / K shared tile (128 bytes)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -328,29 +329,12 @@ def gluon_prefill_kernel(
     dtype: gl.constexpr = q_desc.dtype  # Q and K
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
 
-    pid_m = gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.program_id(2)
-    if CAUSAL:  # noqa: SIM108
-        start_m = gl.num_programs(0) - 1 - pid_m  # longest query tiles first
-    else:
-        start_m = pid_m
-    q_start = gl.load(cu_seqlens_q + seq)
-    seq_len_q = gl.load(cu_seqlens_q + seq + 1) - q_start
+    start_m, head, seq, q_start, seq_len_q = query_tile(cu_seqlens_q, CAUSAL)
     if start_m * BLOCK_M < seq_len_q:
         k_start = gl.load(cu_seqlens_k + seq)
         seq_len_k = gl.load(cu_seqlens_k + seq + 1) - k_start
         kv_head = head // group
-        if CAUSAL:
-            first_pos = seq_len_k - seq_len_q + start_m * BLOCK_M
-            last_pos = (
-                seq_len_k - seq_len_q + gl.minimum(start_m * BLOCK_M + BLOCK_M, seq_len_q) - 1
-            )
-            hi = gl.maximum(gl.minimum(seq_len_k, last_pos + 1), 0)
-            mid = gl.maximum(gl.minimum(first_pos + 1, seq_len_k), 0) // BLOCK_N * BLOCK_N
-        else:
-            hi = seq_len_k
-            mid = seq_len_k // BLOCK_N * BLOCK_N
+        hi, mid = key_bounds(start_m, seq_len_q, seq_len_k, BLOCK_M, BLOCK_N, CAUSAL)
         n_tiles = gl.cdiv(hi, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, CHUNK], q_desc.layout)

@@ -438,6 +438,43 @@ def _attend_tiles(
 
 
 @triton.jit
+def query_tile(cu_seqlens_q, CAUSAL: tl.constexpr):
+    """This program's query tile: ``(start_m, head, seq, q_start, seq_len_q)`` from the
+    grid (query tiles x heads x sequences; causal grids walk the tiles from the last,
+    heaviest one down) and the int32 offsets ``cu_seqlens_q [B + 1]``. Shared with the
+    Gluon kernel (``kernels.gluon_prefill``)."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if CAUSAL:  # noqa: SIM108
+        start_m = tl.num_programs(0) - 1 - pid_m  # longest query tiles first
+    else:
+        start_m = pid_m
+    q_start = tl.load(cu_seqlens_q + seq)
+    seq_len_q = tl.load(cu_seqlens_q + seq + 1) - q_start
+    return start_m, head, seq, q_start, seq_len_q
+
+
+@triton.jit
+def key_bounds(
+    start_m, seq_len_q, seq_len_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """The key range of query tile ``start_m``: ``(hi, mid)``, keys ``[0, hi)`` visible to
+    some row (causal: suffix alignment, query ``i`` at key position ``Lk - Lq + i``), the
+    tiles before ``mid`` (a multiple of ``BLOCK_N``) visible to every row, unmasked."""
+    if CAUSAL:
+        first_pos = seq_len_k - seq_len_q + start_m * BLOCK_M
+        last_pos = seq_len_k - seq_len_q + tl.minimum(start_m * BLOCK_M + BLOCK_M, seq_len_q) - 1
+        hi = tl.maximum(tl.minimum(seq_len_k, last_pos + 1), 0)
+        mid = tl.maximum(tl.minimum(first_pos + 1, seq_len_k), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = seq_len_k
+        mid = seq_len_k // BLOCK_N * BLOCK_N
+    return hi, mid
+
+
+@triton.jit
 def prefill_fwd_kernel(
     Q,
     K,
@@ -502,15 +539,7 @@ def prefill_fwd_kernel(
     """
     tl.static_assert(BLOCK_N % 16 == 0, "BLOCK_N: P's 16-key blocks start at multiples of 16")
     tl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0, "BLOCK_N: whole N:M groups a tile")
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
-    if CAUSAL:  # noqa: SIM108
-        start_m = tl.num_programs(0) - 1 - pid_m  # longest query tiles first
-    else:
-        start_m = pid_m
-    q_start = tl.load(cu_seqlens_q + seq)
-    seq_len_q = tl.load(cu_seqlens_q + seq + 1) - q_start
+    start_m, head, seq, q_start, seq_len_q = query_tile(cu_seqlens_q, CAUSAL)
     if start_m * BLOCK_M >= seq_len_q:
         return
     k_start = tl.load(cu_seqlens_k + seq)
@@ -536,14 +565,7 @@ def prefill_fwd_kernel(
     QK_RAW: tl.constexpr = Q_FMT == 0 or K_FMT == 0
 
     # -- key tiles: unmasked ones first, then the causal diagonal / the tail ---
-    if CAUSAL:
-        first_pos = seq_len_k - seq_len_q + start_m * BLOCK_M
-        last_pos = seq_len_k - seq_len_q + tl.minimum(start_m * BLOCK_M + BLOCK_M, seq_len_q) - 1
-        hi = tl.maximum(tl.minimum(seq_len_k, last_pos + 1), 0)
-        mid = tl.maximum(tl.minimum(first_pos + 1, seq_len_k), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = seq_len_k
-        mid = seq_len_k // BLOCK_N * BLOCK_N
+    hi, mid = key_bounds(start_m, seq_len_q, seq_len_k, BLOCK_M, BLOCK_N, CAUSAL)
     dense_all = seq_len_q == 1  # a single query is never sparsified
 
     k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh

@@ -1,0 +1,251 @@
+"""``prefill``'s ``impl`` dispatch (CPU): ``select_impl`` as a pure function, the
+validation of ``impl`` and ``config``, the logged fallback, and what ``auto`` launches
+on an sm90 device (the capability patched in; kernels captured, not run)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from mla_formats import AttentionQuant, NMSparsity
+from mla_triton import gluon_prefill as gp
+from mla_triton import prefill
+from mla_triton import warmup as wu
+from mla_triton.prefill import Choice, PrefillConfig, select_impl
+
+P = importlib.import_module("mla_triton.prefill")  # the module, not the function
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the interpreter")
+
+API = "triton 3.x lacks the Gluon API of the kernel (no warp_specialize)"
+SPARSE = "sparsity: the Gluon prefill has no N:M sparsity"
+
+
+def pick(impl: object = "auto", capability: Any = (9, 0), api: str | None = None,
+         unsupported: str | None = None, config: str | None = None) -> Choice:  # fmt: skip
+    return select_impl(impl, capability=capability, gluon_api=api,
+                       gluon_unsupported=unsupported, config_impl=config)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "impl", "unexpected"),
+    [
+        ({}, "gluon", False),  # sm90, the API there, inputs covered
+        ({"capability": (8, 0)}, "triton", False),
+        ({"capability": (8, 9)}, "triton", False),
+        ({"capability": (10, 0)}, "triton", False),  # Blackwell: no sm90a wgmma
+        ({"capability": (9, 1)}, "triton", False),
+        ({"capability": None}, "triton", False),  # CPU / the interpreter
+        ({"api": API}, "triton", True),  # sm90 without the API: logged
+        ({"unsupported": SPARSE}, "triton", False),  # N:M: the Triton kernel's job
+        ({"unsupported": "q: the Gluon prefill takes float16 or bfloat16"}, "triton", False),
+        ({"config": "triton"}, "triton", False),  # a PrefillConfig asks for Triton
+        ({"config": "gluon"}, "gluon", False),
+        ({"impl": "triton"}, "triton", False),
+        ({"impl": "triton", "capability": (8, 0)}, "triton", False),
+        ({"impl": "gluon"}, "gluon", False),
+        ({"impl": "gluon", "config": "gluon"}, "gluon", False),
+    ],
+)
+def test_select_impl(kwargs: dict[str, Any], impl: str, unexpected: bool) -> None:
+    choice = pick(**kwargs)
+    assert choice.impl == impl and choice.unexpected == unexpected
+    auto_fell_back = kwargs.get("impl", "auto") == "auto" and impl == "triton"
+    assert (choice.reason is not None) == auto_fell_back
+
+
+def test_select_impl_reasons_come_in_order() -> None:
+    """The device first, then the installed Triton, then the inputs."""
+    reason = pick(capability=(8, 0), api=API, unsupported=SPARSE).reason
+    assert reason is not None and "sm90" in reason
+    assert pick(api=API, unsupported=SPARSE).reason == API
+    assert pick(unsupported=SPARSE).reason == SPARSE
+
+
+@pytest.mark.parametrize("impl", ["Gluon", "", "cuda", "flash", None, 1, True])
+def test_unknown_impl_names_impl(impl: object) -> None:
+    with pytest.raises(ValueError, match=r"^impl: expected 'auto', 'triton' or 'gluon'"):
+        pick(impl)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"capability": (8, 0)}, "sm90"),
+        ({"capability": None}, "sm90"),
+        ({"api": API}, "Gluon API"),
+        ({"unsupported": SPARSE}, "N:M"),
+    ],
+)
+def test_gluon_where_it_cannot_run_names_impl(kwargs: dict[str, Any], reason: str) -> None:
+    with pytest.raises(ValueError, match=rf"^impl: the Gluon prefill cannot run.*{reason}"):
+        pick("gluon", **kwargs)
+    with pytest.raises(ValueError, match=rf"^config: the Gluon prefill cannot run.*{reason}"):
+        pick("auto", config="gluon", **kwargs)  # a GluonPrefillConfig asks for Gluon
+
+
+@pytest.mark.parametrize(("impl", "config"), [("triton", "gluon"), ("gluon", "triton")])
+def test_config_of_the_other_family_names_config(impl: str, config: str) -> None:
+    with pytest.raises(ValueError, match=r"^config: "):
+        pick(impl, config=config)
+
+
+def _inputs(dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(21, 2, 64, generator=gen).to(dtype)
+    k = torch.randn(21, 1, 64, generator=gen).to(dtype)
+    v = torch.randn(21, 1, 64, generator=gen).to(dtype)
+    return q, k, v, torch.tensor([0, 3, 21], dtype=torch.int32)
+
+
+class _Capture:
+    """Stands in for a kernel: records each launch (grid, keyword constexprs), runs nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[Any, dict[str, Any]]] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> None:
+            self.launches.append((grid, kwargs))
+
+        return run
+
+
+@pytest.fixture
+def kernels(monkeypatch: pytest.MonkeyPatch) -> dict[str, _Capture]:
+    """Both attention kernels captured (the Q/K/V pass runs); the logged set emptied."""
+    from mla_triton.kernels import gluon_prefill as gk
+
+    captured = {"triton": _Capture(), "gluon": _Capture()}
+    monkeypatch.setattr(P, "prefill_fwd_kernel", captured["triton"])
+    monkeypatch.setattr(gk, "gluon_prefill_kernel", captured["gluon"])
+    monkeypatch.setattr(P, "_LOGGED", set())
+    return captured
+
+
+@needs_interpreter
+@pytest.mark.parametrize("impl", ["GLUON", "fa3", None])
+def test_prefill_rejects_impl_before_any_launch(impl: object, kernels: dict[str, _Capture]) -> None:
+    q, k, v, cu = _inputs()
+    with pytest.raises(ValueError, match=r"^impl: "):
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, impl=impl)  # type: ignore[arg-type]
+    assert not kernels["triton"].launches and not kernels["gluon"].launches
+
+
+@needs_interpreter
+def test_prefill_config_checks(kernels: dict[str, _Capture]) -> None:
+    q, k, v, cu = _inputs()
+    with pytest.raises(ValueError, match=r"^config: expected None, a PrefillConfig or a Gluon"):
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, config=(32, 32))
+    with pytest.raises(ValueError, match=r"^config: "):
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, impl="triton", config=gp.GluonPrefillConfig())
+    with pytest.raises(ValueError, match=r"^impl: the Gluon prefill cannot run.*sm90"):
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, impl="gluon")  # a CPU tensor
+    assert not kernels["triton"].launches and not kernels["gluon"].launches
+
+
+@needs_interpreter
+def test_auto_is_the_triton_kernel_off_sm90() -> None:
+    """On a CPU (no sm90) ``auto`` computes exactly what ``impl="triton"`` does."""
+    q, k, v, cu = _inputs()
+    quant = AttentionQuant(p="fp8")
+    a, lse_a = prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, return_lse=True)
+    b, lse_b = prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, return_lse=True,
+                       impl="triton")  # fmt: skip
+    assert torch.equal(a, b) and torch.equal(lse_a, lse_b)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("recipe", ["none", "fp8", "nvfp4"])
+def test_auto_on_sm90_launches_gluon_with_the_measured_tiling(
+    recipe: str, kernels: dict[str, _Capture], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(P, "_capability", lambda device: (9, 0))
+    q, k, v, cu = _inputs()
+    # P's format picks the tiling (Q/K/V left raw: no interpreted pass)
+    quant = None if recipe == "none" else AttentionQuant(p=recipe)
+    prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, max_seqlen_q=18, max_seqlen_k=18)
+    assert not kernels["triton"].launches
+    ((grid, constexprs),) = kernels["gluon"].launches
+    want = gp.AUTO_CONFIGS[recipe]
+    assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["NUM_STAGES"]) == (
+        want.block_m, want.block_n, want.num_stages)  # fmt: skip
+    assert constexprs["WARP_SPEC"] == want.warp_specialize
+    assert constexprs["P_FMT"] == {"none": 0, "fp8": 1, "nvfp4": 2}[recipe]
+    assert grid == (1, 2, 2)
+
+
+@needs_interpreter
+def test_expected_fallbacks_on_sm90_are_silent(
+    kernels: dict[str, _Capture], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """N:M sparsity, float32 and a PrefillConfig go to the Triton kernel, unlogged."""
+    monkeypatch.setattr(P, "_capability", lambda device: (9, 0))
+    q, k, v, cu = _inputs()
+    q32, k32, v32, _ = _inputs(torch.float32)
+    with caplog.at_level(logging.INFO, logger="mla_triton"):
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, sparsity=NMSparsity(2, 4))
+        prefill(q32, k32, v32, cu, cu, softmax_scale=0.1)
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, config=PrefillConfig(32, 32))
+    assert len(kernels["triton"].launches) == 3 and not kernels["gluon"].launches
+    assert not caplog.records
+
+
+@needs_interpreter
+def test_missing_gluon_api_on_sm90_is_logged_once(
+    kernels: dict[str, _Capture], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(P, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gp, "api_missing", lambda: API)
+    q, k, v, cu = _inputs()
+    with caplog.at_level(logging.WARNING, logger="mla_triton"):
+        for _ in range(3):
+            prefill(q, k, v, cu, cu, softmax_scale=0.1)
+    assert len(kernels["triton"].launches) == 3 and not kernels["gluon"].launches
+    (record,) = caplog.records
+    assert record.name == "mla_triton" and API in record.getMessage()
+    with pytest.raises(ValueError, match=r"^impl: .*Gluon API"):
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, impl="gluon")
+
+
+def test_the_installed_triton_has_the_gluon_api() -> None:
+    """Triton 3.8 (the established set) has it; the check runs once (cached)."""
+    gp.api_missing.cache_clear()
+    assert gp.api_missing() is None
+    assert gp.api_missing() is None and gp.api_missing.cache_info().hits >= 1
+
+
+def test_auto_configs_are_gluon_tilings_for_every_p_format() -> None:
+    assert set(gp.AUTO_CONFIGS) == {"none", "fp8", "nvfp4"}
+    for fmt, config in gp.AUTO_CONFIGS.items():
+        assert isinstance(config, gp.GluonPrefillConfig), fmt
+        recipe = P.Recipe.of(AttentionQuant() if fmt == "none" else AttentionQuant.uniform(fmt))
+        assert gp.auto_config(recipe) is config
+
+
+@needs_interpreter
+def test_warmup_covers_what_auto_launches_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm90 ``warmup_prefill`` compiles the Gluon kernel (and Q/K/V passes) for the
+    dense calls, the Triton kernel only for the N:M-sparse new tokens."""
+    monkeypatch.setattr(P, "_capability", lambda device: (9, 0))
+    kw: dict[str, Any] = {"num_heads": 4, "head_dim_qk": 192, "head_dim_v": 128,
+                          "dtype": torch.bfloat16, "device": torch.device("cpu"),
+                          "softmax_scale": 0.1}  # fmt: skip
+    names = "mla_triton.kernels.gluon_prefill.gluon_prefill_kernel"
+    triton_name = "mla_triton.kernels.prefill_kernel.prefill_fwd_kernel"
+    for quant, sparsity in ((None, None), (AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4))):
+        with wu.record_keys() as keys:
+            calls = wu.warmup_prefill(quant=quant, sparsity=sparsity, **kw)
+        kernels = {name for name, _ in keys}
+        assert calls == 16
+        assert names in kernels
+        assert (triton_name in kernels) == (sparsity is not None)
+        # the same keys with impl spelled out (what serving with auto reaches)
+        with wu.record_keys() as again:
+            wu.warmup_prefill(quant=quant, sparsity=sparsity, impl="auto", **kw)
+        assert again == keys
