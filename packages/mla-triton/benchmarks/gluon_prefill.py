@@ -341,6 +341,14 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
             traceback.print_exc()
             result["timings"].append({"shape": shape, "recipe": recipe, "impl": name,
                                       "error": repr(exc)})  # fmt: skip
+    if dispatch:  # auto's speed as ratios: to the Triton kernel and to FA3 (bf16)
+        ms = {r["impl"]: r["ms"] for r in result["timings"]
+              if r.get("shape") == shape and r.get("recipe") == recipe and "ms" in r}  # fmt: skip
+        if "auto" in ms:
+            ratios = {f"auto_vs_{b}": ms[b] / ms["auto"] for b in ("triton", "fa3") if b in ms}
+            result.setdefault("ratios", []).append({"shape": shape, "recipe": recipe} | ratios)
+            print(f"{shape:16s} {recipe:6s} " + "  ".join(
+                f"{k} {v:.3f}x" for k, v in ratios.items()), flush=True)  # fmt: skip
 
 
 def timings(result: dict[str, Any], fa3: bool, recipe: str = "none", ws: bool = False,
