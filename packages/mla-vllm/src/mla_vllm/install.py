@@ -1,9 +1,15 @@
 """Install quantized attention into a model already loaded on TRITON_MLA, and back.
 
 ``install(target, config)`` validates every layer (gates, configuration, layer
-patterns), builds every quantized impl, then publishes them layer by layer; if
-anything fails midway, every layer gets its native impl and prefill backend back
-and the error is raised. ``uninstall`` restores the native objects themselves.
+patterns), builds every quantized impl, publishes them layer by layer, then
+compiles the kernels they will launch (``mla_vllm.warmup.warm_layers``: the engine
+warm-up's plans for these layers and their KV caches; ``MLA_QUANT_WARMUP=0`` skips
+it). If publishing fails midway, or the warm-up is interrupted
+(``KeyboardInterrupt``), every layer gets its native impl and prefill backend back
+and the error is raised. A warm-up that fails with an ``Exception`` is logged and
+the install stands: every layer is published and serves, its kernels compiling on
+first use as without warm-up (and each worker of a tensor-parallel engine keeps
+the same impls). ``uninstall`` restores the native objects themselves.
 
 ``target`` is a ``torch.nn.Module`` (the model inside a worker) or a
 ``vllm.LLM``; for an ``LLM`` the work runs in each worker through
@@ -30,6 +36,7 @@ from mla_vllm.backend import quant_impl_from
 from mla_vllm.config import MLAQuantConfig, MLAQuantConfigError, load_config
 from mla_vllm.gates import MLAQuantGateError, check_layers
 from mla_vllm.targets import layer_states, model_layers, on_models
+from mla_vllm.warmup import warm_layers
 
 __all__ = [
     "install",
@@ -48,9 +55,13 @@ class _Native:
     prefill_backend: Any
 
 
+def _engine_config(layers: dict[str, Any]) -> Any:
+    """The engine's ``VllmConfig`` the layers' impls were built under (or None)."""
+    return getattr(next(iter(layers.values())).impl, "_vllm_config", None)
+
+
 def _cudagraph_problem(layers: dict[str, Any]) -> str | None:
-    impl = next(iter(layers.values())).impl
-    config = getattr(impl, "_vllm_config", None)
+    config = _engine_config(layers)
     mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
     if mode is not None and mode.has_full_cudagraphs():
         return (
@@ -65,6 +76,13 @@ def _publish_layer(layer: Any, impl: Any, prefill_backend: Any) -> None:
     """Point one layer at its new impl and prefill backend (a seam for tests)."""
     layer.impl = impl
     layer.prefill_backend = prefill_backend
+
+
+def _warm(layers: dict[str, Any]) -> None:
+    """Compile the published layers' kernels now (a seam for tests); failures are logged."""
+    config = _engine_config(layers)
+    if config is not None:
+        warm_layers(layers, config)
 
 
 def _restore(layers: dict[str, Any], natives: dict[str, _Native]) -> None:
@@ -102,6 +120,7 @@ def install_model(model: torch.nn.Module, config: object) -> list[str]:
             natives[name] = _Native(layer.impl, layer.prefill_backend)
             impl = prepared[name]
             _publish_layer(layer, impl, impl.mla_prefill)
+        _warm(layers)  # an Exception is logged inside: only an interrupt rolls back
     except BaseException:
         _restore(layers, natives)
         raise

@@ -17,15 +17,18 @@ to ``max_model_len`` tokens (on read, or from the shadow), prefill for new token
 ``observe`` on, the unquantized reference calls. ``MLA_QUANT_WARMUP=0`` turns it
 off; ``MLA_QUANT_WARMUP_THREADS`` sets the pool size (default: CPUs, at most 16).
 vLLM skips the registry when ``kernel_config.enable_jit_warmup`` is off (eager
-mode), and an in-place ``install`` after start finds no registry: then the
-kernels compile on first use.
+mode). An in-place ``install`` (``mla_vllm.install``) comes after the registry
+ran: it calls ``warm_layers`` on each worker, the same plans and calls for the
+layers it published, with vLLM's JIT monitor paused (these compilations are not
+inference); that runs in eager mode too.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +45,15 @@ from mla_triton.warmup import (
     warmup_update_cache,
 )
 
-__all__ = ["ENGINE_WARMUP", "ENV", "EngineWarmup", "Plan", "block_table_width", "register"]
+__all__ = [
+    "ENGINE_WARMUP",
+    "ENV",
+    "EngineWarmup",
+    "Plan",
+    "block_table_width",
+    "register",
+    "warm_layers",
+]
 
 ENV = "MLA_QUANT_WARMUP"
 THREADS_ENV = "MLA_QUANT_WARMUP_THREADS"
@@ -93,11 +104,18 @@ class EngineWarmup(VllmJitKernel[Plan]):
         if not enabled():
             logger.info("MLA_QUANT warmup: off (%s=0)", ENV)
             return []
+        return self.plan(vllm_config.compilation_config.static_forward_context, vllm_config)
+
+    def plan(self, layers: Mapping[str, Any], vllm_config: Any) -> list[Plan]:
+        """One plan per distinct variant set of the ``MLA_QUANT`` layers among ``layers``.
+
+        ``layers``: name to layer (others than ``MLAAttention`` with a quantized impl
+        are left out); a failure is logged and gives no plans.
+        """
         self._config = vllm_config
-        context = vllm_config.compilation_config.static_forward_context
         self._layers = {
             name: layer
-            for name, layer in context.items()
+            for name, layer in layers.items()
             if isinstance(layer, MLAAttention) and _quantized(layer.impl)
         }
         seen: dict[tuple[Any, ...], Plan] = {}
@@ -115,9 +133,13 @@ class EngineWarmup(VllmJitKernel[Plan]):
 
     def compile_many(self, compile_keys: Iterable[Plan]) -> None:
         """Compile every plan's variants in one thread pool; log the count and time."""
+        self.compile_plans(compile_keys)
+
+    def compile_plans(self, compile_keys: Iterable[Plan]) -> int | None:
+        """``compile_many``, returning the kernel variants added (None: failed, logged)."""
         plans = list(compile_keys)
         if not plans:
-            return
+            return 0
         before = sum(compiled_variants().values())
         start = time.perf_counter()
         threads = os.environ.get(THREADS_ENV)
@@ -126,12 +148,13 @@ class EngineWarmup(VllmJitKernel[Plan]):
                 self.run_plans(plans)
         except Exception:  # serving still works: the kernels then compile on first use
             logger.exception("MLA_QUANT warmup failed; kernels will compile during inference")
-            return
+            return None
         seconds = time.perf_counter() - start
         after = sum(compiled_variants().values())
         message = "MLA_QUANT warmup: %d plans (%s) over %d layers: %d kernel variants in %.1f s"
         kinds = ", ".join(sorted({p.kind for p in plans}))
         logger.info(message, len(plans), kinds, len(self._layers), after - before, seconds)
+        return after - before
 
     def run_plans(self, plans: Iterable[Plan]) -> None:
         """The warmup calls of ``plans`` (as returned by the last ``get_warmup_keys``).
@@ -151,6 +174,48 @@ def register(vllm_config: Any) -> None:
     """Register the engine's warmup with the registry vLLM holds now (no-op if none)."""
     if vllm_config is not None:
         JitWarmupRegistry.register(ENGINE_WARMUP, vllm_config)
+
+
+def warm_layers(layers: Mapping[str, Any], vllm_config: Any) -> int | None:
+    """Compile now what the ``MLA_QUANT`` layers among ``layers`` will launch.
+
+    For ``mla_vllm.install`` (after vLLM's own warm-up): the engine warm-up's plans
+    and calls for these layers, their KV caches and ``vllm_config``'s limits
+    (``max_num_seqs``, ``max_model_len``), with vLLM's JIT monitor paused. Returns
+    the kernel variants added; None when off (``MLA_QUANT_WARMUP=0``) or failed
+    (logged; the kernels then compile on first use, as without warm-up).
+    """
+    if not enabled():
+        logger.info("MLA_QUANT warmup after install: off (%s=0)", ENV)
+        return None
+    warmup = EngineWarmup()
+    plans = warmup.plan(layers, vllm_config)
+    if not plans:
+        return None
+    with _jit_monitor_paused():
+        return warmup.compile_plans(plans)
+
+
+@contextmanager
+def _jit_monitor_paused() -> Iterator[None]:
+    """Triton's post-compile hook unset inside while vLLM's JIT monitor is active.
+
+    The monitor (``vllm.utils.jit_monitor``, switched on after an engine's warm-up)
+    reports every Triton compilation as one during inference, and raises in its
+    ``error`` mode; a warm-up asked for is not one.
+    """
+    from triton import knobs
+    from vllm.utils import jit_monitor
+
+    if not jit_monitor.is_active():
+        yield
+        return
+    hook = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = None
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_post_compile_hook = hook
 
 
 def _quantized(impl: Any) -> bool:
