@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import SMALL, Dims, build_model, make_builder, make_vllm_config
 
-import mla_vllm.install as installer
+import mla_vllm.installer as installer
 from mla_vllm.gates import MLAQuantGateError, check_layers, layer_problems
 
 pytestmark = pytest.mark.usefixtures("vllm_process")

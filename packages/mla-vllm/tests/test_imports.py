@@ -11,6 +11,8 @@ cycle, and no module may import another of this package inside a function
 from __future__ import annotations
 
 import ast
+import importlib
+import types
 from pathlib import Path
 
 import pytest
@@ -132,8 +134,8 @@ def test_the_checker_finds_cycles_and_hidden_imports() -> None:
 
 def test_every_module_is_seen() -> None:
     edges, _ = _graph()
-    assert {"mla_vllm", "mla_vllm.backend", "mla_vllm.config", "mla_vllm.install"} <= set(edges)
-    assert "mla_vllm.backend" in edges["mla_vllm.install"]  # a real edge is found
+    assert {"mla_vllm", "mla_vllm.backend", "mla_vllm.config", "mla_vllm.installer"} <= set(edges)
+    assert "mla_vllm.backend" in edges["mla_vllm.installer"]  # a real edge is found
     for targets in edges.values():
         assert targets <= set(edges), f"an import of a module that does not exist: {targets}"
 
@@ -164,3 +166,18 @@ def test_light_modules_do_not_import_vllm(module: str) -> None:
         [sys.executable, "-c", code, module], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_lazy_names_stay_functions_after_their_modules_load() -> None:
+    """``mla_vllm.install`` is the function on every access, also once its module has
+    been imported (a submodule of the same name would replace it on the package)."""
+    import mla_vllm
+
+    first = mla_vllm.install
+    importlib.import_module("mla_vllm.installer")
+    importlib.import_module("mla_vllm.stats")
+    importlib.import_module("mla_vllm.calibration")
+    for name in ("install", "uninstall", "get_stats", "reset_stats", "calibrate"):
+        assert callable(getattr(mla_vllm, name)), name
+        assert not isinstance(getattr(mla_vllm, name), types.ModuleType), name
+    assert mla_vllm.install is first

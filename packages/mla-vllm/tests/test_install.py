@@ -20,7 +20,7 @@ from conftest import (
     random_context,
 )
 
-import mla_vllm.install as installer
+import mla_vllm.installer as installer
 from mla_vllm.backend import MLAQuantImpl
 from mla_vllm.config import load_config
 from mla_vllm.gates import MLAQuantGateError

@@ -21,7 +21,7 @@ from conftest import PAGE, SMALL, Model, forward, layer_inputs, make_batch
 from test_install import _native, _snapshot
 from test_warmup import REQUESTS, _table
 
-import mla_vllm.install as installer
+import mla_vllm.installer as installer
 import mla_vllm.warmup as warmup
 from mla_triton.warmup import record_keys
 from mla_vllm.backend import MLAQuantImpl

@@ -188,7 +188,7 @@ def test_config_switch_and_errors() -> None:
 
 
 def test_install_in_place_refuses_shadow() -> None:
-    from mla_vllm.install import install_model
+    from mla_vllm.installer import install_model
 
     with pytest.raises(MLAQuantConfigError, match=r"mla_quant\.kv_path: 'shadow' needs"):
         install_model(torch.nn.Module(), NVFP4_SHADOW)

@@ -17,7 +17,7 @@ Modules, each importing only those above it:
 - ``decode`` (the decode step, in named steps), ``prefill`` (the prefill backend);
 - ``warmup`` (every kernel variant compiled in vLLM's kernel warm-up, issue 15);
 - ``backend`` (impl, metadata builder, attention backend);
-- ``install`` (in place, and back), ``stats`` (error statistics);
+- ``installer`` (``install`` in place, and ``uninstall``), ``stats`` (error statistics);
 - ``calibration`` (static amaxes);
 - the subpackage ``compare`` (the ``mla-compare`` command), above all of them.
 """
@@ -59,9 +59,9 @@ __all__ = [
 _LAZY = {
     "calibrate": "mla_vllm.calibration",
     "get_stats": "mla_vllm.stats",
-    "install": "mla_vllm.install",
+    "install": "mla_vllm.installer",
     "reset_stats": "mla_vllm.stats",
-    "uninstall": "mla_vllm.install",
+    "uninstall": "mla_vllm.installer",
 }
 
 

@@ -17,7 +17,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 
 from mla_vllm.config import CALIBRATION_FORMAT
-from mla_vllm.install import install_model, uninstall_model
+from mla_vllm.installer import install_model, uninstall_model
 from mla_vllm.targets import is_llm, layer_states
 
 __all__ = ["calibrate", "calibration_document", "finish_calibration", "start_calibration"]
