@@ -11,8 +11,8 @@ brute force of the policy.
 
 GPU (skipped without CUDA; ``TRITON_INTERPRET=0``): after warmup, a sweep of batch
 sizes, sequence lengths, prefill shapes and cache writes launched for real
-compiles nothing new (Triton's in-memory caches keep their size), while a split
-count outside the warmed set does compile (the count can move).
+compiles nothing new (Triton's in-memory caches keep their size), not even a split
+count outside the policy's set (the count is a runtime argument).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from mla_formats import AttentionQuant
-from mla_triton import decode, decode_shadow, prefill, update_cache
+from mla_triton import allocate_shadow, decode, decode_shadow, prefill, update_cache
 from mla_triton.decode import decode_config, decode_num_splits
 from mla_triton.shadow import shadow_layout
 from mla_triton.warmup import (
@@ -299,10 +299,39 @@ def test_warmup_covers_every_serving_key(name: str) -> None:
     assert "prefill_fwd_kernel" in kernels and any("split" in k for k in kernels), kernels
     missing = served - warmed
     assert not missing, f"{len(missing)} serving keys not warmed: {sorted(missing)[:3]}"
-    # the split kernel is keyed once per warmed split count (1 .. 2176 // 256)
-    splits = decode_split_counts(40, HEADS, 2176, block_h=64)
+    # 8 split counts reachable (1 .. 2176 // 256); the split kernel is keyed twice (one
+    # split, several: the count is a runtime argument), the merge once
+    assert len(decode_split_counts(40, HEADS, 2176, block_h=64)) == 8
     split_keys = {key for kernel, key in warmed if kernel.endswith("split_kernel")}
-    assert len(split_keys) == len(splits) == 8
+    merge_keys = {key for kernel, key in warmed if kernel.endswith("merge_kernel")}
+    assert len(split_keys) == 2 and len(merge_keys) == 1, (split_keys, merge_keys)
+
+
+def test_split_count_is_not_a_compile_key() -> None:
+    """Every split count from 2 to 64 gives the split kernels (on read, shadow) and the
+    merge kernel one compile key each; one split another (its epilogue writes out)."""
+    cache = torch.zeros(3, PAGE, RANK + ROPE, dtype=torch.float16)
+    shadow = allocate_shadow(3, PAGE, NVFP4)
+    q = torch.zeros(2, HEADS, RANK + ROPE, dtype=torch.float16)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.tensor([5, 100], dtype=torch.int32)
+
+    def calls(counts: range) -> Callable[[], None]:
+        def run() -> None:
+            for n in counts:
+                decode(q, cache, table, lens, softmax_scale=SCALE, quant=NVFP4, num_splits=n)
+                decode_shadow(q, cache, shadow, table, lens, softmax_scale=SCALE, quant=NVFP4,
+                              num_splits=n)  # fmt: skip
+
+        return run
+
+    several, one = _keys(calls(range(2, 65))), _keys(calls(range(1, 2)))
+    for name in ("decode_split_kernel", "shadow_decode_split_kernel", "decode_merge_kernel"):
+        keys = {key for kernel, key in several if kernel.rsplit(".", 1)[1] == name}
+        assert len(keys) == 1, (name, len(keys))
+    split_one = {key for kernel, key in one if kernel.endswith("split_kernel")}
+    split_several = {key for kernel, key in several if kernel.endswith("split_kernel")}
+    assert len(split_one) == 2 and not split_one & split_several
 
 
 def test_other_geometry_keys_differently() -> None:
@@ -371,10 +400,11 @@ def test_nothing_compiles_after_warmup_gpu() -> None:
     new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     print(f"warmup: {sum(before.values())} variants in {seconds:.1f} s; new after sweep: {new}")
     assert not new, f"compiled during the sweep: {new}"
-    # the count does move: a split count beyond the warmed ones (4352 // 256 = 17)
+    # not even a split count beyond the policy's (4352 // 256 = 17): a runtime argument
     engine = engines[0]
     q = torch.zeros(1, HEADS, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
     table = torch.zeros(1, engine.width, dtype=torch.int32, device="cuda")
     lens = torch.ones(1, dtype=torch.int32, device="cuda")
     decode(q, engine.raw, table, lens, softmax_scale=SCALE, quant=NVFP4, num_splits=40)
-    assert _total() > sum(after.values())
+    torch.cuda.synchronize()
+    assert _total() == sum(after.values()), compiled_variants()

@@ -406,7 +406,7 @@ def compile_variant(
     constexprs: dict[str, Any] = {
         "SHAPE": (512, 64, page, BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "STAGES": config.stages, "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled,
-        "KV_FP8": recipe.kv_fp8, "P_FMT": recipe.p_fmt, "NUM_SPLITS": num_splits,
+        "KV_FP8": recipe.kv_fp8, "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
     }  # fmt: skip
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
 
@@ -419,6 +419,7 @@ def compile_variant(
 
     signature: dict[str, Any] = {"split": types(split, (0,))}
     signature |= dict.fromkeys(("k_inv_gs", "p_inv_gs", "out_scale"), "fp32")
+    signature["num_splits"] = "i32"  # not specialized (do_not_specialize)
     signature |= dict.fromkeys(constexprs, "constexpr")
     assert list(signature) == list(fn.arg_names), fn.arg_names
     source = GluonASTSource(fn, signature, constexprs, attrs)

@@ -1,14 +1,15 @@
 """Compile, before serving, every kernel variant an engine's calls can reach (issue 15).
 
 A Triton kernel is compiled once per *key*: its constexprs (here: the recipe's
-formats and flags, tile sizes, ``NUM_SPLITS``, ``CAUSAL``, ``RETURN_LSE``,
+formats and flags, tile sizes, ``MULTI_SPLIT``, ``CAUSAL``, ``RETURN_LSE``,
 ``KV_FUSED``), the dtype of each tensor, and Triton's specialization of the other
 arguments: an int is keyed by being 1, divisible by 16 or neither, a pointer by
 being 16-byte aligned or not (``JITFunction``'s binder). What varies during serving,
 for a fixed engine (model, dtype, recipe, KV-cache geometry):
 
-- decode (``decode``, ``decode_shadow``): ``NUM_SPLITS``, the split policy's
-  choice for the batch's rows and ``max_seq_len`` (1 to 64);
+- decode (``decode``, ``decode_shadow``): whether the split policy picks one split
+  or several for the batch's rows and ``max_seq_len`` (``MULTI_SPLIT``; the count,
+  1 to 64, is a runtime argument of the split and merge kernels, not specialized);
 - prefill: new tokens are causal with or without the LSE (context follows or not),
   context chunks non-causal with the LSE; ``KV_FUSED`` (every sequence fits one
   query tile, with K or V quantized); the LSE row stride is the token count
@@ -258,7 +259,15 @@ def _splits_per_batch(
     }
 
 
-# Row counts warmup_decode launches besides 1 (which takes every split count): the key
+def _split_classes(counts: set[int]) -> tuple[int, ...]:
+    """One split count per compile key of the split and merge kernels: 1 where ``counts``
+    holds it, and the smallest count above 1 where it holds one (the count itself is a
+    runtime argument, not specialized)."""
+    several = [c for c in counts if c > 1]
+    return tuple(sorted(({1} & counts) | ({min(several)} if several else set())))
+
+
+# Row counts warmup_decode launches besides 1 (which takes each split class): the key
 # does not depend on them today; a tile choice by batch size would show here first.
 DECODE_ROWS = (2, 16, 64, 256)
 
@@ -278,7 +287,7 @@ def warmup_decode(
     index_dtype: torch.dtype = torch.int32,
     impl: str = "auto",
 ) -> tuple[int, ...]:
-    """Compile decode for every split count ``max_rows`` rows up to ``max_seq_len`` can take.
+    """Compile decode for the split counts ``max_rows`` rows up to ``max_seq_len`` can take.
 
     ``kv_cache`` is the engine's raw latent cache ``[blocks, page, kv_lora_rank +
     rope]`` (its strides and block count key the kernels); ``shadow`` its uint8
@@ -287,7 +296,9 @@ def warmup_decode(
     it to ``decode`` (``auto`` on an sm90 GPU compiles the Gluon split kernel where the
     dispatch takes it: it reads only the engine's fixed geometry, heads, dtype, recipe
     and cache strides, so serving calls dispatch alike). Call inside ``compile_only``.
-    Returns the split counts compiled.
+    The split count is a runtime argument of the kernels, keyed only by one split or
+    several (``MULTI_SPLIT``): returns the counts launched, one per class the policy
+    reaches (``_split_classes``: 1 and the smallest count above 1).
     """
     from mla_triton.gluon_decode import check_impl
 
@@ -314,13 +325,13 @@ def warmup_decode(
     per_batch = _splits_per_batch(
         rows, heads, longest, block_h, device if device.type == "cuda" else None
     )
-    splits = tuple(sorted(set().union(*per_batch.values())))
+    splits = _split_classes(set().union(*per_batch.values()))
     rope = int(kv_cache.shape[2]) - kv_lora_rank
-    # one row takes every split count (its workspace stays small); a few more row counts
-    # take the split counts the policy gives them
+    # one row takes a count of each class (its workspace stays small); a few more row
+    # counts take those the policy gives them
     calls = [(1, count) for count in splits]
     for batch in sorted({b for b in (*DECODE_ROWS, rows) if 1 < b <= rows}):
-        calls += [(batch, count) for count in sorted(per_batch[batch])]
+        calls += [(batch, count) for count in _split_classes(per_batch[batch])]
     for batch, count in calls:
         q = torch.zeros(batch, heads, kv_lora_rank + rope, dtype=kv_cache.dtype, device=device)
         query = (q[..., :kv_lora_rank], q[..., kv_lora_rank:])

@@ -167,9 +167,9 @@ def request_len(seq_lens_ptr, b, stride_sl, capacity):
 
 
 @triton.jit
-def split_chunk(seq_len, NUM_SPLITS: tl.constexpr, ALIGN: tl.constexpr):
-    """Tokens per split of a request: ``ceil(seq_len / NUM_SPLITS)`` rounded up to ``ALIGN``."""
-    per = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+def split_chunk(seq_len, num_splits, ALIGN: tl.constexpr):
+    """Tokens per split of a request: ``ceil(seq_len / num_splits)`` rounded up to ``ALIGN``."""
+    per = (seq_len + num_splits - 1) // num_splits
     return tl.maximum((per + ALIGN - 1) // ALIGN, 1) * ALIGN
 
 
@@ -178,7 +178,7 @@ def split_bounds(
     seq_lens_ptr,
     stride_sl,
     capacity,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     HEAD_GROUPS: tl.constexpr,
     SPLIT_ALIGN_: tl.constexpr,
 ):
@@ -188,15 +188,15 @@ def split_bounds(
 
     Grid axis 0 enumerates (head group, split, request), head group fastest (programs
     that read the same latent rows run together). A request's tokens are cut into
-    ``NUM_SPLITS`` chunks whose bounds are multiples of ``SPLIT_ALIGN_`` at absolute
+    ``num_splits`` chunks whose bounds are multiples of ``SPLIT_ALIGN_`` at absolute
     positions (the chunk size depends on the request's own length only).
     """
     pid = tl.program_id(0)
     hg = pid % HEAD_GROUPS
-    split = (pid // HEAD_GROUPS) % NUM_SPLITS
-    b = (pid // HEAD_GROUPS // NUM_SPLITS).to(tl.int64)
+    split = (pid // HEAD_GROUPS) % num_splits
+    b = (pid // HEAD_GROUPS // num_splits).to(tl.int64)
     seq_len, poisoned = request_len(seq_lens_ptr, b, stride_sl, capacity)
-    chunk = split_chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
+    chunk = split_chunk(seq_len, num_splits, SPLIT_ALIGN_)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     return hg, split, b, seq_len, poisoned, lo, hi
@@ -248,7 +248,7 @@ def load_q(
 
 
 @triton.jit
-def split_program(split, SHAPE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def split_program(split, SHAPE: tl.constexpr, num_splits):
     """What a split kernel's program owns (``split_bounds``): ``(hg, split, b, seq_len,
     poisoned, lo, hi)``, after the tiling's static checks.
 
@@ -259,11 +259,12 @@ def split_program(split, SHAPE: tl.constexpr, NUM_SPLITS: tl.constexpr):
     the family's cache pointers (the raw cache's first) and ``cache_strides`` their (page,
     row) strides, ``bt_strides = (stride_bt_b, stride_bt_p)``, ``sizes = (num_heads,
     capacity, num_blocks)``. ``SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS,
-    SPLIT_ALIGN_)``.
+    SPLIT_ALIGN_)``; ``num_splits``: the split count (a runtime value; the constant 1 where
+    the kernel's ``MULTI_SPLIT`` is false: one split's program needs no division).
     """
     split_invariants(SHAPE[0], SHAPE[1], SHAPE[3], SHAPE[4], SHAPE[6])
     seq_lens_ptr, stride_sl, capacity = split[3], split[9], split[11][1]
-    return split_bounds(seq_lens_ptr, stride_sl, capacity, NUM_SPLITS, SHAPE[5], SHAPE[6])
+    return split_bounds(seq_lens_ptr, stride_sl, capacity, num_splits, SHAPE[5], SHAPE[6])
 
 
 @triton.jit
@@ -406,25 +407,26 @@ def write_out(
 
 @triton.jit
 def finish_split(
-    acc, m_i, l_i, prog, heads, split, out_scale, SHAPE: tl.constexpr, NUM_SPLITS: tl.constexpr
-):
+    acc, m_i, l_i, prog, heads, split, out_scale, num_splits, SHAPE: tl.constexpr,
+    MULTI_SPLIT: tl.constexpr,
+):  # fmt: skip
     """A split program's epilogue (``prog``, ``heads`` and ``split`` as ``split_program``'s
-    and ``split_start``'s): with one
+    and ``split_start``'s; ``MULTI_SPLIT``: ``num_splits > 1``): with one
     split, out and LSE (``write_out``); else the split's partial ``acc``, ``m``, ``l`` into
-    the workspace ``partials``: acc ``[B, NUM_SPLITS, H, D1]`` and (m, l) ``[B, NUM_SPLITS,
+    the workspace ``partials``: acc ``[B, num_splits, H, D1]`` and (m, l) ``[B, num_splits,
     H, 2]`` float32, written only by a split that holds tokens."""
     D1: tl.constexpr = SHAPE[0]
     _, s, b, seq_len, poisoned, lo, _ = prog
     offs_h, h_mask = heads
     out, partials, o_strides, num_heads = split[4], split[5], split[10], split[11][0]
-    if NUM_SPLITS == 1:
+    if not MULTI_SPLIT:
         write_out(
             acc, m_i, l_i, seq_len > 0, poisoned, out_scale, out, o_strides, b, offs_h, h_mask, D1
         )
     else:
         wacc_ptr, wml_ptr = partials
         offs_d1 = tl.arange(0, D1)
-        row = (b * NUM_SPLITS + s) * num_heads + offs_h  # int64 [BLOCK_H]
+        row = (b * num_splits + s) * num_heads + offs_h  # int64 [BLOCK_H]
         st_mask = h_mask & (lo < seq_len)
         tl.store(wacc_ptr + row[:, None] * D1 + offs_d1[None, :], acc, mask=st_mask[:, None])
         tl.store(wml_ptr + row * 2, m_i, mask=st_mask)

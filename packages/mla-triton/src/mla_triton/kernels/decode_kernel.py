@@ -15,7 +15,7 @@ kernel, whose registers go to the accumulator.
 Stage 1, ``decode_split_kernel``: one program per (head group, split, request); its
 prologue, score, softmax and epilogue steps are ``kernels.common``'s, shared with
 the shadow-cache kernel.
-A request's tokens are cut into ``NUM_SPLITS`` chunks whose bounds are multiples
+A request's tokens are cut into ``num_splits`` chunks whose bounds are multiples
 of ``SPLIT_ALIGN`` tokens at absolute positions (the chunk size depends on the
 request's own length and the split count only, never on other requests).
 
@@ -180,15 +180,16 @@ def decode_q_kernel(
     tl.store(qgs_ptr + b * num_heads + h, gs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_split_kernel(
     split,
     k_scales,
     v_scales,
     p_scales,
     out_scale,  # gs_p * gs_v
+    num_splits,
     SHAPE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    MULTI_SPLIT: tl.constexpr,
     Q_SCALED: tl.constexpr,
     K_FMT: tl.constexpr,
     K_DYN: tl.constexpr,
@@ -205,12 +206,14 @@ def decode_split_kernel(
     ``split``: the arguments every split kernel takes (``common.split_program``), here
     with ``cache = (kv_ptr,)`` and ``cache_strides = (stride_kv_page, stride_kv_row)``;
     ``SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS, SPLIT_ALIGN_)``; ``k_scales``,
-    ``v_scales``, ``p_scales``: static ``(gs, 1 / gs, 1 / (6 gs))`` triples.
+    ``v_scales``, ``p_scales``: static ``(gs, 1 / gs, 1 / (6 gs))`` triples. ``num_splits``
+    is a runtime argument, not specialized: one compiled kernel serves every split count;
+    ``MULTI_SPLIT`` (``num_splits > 1``) picks the epilogue.
 
     Shapes: q ``[B, H, D1]`` + ``[B, H, D2]``; cache rows ``D1 + D2`` wide at
     ``page * stride_kv_page + slot * stride_kv_row``; out ``[B, H, D1]``, lse
-    ``[B, H]`` (one split) or workspace acc ``[B, NUM_SPLITS, H, D1]`` and (m, l)
-    ``[B, NUM_SPLITS, H, 2]`` float32 (several splits). ``PV_F16``: run ``P̂ V̂`` on
+    ``[B, H]`` (one split) or workspace acc ``[B, num_splits, H, D1]`` and (m, l)
+    ``[B, num_splits, H, 2]`` float32 (several splits). ``PV_F16``: run ``P̂ V̂`` on
     fp16 operands (both factored, hence exact in fp16), else in the input dtype
     (``QK`` follows q's dtype: fp16 q̂ when q and K are quantized). ``KV_SHARED``:
     fp8 K and V with one static scale, V̂ is K̂'s first ``D1`` features.
@@ -220,7 +223,8 @@ def decode_split_kernel(
     PAGE: tl.constexpr = SHAPE[2]
     BLOCK_H: tl.constexpr = SHAPE[3]
     BLOCK_N: tl.constexpr = SHAPE[4]
-    prog = split_program(split, SHAPE, NUM_SPLITS)
+    splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
+    prog = split_program(split, SHAPE, splits)
     heads, offs_n, bt_row, q1, q2, row_scale, m_i, l_i, acc = split_start(
         split, prog, Q_SCALED, SHAPE
     )
@@ -264,10 +268,10 @@ def decode_split_kernel(
         acc = tl.dot(p.to(pv_dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    finish_split(acc, m_i, l_i, prog, heads, split, out_scale, SHAPE, NUM_SPLITS)
+    finish_split(acc, m_i, l_i, prog, heads, split, out_scale, splits, SHAPE, MULTI_SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_merge_kernel(
     partials,
     seq_lens_ptr,
@@ -277,21 +281,22 @@ def decode_merge_kernel(
     num_heads,
     capacity,
     out_scale,
+    num_splits,
     D1: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLIT_ALIGN_: tl.constexpr,
 ):
     """Stage 2: merge a request's non-empty splits for ``BLOCK_H`` heads by their LSE.
 
     ``partials``, ``out``, ``o_strides``: as the split kernels' (``common``). Split
-    maxima are integers (base 2), so the weights ``2^(m_s - M)`` are exact.
+    maxima are integers (base 2), so the weights ``2^(m_s - M)`` are exact. ``num_splits``:
+    a runtime argument (one compiled kernel for every split count).
     """
     wacc_ptr, wml_ptr = partials
     hb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     seq_len, poisoned = request_len(seq_lens_ptr, b, stride_sl, capacity)
-    chunk = split_chunk(seq_len, NUM_SPLITS, SPLIT_ALIGN_)
+    chunk = split_chunk(seq_len, num_splits, SPLIT_ALIGN_)
     n_active = (seq_len + chunk - 1) // chunk
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -301,7 +306,7 @@ def decode_merge_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)  # noqa: E741 (the contract's name)
     acc = tl.zeros([BLOCK_H, D1], tl.float32)
     for s in range(n_active):
-        row = (b * NUM_SPLITS + s) * num_heads + offs_h
+        row = (b * num_splits + s) * num_heads + offs_h
         m_s = tl.load(wml_ptr + row * 2, mask=h_mask, other=0.0)
         l_s = tl.load(wml_ptr + row * 2 + 1, mask=h_mask, other=0.0)
         a_s = tl.load(

@@ -177,30 +177,32 @@ def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, d
     return gl.allocate_shared_memory(dtype, [_HEADS, D], layout, rows)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_splits"])
 def gluon_decode_split_kernel(
     split,
     k_inv_gs,
     p_inv_gs,
     out_scale,  # gs_p * gs_v
+    num_splits,
     SHAPE: gl.constexpr,
     STAGES: gl.constexpr,
     OVERLAP: gl.constexpr,
     Q_SCALED: gl.constexpr,
     KV_FP8: gl.constexpr,
     P_FMT: gl.constexpr,
-    NUM_SPLITS: gl.constexpr,
+    MULTI_SPLIT: gl.constexpr,
 ):
     """Stage 1: one (head group, split, request).
 
     Shapes as ``decode_kernel.decode_split_kernel``: q ``[B, H, D1]`` + ``[B, H, D2]``,
     cache rows ``D1 + D2`` wide, out ``[B, H, D1]`` and lse ``[B, H]`` (one split) or
-    workspace acc ``[B, NUM_SPLITS, H, D1]`` and ``(m, l)`` ``[B, NUM_SPLITS, H, 2]``.
+    workspace acc ``[B, num_splits, H, D1]`` and ``(m, l)`` ``[B, num_splits, H, 2]``.
     Recipes: ``Q_SCALED``: q is q̂ (factored, by ``decode_q_kernel``) with its global
     scales ``qgs [B, H]``; ``KV_FP8``: K̂ = V̂ (fp8, one static power-of-two global scale)
     quantized in place once the tile has landed; ``P_FMT`` 0 or 1 (fp8). ``split`` and
     ``SHAPE`` as the Triton split kernels' (``kernels.common.split_program``; ``cache =
-    (kv_ptr,)``, ``BLOCK_H`` 64).
+    (kv_ptr,)``, ``BLOCK_H`` 64); ``num_splits`` a runtime argument, ``MULTI_SPLIT``
+    (``num_splits > 1``) the epilogue, as theirs.
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     (kv_ptr,) = split[1]
@@ -235,13 +237,14 @@ def gluon_decode_split_kernel(
 
     pid = gl.program_id(0)
     hg = pid % HEAD_GROUPS
-    split = (pid // HEAD_GROUPS) % NUM_SPLITS
-    b = (pid // HEAD_GROUPS // NUM_SPLITS).to(gl.int64)
+    n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
+    split = (pid // HEAD_GROUPS) % n_splits
+    b = (pid // HEAD_GROUPS // n_splits).to(gl.int64)
 
     raw = gl.load(seq_lens_ptr + b * stride_sl).to(gl.int32)
     poisoned = (raw < 0) | (raw > capacity)
     seq_len = gl.minimum(gl.maximum(raw, 0), capacity)
-    per = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    per = (seq_len + n_splits - 1) // n_splits
     chunk = gl.maximum((per + SPLIT_ALIGN_ - 1) // SPLIT_ALIGN_, 1) * SPLIT_ALIGN_
     lo = split * chunk
     hi = gl.minimum(lo + chunk, seq_len)
@@ -375,7 +378,7 @@ def gluon_decode_split_kernel(
     offs_h = hg * _HEADS + gl.arange(0, _HEADS, row_o)
     h_mask = offs_h < num_heads
     offs_d = gl.arange(0, D1, gl.SliceLayout(0, o_layout))
-    if NUM_SPLITS == 1:
+    if not MULTI_SPLIT:
         l_o = gl.where(poisoned, float("nan"), l_o)
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
         keep = (seq_len > 0) | poisoned
@@ -388,7 +391,7 @@ def gluon_decode_split_kernel(
         gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
         gl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
     else:
-        row = (b * NUM_SPLITS + split) * num_heads + offs_h
+        row = (b * n_splits + split) * num_heads + offs_h
         st_mask = h_mask & (lo < seq_len)
         gl.store(wacc_ptr + row[:, None] * D1 + offs_d[None, :], acc, mask=st_mask[:, None])
         gl.store(wml_ptr + row * 2, m_o, mask=st_mask)

@@ -549,14 +549,15 @@ def _shadow_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def shadow_decode_split_kernel(
     split,
     v_scales,
     p_scales,
     out_scale,  # gs_p * gs_v
+    num_splits,
+    MULTI_SPLIT: tl.constexpr,
     SHAPE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     STORE: tl.constexpr,
     V_SRC: tl.constexpr,
     V_TAIL: tl.constexpr,
@@ -587,7 +588,8 @@ def shadow_decode_split_kernel(
     PAGE: tl.constexpr = SHAPE[2]
     BLOCK_N: tl.constexpr = SHAPE[4]
     tl.static_assert(PAGE % 16 == 0, "PAGE: a multiple of 16 (16-token V blocks in one page)")
-    prog = split_program(split, SHAPE, NUM_SPLITS)
+    splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
+    prog = split_program(split, SHAPE, splits)
     seq_len, lo, hi = prog[3], prog[5], prog[6]
     full_hi = tl.maximum(tl.minimum(hi, (seq_len // BLOCK_N) * BLOCK_N), lo)
     heads, _, bt_row, q1, q2, row_scale, m_i, l_i, acc = split_start(split, prog, Q_SCALED, SHAPE)
@@ -615,4 +617,4 @@ def shadow_decode_split_kernel(
             v_scales, p_scales, SHAPE, RECIPE, False, V_TAIL,
         )  # fmt: skip
 
-    finish_split(acc, m_i, l_i, prog, heads, split, out_scale, SHAPE, NUM_SPLITS)
+    finish_split(acc, m_i, l_i, prog, heads, split, out_scale, splits, SHAPE, MULTI_SPLIT)
