@@ -1,5 +1,7 @@
-"""The Gluon sm90 prefill: every variant compiles for sm_90a (CPU), the launcher's
-checks and TMA views (CPU), and the kernel against ``mla_reference`` (Hopper GPU only).
+"""The Gluon sm90 prefill: every variant compiles for sm_90a (CPU; every tiling the
+dispatcher picks included), its coverage (``unsupported``), TMA views and the
+arguments ``prefill`` launches it with (CPU), and the kernel against ``mla_reference``
+(Hopper GPU only). The dispatch itself: test_prefill_dispatch.py.
 
 Compiling needs no GPU (Triton's ptxas is bundled); the numbers themselves come
 from ``benchmarks/gluon_prefill.py`` and the GPU test below on an H200.
