@@ -1,0 +1,203 @@
+"""The engine warm-up against what vLLM 0.33's start launches around it (issue 15).
+
+vLLM's GPU worker (V2 model runner, the serving benchmark's) starts in this order:
+
+1. ``profile_run``: attention skipped (``skip_attn``), nothing of ours runs;
+2. ``profile_cudagraph_memory``: a *minimal* KV cache of ``min(max_num_seqs, largest
+   capture size)`` blocks, then a PIECEWISE capture of every capture size N (a dummy
+   batch of N one-token requests with ``seq_len`` 1: decode rows only, attention eager
+   outside the graph, warm-up forward then capture forward) and a FULL capture of the
+   two largest uniform-decode sizes (metadata for capture: ``max_seq_len`` is
+   ``max_model_len``, so several splits);
+3. the real KV cache, then ``kernel_warmup``: ``mla_vllm.warmup``'s plans;
+4. ``warmup_kernels``: N requests of 2 prompt tokens (a prefill), then decode steps of
+   N, 2 and 1 requests;
+5. ``capture_model`` on the real cache: steps 2's batches for every size.
+
+Each batch here is built as vLLM builds it (zero block tables as wide as the persistent
+one, slots -1, the builder's ``build`` or ``build_for_cudagraph_capture``) and run
+through ``MLAAttention.forward``; ``record_keys`` gives the compile keys (sm_90, nothing
+launched). Steps 4 and 5 must be covered by the warm-up's keys. Step 2 runs before the
+warm-up on another cache: its split-kernel keys differ from the warm-up's only where
+the two caches' block counts specialize apart (1, divisible by 16, other), which the
+last tests pin down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import PAGE, SMALL, Batch, Model, forward, layer_inputs
+from test_warmup import _quant_model
+
+from mla_triton.warmup import record_keys
+
+pytestmark = pytest.mark.usefixtures("vllm_process")
+
+Keys = set[tuple[str, str]]
+CONFIGS: dict[str, Any] = {  # on read and shadow (the unquantized path is on read too)
+    "nvfp4": {"recipe": "nvfp4"},
+    "nvfp4-shadow": {"recipe": "nvfp4", "kv_path": "shadow"},
+}
+
+
+def _dummy_batch(model: Model, requests: list[tuple[int, int]], *, full: bool, width: int) -> Batch:
+    """A batch of ``requests`` (context, new tokens) as vLLM's V2 runner builds it.
+
+    Capture and profile batches (no context) get zero block tables; warm-up steps with
+    context get distinct pages. ``full``: FULL-graph capture metadata
+    (``build_for_cudagraph_capture``, ``max_seq_len = max_model_len``).
+    """
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    seq = [c + q for c, q in requests]
+    table = torch.zeros(len(requests), width, dtype=torch.int32)
+    page = 1
+    for r, (c, q) in enumerate(requests):
+        if c:
+            for j in range(-(-(c + q) // PAGE)):
+                table[r, j] = page
+                page += 1
+    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor([q for _, q in requests]), 0)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    slots = torch.full((int(qsl[-1]),), -1, dtype=torch.int64)  # dummy slots: no write
+    max_len = int(model.config.model_config.max_model_len)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq_lens,
+        num_reqs=len(requests),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(q for _, q in requests),
+        max_seq_len=max_len if full else max(seq),
+        block_table_tensor=table,
+        slot_mapping=slots,
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+        is_prefilling=torch.tensor([q > 1 for _, q in requests]),
+    )
+    batch = Batch(requests, table, seq_lens, qsl, slots)
+    builder = model.builder
+    batch.metadata = (
+        builder.build_for_cudagraph_capture(common) if full else builder.build(0, common)
+    )
+    return batch
+
+
+def _served(model: Model, batches: list[Batch]) -> Keys:
+    """Compile keys of every layer's forward over ``batches``."""
+    with record_keys() as keys:
+        for batch in batches:
+            for i, name in enumerate(model.layers):
+                q, kv_c, k_pe = layer_inputs(SMALL, batch.num_tokens, 5 + i)
+                forward(model, batch, name, q, kv_c, k_pe)
+    return keys
+
+
+def _warmed(model: Model) -> Keys:
+    from mla_vllm.warmup import ENGINE_WARMUP
+
+    plans = ENGINE_WARMUP.get_warmup_keys(model.config)
+    with record_keys() as keys:
+        ENGINE_WARMUP.run_plans(plans)
+    return keys
+
+
+def _sizes(model: Model) -> list[int]:
+    """vLLM's capture sizes up to ``max_num_seqs``, largest first."""
+    seqs = int(model.config.scheduler_config.max_num_seqs)
+    return sorted((s for s in (1, 2, 4, 8, 16, 32, 64) if s <= seqs), reverse=True)
+
+
+def _capture(model: Model, sizes: list[int], full_sizes: list[int]) -> list[Batch]:
+    from mla_vllm.warmup import block_table_width
+
+    width = block_table_width(model.config, PAGE)
+    piecewise = [_dummy_batch(model, [(0, 1)] * n, full=False, width=width) for n in sizes]
+    return piecewise + [
+        _dummy_batch(model, [(0, 1)] * n, full=True, width=width) for n in full_sizes
+    ]
+
+
+def _warmup_steps(model: Model) -> list[Batch]:
+    """``warmup_kernels``: a prefill of N x 2 tokens, decode steps of N, 2 and 1 requests."""
+    from mla_vllm.warmup import block_table_width
+
+    width = block_table_width(model.config, PAGE)
+    n = int(model.config.scheduler_config.max_num_seqs)
+    steps = [[(0, 2)] * n, [(2, 1)] * n, [(3, 1)] * 2, [(4, 1)]]
+    return [_dummy_batch(model, step, full=False, width=width) for step in steps]
+
+
+def _kernels(keys: Keys) -> list[str]:
+    return sorted(name.rsplit(".", 1)[1] for name, _ in keys)
+
+
+def _shrink_cache(model: Model, blocks: int) -> None:
+    """Bind each layer to the first ``blocks`` blocks of its cache (the same rows and
+    strides: the profile pass's minimal cache, as far as compile keys go)."""
+    for name, layer in model.layers.items():
+        layer.bind_kv_cache(model.caches[name][:blocks])
+        model.caches[name] = layer.kv_cache
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_warmup_covers_capture_and_warmup_steps(tmp_path: Path, name: str) -> None:
+    """Steps 4 and 5 (after the warm-up, on the real cache) compile nothing new."""
+    model = _quant_model(tmp_path, CONFIGS[name])
+    warmed = _warmed(model)
+    sizes = _sizes(model)
+    capture = _served(model, _capture(model, sizes, sizes))
+    steps = _served(model, _warmup_steps(model))
+    kernels = _kernels(capture)
+    splits = [k for k in kernels if "split" in k]
+    assert len(splits) >= 2, kernels  # one split (PIECEWISE) and several (FULL)
+    assert ("shadow_update_kernel" in kernels) == ("shadow" in name), kernels
+    assert "prefill_fwd_kernel" in _kernels(steps), _kernels(steps)
+    for step, keys in (("capture", capture), ("warmup_kernels", steps)):
+        missing = keys - warmed
+        assert not missing, f"{step}: {len(missing)} keys not warmed: {_kernels(missing)}"
+
+
+def _profile_pass(model: Model, blocks: int) -> Keys:
+    sizes = _sizes(model)
+    _shrink_cache(model, blocks)
+    return _served(model, _capture(model, sizes, sizes[:2]))
+
+
+def test_profile_pass_keys_are_the_warmups_for_its_cache(tmp_path: Path) -> None:
+    """Step 2's keys are the warm-up's for the cache it runs on: only the cache differs."""
+    model = _quant_model(tmp_path, CONFIGS["nvfp4"])
+    minimal = min(int(model.config.scheduler_config.max_num_seqs), _sizes(model)[0])
+    profile = _profile_pass(model, minimal)
+    assert not profile - _warmed(model), _kernels(profile - _warmed(model))
+
+
+@pytest.mark.parametrize(
+    ("real", "covered"),
+    [
+        (48, False),  # 48 % 16 == 0, the minimal 8 blocks are "other": keyed apart
+        (40, True),  # both "other": the same keys
+    ],
+)
+def test_profile_pass_split_keys_follow_the_block_count(
+    tmp_path: Path, real: int, covered: bool
+) -> None:
+    """The split kernels specialize the cache's block count (``num_blocks`` of
+    ``kernels.common``, passed as an int): the profile pass's minimal cache (8 blocks
+    here; 64 in the serving benchmark) compiles its own split variants, never used
+    again, when the real cache's count specializes differently (1,608,071 blocks on
+    the H200 at 4k, on read). What the warm-up then compiles for the real cache is
+    all that serving reaches."""
+    model = _quant_model(tmp_path, CONFIGS["nvfp4"])
+    _shrink_cache(model, real)
+    warmed = _warmed(model)
+    minimal = min(int(model.config.scheduler_config.max_num_seqs), _sizes(model)[0])
+    missing = _profile_pass(model, minimal) - warmed
+    if covered:
+        assert not missing, _kernels(missing)
+    else:
+        assert missing and all("split" in k for k in _kernels(missing)), _kernels(missing)
