@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from mla_formats import AttentionQuant, OperandQuant
+from mla_triton.decode import DecodeConfig
 from mla_triton.gluon_decode import (
     IMPLS,
     UNQUANTIZED,
@@ -61,7 +62,15 @@ def _wgmma_shapes(ptx: str) -> dict[str, int]:
 
 FP8 = gluon_recipe(AttentionQuant.uniform("fp8"))
 assert isinstance(FP8, GluonRecipe)
+# decode_shadow(impl="gluon") on an fp16 fp8 shadow: float16 K̂ tiles, q̂ and P̂ fp8, bf16 out
+SHADOW_FP8 = replace(FP8, kv_fp8=False, shadow_f16=True)
 COMPILED = [(cfg, UNQUANTIZED) for cfg in VARIANTS] + [(VARIANTS[0], FP8), (VARIANTS[2], FP8)]
+COMPILED += [(VARIANTS[0], SHADOW_FP8)]
+
+
+def _label(recipe: GluonRecipe) -> str:
+    return "shadow-fp8" if recipe.shadow_f16 else "fp8" if recipe.kv_fp8 else "none"
+
 
 # Under TRITON_INTERPRET=1 (CI) the @triton.jit helpers the kernel calls are interpreter
 # functions, which Gluon cannot compile: the compile tests then run in one child pytest
@@ -89,7 +98,7 @@ def test_compile_tests_in_child() -> None:
 @pytest.mark.parametrize(
     ("config", "recipe"),
     COMPILED,
-    ids=[f"{c.name}-{'fp8' if r.kv_fp8 else 'none'}" for c, r in COMPILED],
+    ids=[f"{c.name}-{_label(r)}" for c, r in COMPILED],
 )
 def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> None:
     """Each variant (several splits: the workspace epilogue) compiles to the planned PTX."""
@@ -105,7 +114,7 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
     operands = "f16.f16" if recipe.mma_f16 else "bf16.bf16"
     typed = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{operands}", c.ptx)
     assert len(typed) == sum(shapes.values())
-    if recipe.kv_fp8:
+    if recipe.kv_fp8 or recipe.p_fmt == 1:  # K̂ = V̂ on read, or P̂
         assert "cvt.rn.satfinite.e4m3x2.f32" in c.ptx
     s_count = 36 * (2 if config.overlap else 1)
     assert shapes == {f"m64n{config.block_n // 2}k16": s_count, "m64n256k16": config.block_n // 16}
@@ -259,7 +268,7 @@ def test_decode_impl_refused_before_any_launch() -> None:
                     call(bad)
         with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
             calls["decode"]("gluon")
-        with pytest.raises(ValueError, match=r"^impl: the Gluon decode_shadow is not"):
+        with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
             calls["shadow"]("gluon")
         with pytest.raises(ValueError, match=r"^config: a GluonDecodeConfig"):
             decode(q, cache, table, seq, softmax_scale=SCALE, impl="triton",
@@ -354,6 +363,145 @@ def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
     q128, *_ = _cpu_case(128)
     big = _launched(lambda: decode(q128, cache, table, seq, softmax_scale=SCALE, quant=quant))
     assert [n for n, _, _ in big] == [*names, "gluon_decode_split_kernel"]  # one split
+
+
+SHADOW_TAKEN = {
+    "fp8": (AttentionQuant.uniform("fp8"), "fp16", torch.bfloat16),
+    "fp8-q-none-fp16": (AttentionQuant(k="fp8", v="fp8", p="fp8"), "fp16", torch.float16),
+    "fp8-scale-3": (
+        AttentionQuant(q="fp8", k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0), p="fp8"),
+        "fp16",
+        torch.bfloat16,
+    ),
+    "kv-none": (AttentionQuant(q="fp8", p="fp8"), "packed", torch.bfloat16),  # raw rows
+}
+
+
+def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gluon_shadow_unsupported``: ``"gluon"`` takes the fp16 shadows with V̂ = K̂ (any
+    static scale) and K/V none; ``"auto"`` none of them while ``GLUON_SHADOW_AUTO`` is
+    False (the shipped value), then those above 32 heads."""
+    from functools import partial
+
+    import mla_triton.shadow as sh
+
+    assert sh.GLUON_SHADOW_AUTO is False
+    for name, (quant, storage, dtype) in SHADOW_TAKEN.items():
+        lay = sh.shadow_layout(quant, storage=storage)
+        f = replace(SM90, quant=quant, dtype=dtype)
+        assert sh.gluon_shadow_unsupported(f, layout=lay, forced=True) is None, name
+        why = sh.gluon_shadow_unsupported(f, layout=lay)
+        assert why is not None and "not verified on a GPU" in why.reason and not why.covered
+        rule = partial(sh.gluon_shadow_unsupported, layout=lay)
+        assert choose_impl("auto", f, rule) == "triton" and choose_impl("gluon", f, rule) == "gluon"
+    monkeypatch.setattr(sh, "GLUON_SHADOW_AUTO", True)  # the switch the lead flips
+    fp8_lay = sh.shadow_layout(SHADOW_TAKEN["fp8"][0])
+    f128 = replace(SM90, quant=SHADOW_TAKEN["fp8"][0])
+    assert sh.gluon_shadow_unsupported(f128, layout=fp8_lay) is None
+    why16 = sh.gluon_shadow_unsupported(replace(f128, heads=16), layout=fp8_lay)
+    assert why16 is not None and "16 heads" in why16.reason
+    fp8 = AttentionQuant.uniform("fp8")
+    assert sh.gluon_shadow_recipe(fp8, sh.shadow_layout(fp8), torch.bfloat16) == SHADOW_FP8
+    scaled, lay3 = SHADOW_TAKEN["fp8-scale-3"][0], sh.shadow_layout(SHADOW_TAKEN["fp8-scale-3"][0])
+    r3 = sh.gluon_shadow_recipe(scaled, lay3, torch.bfloat16)
+    assert isinstance(r3, GluonRecipe) and r3.shadow_f16 and r3.mma_f16
+    assert r3.k_gs == r3.v_gs == pytest.approx(3.0 / 448)
+    none = sh.gluon_shadow_recipe(
+        AttentionQuant(), sh.shadow_layout(AttentionQuant()), torch.bfloat16
+    )
+    assert none == UNQUANTIZED
+
+
+@pytest.mark.parametrize(
+    ("quant", "storage", "change", "needle"),
+    [
+        (AttentionQuant.uniform("nvfp4"), "fp16", {}, "nvfp4 is not implemented"),
+        (AttentionQuant(q="fp8", k="nvfp4", v="nvfp4", p="fp8"), "fp16", {}, "different rows"),
+        (AttentionQuant(q="fp8", k=OperandQuant("fp8", "dynamic"), v="fp8"), "fp16", {},
+         "different rows"),
+        (AttentionQuant(q="fp8", k="fp8"), "fp16", {}, "different rows"),
+        (AttentionQuant(q="fp8", k=OperandQuant("fp8", 2.0), v="fp8"), "fp16", {},
+         "different rows"),
+        (AttentionQuant.uniform("fp8"), "packed", {}, "storage 'packed'"),
+        (AttentionQuant(k="fp8", v="fp8"), "fp16", {}, "no cast"),
+        (AttentionQuant(q="fp8", k="fp8", v="fp8", p="nvfp4"), "fp16", {}, "nvfp4"),
+        (AttentionQuant.uniform("fp8"), "fp16", {"device_type": "cpu", "capability": None},
+         "tensors on cpu"),
+        (AttentionQuant.uniform("fp8"), "fp16", {"kv_strides": (64 * 584, 584)}, "strides"),
+    ],
+)  # fmt: skip
+def test_shadow_dispatch_refusals(
+    quant: AttentionQuant,
+    storage: str,
+    change: dict[str, Any],
+    needle: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``decode_shadow``'s Gluon path refuses, with the reason; ``"gluon"`` there is
+    a ValueError naming ``impl``, ``"auto"`` the Triton kernel (for the same reason once
+    ``GLUON_SHADOW_AUTO`` is on)."""
+    from functools import partial
+
+    import mla_triton.shadow as sh
+    from mla_triton.shadow import gluon_shadow_unsupported, shadow_layout
+
+    lay = shadow_layout(quant, storage=storage)
+    facts = replace(SM90, quant=quant, **change)
+    why = gluon_shadow_unsupported(facts, layout=lay, forced=True)
+    assert why is not None and needle in why.reason, why
+    rule = partial(gluon_shadow_unsupported, layout=lay)
+    assert choose_impl("auto", facts, rule) == "triton"
+    with pytest.raises(ValueError, match=rf"^impl: .*{re.escape(needle)}"):
+        choose_impl("gluon", facts, rule)
+    monkeypatch.setattr(sh, "GLUON_SHADOW_AUTO", True)  # the flipped switch: same reasons
+    auto = gluon_shadow_unsupported(facts, layout=lay)
+    assert auto is not None and needle in auto.reason, auto
+
+
+def test_shadow_dispatch_launches(as_sm90: None) -> None:
+    """On sm90 ``decode_shadow(impl="gluon")`` launches q̂, the Gluon kernel on the
+    shadow's float16 K̂ section (no QDQ in the kernel, K's scale in the scores, P's and
+    V's on the output) and the merge; ``"auto"`` the Triton shadow kernel; a refused
+    shadow launches nothing."""
+    from mla_triton import allocate_shadow, decode_shadow
+    from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
+    from mla_triton.warmup import record_keys
+
+    q, cache, table, seq = _cpu_case(128)
+    fp8 = AttentionQuant.uniform("fp8")
+    shadow = allocate_shadow(7, 64, fp8)
+
+    def call(impl: str, config: Any = None, quant: AttentionQuant = fp8, sh: Any = shadow) -> Any:
+        return lambda: decode_shadow(q, cache, sh, table, seq, softmax_scale=SCALE, quant=quant,
+                                     num_splits=3, impl=impl, config=config)  # fmt: skip
+
+    names = ["decode_q_kernel", "shadow_decode_split_kernel", "decode_merge_kernel"]
+    assert [n for n, _, _ in _launched(call("auto"))] == names
+    seen = _launched(call("gluon"))
+    assert [n for n, _, _ in seen] == [names[0], "gluon_decode_split_kernel", names[2]]
+    _, args, grid = seen[1]
+    assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
+    assert grid == (2 * 3 * 3,) and args["SHAPE"] == (512, 64, 64, 64, 64, 2, 64)
+    assert (args["Q_SCALED"], args["KV_FP8"], args["P_FMT"]) == (True, False, 1)
+    split = args["split"]
+    tiles = split[1][0]  # the shadow's K̂ section: float16 [7, 64, 576] in the shadow's bytes
+    assert tiles.dtype == torch.float16 and tuple(tiles.shape) == (7, 64, 576)
+    assert tiles.data_ptr() == shadow.data_ptr() and split[7] == (64 * 576, 576)
+    assert split[0][0].dtype == torch.float16 and split[11] == (128, 128, 7)
+    assert split[12] == pytest.approx(SCALE * 1.4426950408889634 * FP8.k_gs)
+    assert args["out_scale"] == pytest.approx(FP8.p_gs * FP8.v_gs)
+    implied = _launched(call("auto", VARIANTS[2]))[1][1]  # a Gluon config implies "gluon"
+    assert (implied["STAGES"], implied["OVERLAP"]) == (4, True)
+    kv_none = AttentionQuant(q="fp8", p="fp8")
+    raw = _launched(call("gluon", quant=kv_none, sh=allocate_shadow(7, 64, kv_none)))[1][1]
+    assert raw["split"][1][0] is cache and not raw["KV_FP8"]
+    nvfp4 = AttentionQuant.uniform("nvfp4")
+    with record_keys() as keys:
+        with pytest.raises(ValueError, match=r"^impl: .*nvfp4"):
+            call("gluon", quant=nvfp4, sh=allocate_shadow(7, 64, nvfp4))()
+        with pytest.raises(ValueError, match=r"^config: impl='gluon' takes a GluonDecodeConfig"):
+            call("gluon", config=DecodeConfig(64, 64, 8, 2))()
+    assert not keys
 
 
 def test_warmup_covers_the_gluon_keys(as_sm90: None) -> None:

@@ -14,20 +14,28 @@ copies); after every decode step ``decode_shadow`` equals on-read ``decode`` wit
 same tiles and split count (1, 4 and the default policy) within the bounds of
 compiled float32 arithmetic (``_compare``); the share of bit-identical rows is
 printed.
+
+``impl="gluon"`` (sm90 only; the shadows ``gluon_shadow_unsupported`` takes: fp16 storage
+with V̂ = K̂): ``decode_shadow`` through the Gluon kernel against the Triton shadow kernel
+and on-read decode with the same split count (``_agree``'s bounds), and against
+``mla_reference.decode`` (float64, CPU) with test_decode_gpu's bounds, after each step.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 from test_shadow import NVFP4, RECIPES, SCALE, Pool, check_contents, row_errors
 
-from mla_formats import AttentionQuant
+import mla_reference
+from mla_formats import AttentionQuant, OperandQuant
 from mla_triton import decode, decode_shadow
 from mla_triton.decode import decode_config, decode_num_splits
-from mla_triton.shadow import shadow_decode_config
+from mla_triton.gluon_decode import gluon_facts
+from mla_triton.shadow import gluon_shadow_unsupported, shadow_decode_config, shadow_layout
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels, bf16)"
@@ -69,6 +77,17 @@ def _compare(pool: Pool, q: torch.Tensor, splits: int, label: str) -> tuple[int,
     got = decode_shadow(
         q, pool.cache, pool.shadow, pool.table, seq, storage=pool.storage, config=cfg, **kw
     )
+    return _agree(got, want, pool, heads, f"{label}, {splits} splits")
+
+
+def _agree(
+    got: tuple[torch.Tensor, torch.Tensor],
+    want: tuple[torch.Tensor, torch.Tensor],
+    pool: Pool,
+    heads: int,
+    label: str,
+) -> tuple[int, int]:
+    """``_compare``'s bounds on two ``(out, lse)`` results; (rows bit-identical, rows)."""
     out, ref = got[0].flatten(0, 1), want[0].flatten(0, 1)
     same = int(((out == ref).all(-1) & (got[1] == want[1]).flatten()).sum())
     lse_err = (got[1].double() - want[1].double()).abs().max().item()
@@ -79,7 +98,7 @@ def _compare(pool: Pool, q: torch.Tensor, splits: int, label: str) -> tuple[int,
         for i in (err > TOL_ROW).nonzero().flatten().tolist()[:8]
     )
     message = (
-        f"{label}, {splits} splits: {same} of {err.numel()} rows bit-identical, "
+        f"{label}: {same} of {err.numel()} rows bit-identical, "
         f"{far} beyond {TOL_ROW} ({where}), max {err.max().item():.2e}, LSE {lse_err:.1e}"
     )
     assert lse_err <= LSE_TOL, message
@@ -94,14 +113,21 @@ CASES = {
     "fp8": (AttentionQuant.uniform("fp8"), "fp16", 16),
     "kdyn-nvfp4-vfp8": (RECIPES["kdyn-nvfp4-vfp8"][0], "packed", 64),
     "calibrated": (RECIPES["calibrated"][0], "fp16", 16),
+    # fp8 K and V under one static scale that is not a power of two (V̂ = K̂, fp16)
+    "fp8-scale-3": (
+        AttentionQuant(q="fp8", k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0), p="fp8"),
+        "fp16",
+        64,
+    ),
 }
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+GLUON_CASES = [c for c in CASES if CASES[c][1] == "fp16" and shadow_layout(CASES[c][0]).v_shared]
+"""The cases ``decode_shadow(impl="gluon")`` takes (fp16 storage, V̂ = K̂): fp8, fp8-scale-3."""
 
 
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("case", list(CASES))
-def test_shadow_equals_on_read_bf16(case: str, heads: int) -> None:
+def _pool(case: str) -> Pool:
     quant, storage, page = CASES[case]
-    pool = Pool(
+    return Pool(
         quant,
         storage,
         page=page,
@@ -111,10 +137,20 @@ def test_shadow_equals_on_read_bf16(case: str, heads: int) -> None:
         dtype=torch.bfloat16,
         device="cuda",
     )
+
+
+def _query(heads: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(12)
+    return (torch.randn(len(LENS), heads, 576, generator=gen) * 0.5).bfloat16().cuda()
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("case", list(CASES))
+def test_shadow_equals_on_read_bf16(case: str, heads: int) -> None:
+    pool = _pool(case)
     _prefill(pool)
     check_contents(pool)
-    gen = torch.Generator().manual_seed(12)
-    q = (torch.randn(len(LENS), heads, 576, generator=gen) * 0.5).bfloat16().cuda()
+    q = _query(heads)
     default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
     same = rows = 0
     for step in range(STEPS):
@@ -131,3 +167,45 @@ def test_default_tiles_are_the_same() -> None:
     """vLLM passes no tiles: for nvfp4 the two paths' defaults must agree to be bitwise."""
     for heads in (16, 128):
         assert shadow_decode_config(heads, NVFP4) == decode_config(heads, NVFP4)
+
+
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 CUDA GPU")
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_gluon_shadow_bf16(case: str, heads: int) -> None:
+    """``decode_shadow(impl="gluon")`` against the Triton shadow kernel and on-read decode
+    (same split counts: 1, 4, the default) and against the float64 oracle, each step."""
+    from test_decode_gpu import check
+
+    pool = _pool(case)
+    _prefill(pool)
+    q = _query(heads)
+    lay = shadow_layout(pool.quant, storage=pool.storage)
+    k_hat = lay.views(pool.shadow)[0]
+    assert k_hat is not None
+    facts = gluon_facts(q[..., :512], k_hat, pool.quant, 512)
+    assert gluon_shadow_unsupported(facts, layout=lay, forced=True) is None
+    default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
+    same = rows = 0
+    for step in range(STEPS):
+        pool.append([1] * len(LENS), pad=1)
+        seq = pool.seq_lens()
+        for splits in sorted({1, 4, default}):
+            kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": pool.quant,
+                                     "num_splits": splits}  # fmt: skip
+            args = (q, pool.cache, pool.shadow, pool.table, seq)
+            got = decode_shadow(*args, storage=pool.storage, impl="gluon", **kw)
+            tri = decode_shadow(*args, storage=pool.storage, impl="triton", **kw)
+            label = f"gluon {case} h{heads} step {step}, {splits} splits"
+            s, n = _agree(got, tri, pool, heads, label + " vs Triton shadow")
+            on_read = decode(q, pool.cache, pool.table, seq, impl="triton", **kw)
+            _agree(got, on_read, pool, heads, label + " vs on-read")
+            same, rows = same + s, rows + n
+            if splits == default:
+                ref = mla_reference.decode(
+                    q.cpu(), pool.cache.cpu(), pool.table.cpu(), seq.cpu(), softmax_scale=SCALE,
+                    quant=pool.quant,
+                )  # fmt: skip
+                check(got[0], got[1], ref[0].cuda(), ref[1].cuda(), pool.quant)
+    check_contents(pool)
+    print(f"\ngluon {case} h{heads}: {same} of {rows} rows bit-identical to the Triton shadow")

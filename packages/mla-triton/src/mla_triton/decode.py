@@ -747,10 +747,18 @@ def _dispatch(
     kv_lora_rank: int,
     impl: str,
     config: object,
+    families: tuple[SplitFamily, Callable[[GluonDecodeConfig], SplitFamily]] | None = None,
+    rule: Callable[..., Any] | None = None,
 ) -> tuple[SplitFamily, object]:
     """``decode``'s split family and the config for ``run_decode`` (``impl`` checked):
-    the Gluon family where ``gluon_decode.choose_impl`` picks it, else on-read Triton."""
+    the Gluon family where ``gluon_decode.choose_impl`` picks it, else on-read Triton.
+
+    ``decode_shadow`` passes its own ``families`` (the Triton one, and the Gluon one of
+    a config), its ``rule`` (``choose_impl``'s) and as ``kv_cache`` the tiles the Gluon
+    kernel reads (the facts' strides and widths)."""
     from mla_triton import gluon_decode as gluon
+
+    triton, make = families if families is not None else (_ON_READ, gluon.gluon_family)
 
     if isinstance(config, gluon.GluonDecodeConfig):
         if impl == "triton":
@@ -763,12 +771,12 @@ def _dispatch(
     elif config is not None:
         if impl == "gluon":
             raise ValueError("config: impl='gluon' takes a GluonDecodeConfig, got a DecodeConfig")
-        return _ON_READ, config  # a Triton tile configuration: the Triton kernel
+        return triton, config  # a Triton tile configuration: the Triton kernel
     facts = gluon.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
-    if gluon.choose_impl(impl, facts) == "triton":
-        return _ON_READ, None
+    if gluon.choose_impl(impl, facts, rule or gluon.gluon_unsupported) == "triton":
+        return triton, None
     gcfg = config if isinstance(config, gluon.GluonDecodeConfig) else None
-    return gluon.gluon_family(gcfg or gluon.gluon_decode_config(c.heads)), None
+    return make(gcfg or gluon.gluon_decode_config(c.heads)), None
 
 
 class SplitFamily:

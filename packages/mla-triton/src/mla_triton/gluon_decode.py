@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,8 @@ class GluonRecipe:
             (quantized once per tile, in place).
         p_fmt: 0 (P not quantized) or 1 (fp8).
         k_gs, v_gs, p_gs: static global scales (1.0 when not quantized).
+        shadow_f16: the tiles are a float16 shadow's K̂ (= V̂, fp8 K and V of one static
+            scale; ``decode_shadow``), read as they are (no QDQ in the kernel).
     """
 
     q_scaled: bool = False
@@ -110,11 +113,12 @@ class GluonRecipe:
     k_gs: float = 1.0
     v_gs: float = 1.0
     p_gs: float = 1.0
+    shadow_f16: bool = False
 
     @property
     def mma_f16(self) -> bool:
         """The MMAs run on float16 operands (q̂ and K̂ both factored), else the input dtype."""
-        return self.q_scaled and self.kv_fp8
+        return self.q_scaled and (self.kv_fp8 or self.shadow_f16)
 
 
 UNQUANTIZED = GluonRecipe()
@@ -226,9 +230,19 @@ class Unsupported:
     covered: bool
 
 
-def gluon_unsupported(f: GluonFacts, *, forced: bool = False) -> Unsupported | None:
+Rule = Callable[..., "Unsupported | None"]
+"""A dispatch rule: ``rule(facts, forced=...)``, as ``gluon_unsupported``."""
+
+
+def gluon_unsupported(
+    f: GluonFacts,
+    *,
+    forced: bool = False,
+    recipe: Callable[[AttentionQuant | None], GluonRecipe | str] = gluon_recipe,
+) -> Unsupported | None:
     """None when ``impl="auto"`` (``forced``: ``"gluon"``) runs the call through the
-    Gluon kernel, else why not. A pure function of ``f`` (testable without a GPU)."""
+    Gluon kernel, else why not. A pure function of ``f`` (testable without a GPU);
+    ``recipe``: the recipe rule (``gluon_recipe``; ``decode_shadow``: the shadow's)."""
     if f.device_type != "cuda":
         return Unsupported(f"tensors on {f.device_type}, not CUDA", False)
     if f.capability != (9, 0):
@@ -247,9 +261,9 @@ def gluon_unsupported(f: GluonFacts, *, forced: bool = False) -> Unsupported | N
             "its data 16-byte aligned (the 16-byte cp.async tile copies)",
             True,
         )
-    recipe = gluon_recipe(f.quant)
-    if isinstance(recipe, str):
-        return Unsupported(recipe, False)
+    taken = recipe(f.quant)
+    if isinstance(taken, str):
+        return Unsupported(taken, False)
     if not forced and not gluon_decode_preferred(f.heads):
         return Unsupported(f"{f.heads} heads: the Triton kernel is faster up to 32", False)
     return None
@@ -278,8 +292,9 @@ def gluon_facts(
     )
 
 
-def choose_impl(impl: str, facts: GluonFacts) -> str:
-    """``"gluon"`` or ``"triton"`` for a checked call (``impl`` from ``check_impl``).
+def choose_impl(impl: str, facts: GluonFacts, rule: Rule = gluon_unsupported) -> str:
+    """``"gluon"`` or ``"triton"`` for a checked call (``impl`` from ``check_impl``;
+    ``rule``: ``gluon_unsupported``, or ``decode_shadow``'s).
 
     ``"triton"`` always; ``"gluon"`` where ``gluon_unsupported(forced=True)`` is None,
     else a ValueError naming ``impl`` with the reason; ``"auto"`` the Gluon kernel where
@@ -288,7 +303,7 @@ def choose_impl(impl: str, facts: GluonFacts) -> str:
     """
     if impl == "triton":
         return "triton"
-    why = gluon_unsupported(facts, forced=impl == "gluon")
+    why = rule(facts, forced=impl == "gluon")
     if why is None:
         return "gluon"
     if impl == "gluon":
@@ -378,7 +393,8 @@ def compile_variant(
     """Compile the Gluon split kernel for sm_90a on any machine (no GPU needed).
 
     ``dtype``: ``"bf16"`` or ``"fp16"`` (the cache and output; q̂ is float16 when
-    ``recipe.mma_f16``); ``num_splits``, ``page``, ``recipe``: what the launch would
+    ``recipe.mma_f16``, the tiles when ``recipe.shadow_f16``); ``num_splits``, ``page``,
+    ``recipe``: what the launch would
     pass; integer strides and sizes are marked divisible by 16 as the JIT marks a
     multiple of 16 (a 576-wide row and a 64-row page are).
     """
@@ -391,6 +407,7 @@ def compile_variant(
 
     fn = _kernel()
     q_dtype = "fp16" if recipe.mma_f16 else dtype
+    tile_dtype = "fp16" if recipe.shadow_f16 else dtype
     # split_program's tuple: (type, marked divisible by 16) per element, nested as passed
     div, i32 = ("i32", True), ("i32", False)
 
@@ -398,7 +415,7 @@ def compile_variant(
         return (f"*{t}", True)
 
     split = (
-        (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), (ptr(dtype),), ptr(index_dtype),
+        (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), (ptr(tile_dtype),), ptr(index_dtype),
         ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
         (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
         (i32, i32, i32), ("fp32", False),

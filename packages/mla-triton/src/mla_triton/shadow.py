@@ -34,8 +34,8 @@ sequence's ``j``-th page is position ``j * page_size + i``), as paged engines do
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from mla_triton.decode import (
     SplitFamily,
     _block_h,
     _check,
+    _dispatch,
     _hw_fp8,
     _operand,
     _Operands,
@@ -53,7 +54,16 @@ from mla_triton.decode import (
     interpreted_bf16,
     run_decode,
 )
-from mla_triton.gluon_decode import check_impl
+from mla_triton.gluon_decode import (
+    GluonDecodeConfig,
+    GluonFacts,
+    GluonRecipe,
+    Unsupported,
+    _GluonFamily,
+    check_impl,
+    gluon_recipe,
+    gluon_unsupported,
+)
 from mla_triton.kernels.shadow_kernel import (
     shadow_decode_split_kernel,
     shadow_update_kernel,
@@ -61,10 +71,13 @@ from mla_triton.kernels.shadow_kernel import (
 )
 
 __all__ = [
+    "GLUON_SHADOW_AUTO",
     "STORAGES",
     "ShadowLayout",
     "allocate_shadow",
     "decode_shadow",
+    "gluon_shadow_recipe",
+    "gluon_shadow_unsupported",
     "shadow_decode_config",
     "shadow_layout",
     "update_cache",
@@ -619,7 +632,7 @@ def decode_shadow(
     lse: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     check_values: bool | None = None,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | GluonDecodeConfig | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_triton.decode`` reading K̂ and V̂ from a shadow written by ``update_cache``.
@@ -639,22 +652,82 @@ def decode_shadow(
     configuration as ``decode``, the result is bit-identical to it; with
     different ones, equal up to float32 summation order (SPEC 4).
 
-    ``impl``: as ``decode``'s; only the Triton kernel reads a shadow so far, so
-    ``"auto"`` runs it and ``"gluon"`` is a ValueError naming ``impl``.
+    ``impl``: as ``decode``'s, the rule ``gluon_shadow_unsupported`` (docs/gluon.md):
+    ``"gluon"`` runs the Gluon sm90 kernel on the shadows it reads (``fp16`` storage
+    with V̂ shared with K̂, or K and V not quantized; not verified on a GPU yet) and
+    is a ValueError naming ``impl`` elsewhere; ``"auto"`` runs the Triton kernel
+    while ``GLUON_SHADOW_AUTO`` is False. ``config``: a ``DecodeConfig`` (Triton) or
+    a ``GluonDecodeConfig`` (implies ``"gluon"``).
     """
-    if check_impl(impl) == "gluon":
-        raise ValueError("impl: the Gluon decode_shadow is not implemented yet (use 'auto')")
+    chosen = check_impl(impl)
     qq = _check_quant(quant)
     st = _check_storage(storage)
     c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, qq, max_seq_len)
     cache = _check_cache(kv_cache, kv_lora_rank + c.rope)
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
+    # the tiles the Gluon kernel reads: K̂ (= V̂) of a float16 shadow, else the raw rows
+    tiles = kh if kh is not None and lay.v_shared and st == "fp16" else cache
+    families = (_ShadowFamily(lay, (kh, ks, vh)), partial(_GluonShadowFamily, tiles=tiles))
+    rule = partial(gluon_shadow_unsupported, layout=lay)
+    family, cfg = _dispatch(c, tiles, qq, kv_lora_rank, chosen, config, families, rule)
     return run_decode(
-        c, cache, block_table, seq_lens, qq, _ShadowFamily(lay, (kh, ks, vh)), out=out, lse=lse,
-        num_splits=num_splits, workspace=workspace, max_seq_len=max_seq_len,
-        check_values=check_values, config=config, kv_lora_rank=kv_lora_rank,
+        c, cache, block_table, seq_lens, qq, family, out=out, lse=lse, num_splits=num_splits,
+        workspace=workspace, max_seq_len=max_seq_len, check_values=check_values, config=cfg,
+        kv_lora_rank=kv_lora_rank,
     )  # fmt: skip
+
+
+GLUON_SHADOW_AUTO = False
+"""Whether ``decode_shadow(impl="auto")`` may pick the Gluon kernel (then above 32 heads,
+as ``decode``). False until the GPU suites pass with ``impl="gluon"``
+(tests/test_shadow_gpu.py): the lead flips this line."""
+
+
+def gluon_shadow_recipe(
+    quant: AttentionQuant | None, layout: ShadowLayout, dtype: torch.dtype
+) -> GluonRecipe | str:
+    """The ``GluonRecipe`` of a shadow read with ``quant`` by q of ``dtype``, or why the
+    Gluon kernel does not take it (a pure function).
+
+    Taken: q and P as ``gluon_recipe`` (none or fp8); K and V both none (the raw rows,
+    as ``decode``), or fp8 with one static scale in ``fp16`` storage (the tiles are the
+    shadow's K̂, V̂ its first 512 features; any scale: the kernel applies K's to the
+    scores and ``gs_p gs_v`` to the output, as the Triton shadow kernel), with q̂
+    quantized or q float16 (q bfloat16 would need the float16 K̂ cast in the tile).
+    """
+    qq = quant if quant is not None else AttentionQuant()
+    base = gluon_recipe(AttentionQuant(q=qq.q, p=qq.p))
+    if isinstance(base, str):
+        return base
+    if qq.k.is_identity and qq.v.is_identity:
+        return base
+    if layout.storage != "fp16":
+        return f"shadow storage {layout.storage!r} is not implemented in the Gluon kernel yet"
+    if not layout.v_shared:
+        return (
+            "K̂ and V̂ from different rows (a V̂ section: nvfp4, dynamic K, K and V in different "
+            "formats or scales; or one of them not quantized) are not implemented in the Gluon "
+            "kernel yet"
+        )
+    if not base.q_scaled and dtype != torch.float16:
+        return f"q {dtype} not quantized with an fp8 shadow: K̂ is float16 (no cast in the tile)"
+    gs = _operand(qq.k).gs
+    return replace(base, shadow_f16=True, k_gs=gs, v_gs=gs)
+
+
+def gluon_shadow_unsupported(
+    f: GluonFacts, *, layout: ShadowLayout, forced: bool = False
+) -> Unsupported | None:
+    """``gluon_unsupported`` for ``decode_shadow`` (``f`` of the tiles the Gluon kernel
+    reads) with the shadow's recipe rule (``gluon_shadow_recipe``); ``"auto"`` (not
+    ``forced``) is refused first while ``GLUON_SHADOW_AUTO`` is off (so nothing is
+    logged). A pure function of its arguments and that switch."""
+    if not forced and not GLUON_SHADOW_AUTO:
+        return Unsupported("decode_shadow's Gluon kernel is not verified on a GPU yet", False)
+    return gluon_unsupported(
+        f, forced=forced, recipe=lambda quant: gluon_shadow_recipe(quant, layout, f.dtype)
+    )
 
 
 class _ShadowFamily(SplitFamily):
@@ -684,3 +757,22 @@ class _ShadowFamily(SplitFamily):
 
     def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
         return _section_args(self.views, cache)
+
+
+class _GluonShadowFamily(_GluonFamily):
+    """``decode_shadow(impl="gluon")``: the Gluon kernel on ``tiles`` (a float16 shadow's
+    K̂ section ``[N, P, 576]``, V̂ its first 512 features; or the raw cache when K and V
+    are not quantized), read as they are: no QDQ in the kernel (``KV_FP8`` False)."""
+
+    def __init__(self, config: GluonDecodeConfig, *, tiles: torch.Tensor) -> None:
+        super().__init__(config)
+        self.tiles = tiles
+
+    def v_shares_k(self, ops: _Operands) -> bool:
+        return ops[1].code != 0  # the tiles hold K̂ = V̂ (gluon_shadow_recipe)
+
+    def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
+        return super().extra_args(cache, cfg, ops) | {"KV_FP8": False}
+
+    def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        return (self.tiles,), (self.tiles.stride(0), self.tiles.stride(1))
