@@ -1,0 +1,136 @@
+"""decode_shadow through the Gluon kernel: impl triton vs gluon vs FlashMLA bf16 (one process).
+
+Shapes b128 h128 L8192 and b32 h128 L32768 (page 64, every request at full length,
+benchmarks/decode.py's inputs), recipe fp8 Q/K/P/V through the fp16 shadow (the one
+the Gluon shadow path takes), plus decode(impl="auto") fp8 on read for context.
+Median of triton.testing.do_bench; TFLOP/s with FlashMLA's count. Checks the Gluon
+result against the Triton shadow kernel (max row error, LSE) before timing.
+Usage (repository root, an sm90 GPU, vLLM's wheel for FlashMLA):
+``python packages/mla-triton/benchmarks/gluon_shadow.py OUTDIR`` (writes
+``OUTDIR/shadow_gluon_bench.json``). Not run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import SHAPES, flashmla_run, flops, make_inputs  # the decode benchmark's inputs
+
+from mla_formats import AttentionQuant
+from mla_triton import allocate_shadow, decode, decode_shadow, update_cache
+from mla_triton.decode import decode_num_splits, decode_workspace_size
+
+QUANT = AttentionQuant.uniform("fp8")
+SCALE = 0.1
+
+
+def bench(fn: Any) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"))
+
+
+def row_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float(((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-3)).max())
+
+
+def one(shape: str) -> dict[str, Any]:
+    """Check and time one shape: the row of the JSON."""
+    batch, heads, seq, page = SHAPES[shape]
+    q, cache, table, lens = make_inputs(shape, "cuda")
+    shadow = allocate_shadow(cache.shape[0], page, QUANT, device="cuda")
+    flat = cache.reshape(-1, 576).clone()
+    slots = torch.arange(flat.shape[0], device="cuda", dtype=torch.int64)
+    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=QUANT)
+    splits = decode_num_splits(batch, heads, seq, device=q.device)
+    size = decode_workspace_size(batch, heads, seq, num_splits=splits, device=q.device)
+    kw: dict[str, Any] = {
+        "softmax_scale": SCALE,
+        "quant": QUANT,
+        "num_splits": splits,
+        "workspace": torch.empty(size, dtype=torch.uint8, device="cuda"),
+        "out": torch.empty(batch, heads, 512, dtype=q.dtype, device="cuda"),
+        "lse": torch.empty(batch, heads, dtype=torch.float32, device="cuda"),
+    }
+
+    def shadow_run(impl: str) -> Any:
+        return lambda: decode_shadow(q, cache, shadow, table, lens, impl=impl, **kw)
+
+    runs: dict[str, Any] = {f"shadow-{impl}": shadow_run(impl) for impl in ("triton", "gluon")}
+    runs["on-read-auto"] = lambda: decode(q, cache, table, lens, impl="auto", **kw)
+    tri = [t.clone() for t in runs["shadow-triton"]()]
+    glu = [t.clone() for t in runs["shadow-gluon"]()]
+    check = {
+        "max_row_err": row_err(glu[0], tri[0]),
+        "max_lse_diff": float((glu[1] - tri[1]).abs().max()),
+        "bit_identical_rows": float((glu[0] == tri[0]).all(-1).float().mean()),
+        "finite": bool(torch.isfinite(glu[0]).all()),
+    }
+    print(f"{shape}: gluon vs triton shadow {check}", flush=True)
+    try:
+        runs["flashmla-bf16"] = flashmla_run(q, cache, table, lens, SCALE)
+    except Exception as exc:
+        print(f"{shape}: flashmla unavailable: {exc}")
+    times: dict[str, float] = {}
+    for name, fn in runs.items():
+        try:
+            times[name] = bench(fn)
+        except Exception as exc:
+            print(f"{shape} {name}: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        tf = flops(batch, heads, seq) / times[name] / 1e9
+        print(
+            f"{shape:17s} {name:14s} {times[name]:8.3f} ms {tf:7.1f} TFLOP/s",
+            flush=True,
+        )
+    row: dict[str, Any] = {
+        "shape": shape,
+        "splits": splits,
+        "check": check,
+        "ms": times,
+        "tflops": {k: flops(batch, heads, seq) / v / 1e9 for k, v in times.items()},
+    }
+    if "flashmla-bf16" in times:
+        row["vs_flashmla"] = {k: times["flashmla-bf16"] / v for k, v in times.items()}
+    if "shadow-triton" in times and "shadow-gluon" in times:
+        row["gluon_over_triton"] = times["shadow-triton"] / times["shadow-gluon"]
+    return row
+
+
+def main(out_dir: str) -> None:
+    rows = []
+    for shape in ("b128-h128-L8192", "b32-h128-L32768"):
+        rows.append(one(shape))
+        torch.cuda.empty_cache()
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    with open(f"{out_dir}/shadow_gluon_bench.json", "w") as f:
+        json.dump(
+            {"info": info, "recipe": "fp8 uniform, fp16 shadow", "rows": rows},
+            f,
+            indent=1,
+        )
+    for r in rows:
+        print(
+            r["shape"],
+            {k: round(v, 3) for k, v in r.get("vs_flashmla", {}).items()},
+            "gluon/triton",
+            round(r.get("gluon_over_triton", float("nan")), 3),
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
