@@ -19,7 +19,9 @@ case takes a fraction of a second. What is checked, against ``mla_reference``:
 hardware fp8 conversion); the oracle runs on the CPU. ``MLA_CONTRACT_IMPL=gluon`` (with
 ``cuda``, on an sm90 GPU) runs ``decode`` through the Gluon kernel (``impl="gluon"``) at
 the widths it takes (kv_lora_rank 512 + rope 64) on the recipes it implements (none,
-fp8); the shadow's tests, which have no Gluon path yet, are skipped in that mode.
+fp8), and ``decode_shadow`` through it too (``impl="gluon"``: fp16 shadows of those
+recipes); the shadow's own tests (``update_cache``, the recipe stamp, nvfp4) are skipped
+in that mode.
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ RECIPES: dict[str, AttentionQuant] = {
 }
 if GLUON:  # the recipes the Gluon kernel implements
     RECIPES = {k: RECIPES[k] for k in ("none", "fp8")}
-PATHS = ["decode"] if GLUON else ["decode", "shadow"]
+PATHS = ["decode", "shadow"]
 QUANTIZED = "fp8" if GLUON else "nvfp4"  # the quantized recipe of single-recipe tests
-shadow_only = pytest.mark.skipif(GLUON, reason="MLA_CONTRACT_IMPL=gluon: no Gluon shadow path")
+shadow_only = pytest.mark.skipif(
+    GLUON, reason="MLA_CONTRACT_IMPL=gluon: update_cache and nvfp4 shadows are Triton's"
+)
 
 
 def make_case(
@@ -133,7 +137,7 @@ def run(
                       impl=IMPL, **kwargs)  # fmt: skip
     shadow = write_shadow(cache, quant)
     return decode_shadow(q, cache, shadow, table, lens, softmax_scale=SCALE, kv_lora_rank=R,
-                         quant=quant, **kwargs)  # fmt: skip
+                         quant=quant, impl=IMPL, **kwargs)  # fmt: skip
 
 
 def row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -471,4 +475,4 @@ def _call(
         else torch.zeros(1, 1, 1, dtype=torch.uint8, device=DEVICE)
     )
     return decode_shadow(q, cache, shadow, table, seq, softmax_scale=scale, kv_lora_rank=rank,
-                         quant=quant, check_values=True, **kwargs)  # fmt: skip
+                         quant=quant, check_values=True, impl=IMPL, **kwargs)  # fmt: skip
