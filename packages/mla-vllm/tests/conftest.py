@@ -259,6 +259,34 @@ def slots_of(table: Sequence[Sequence[int]], requests: Sequence[tuple[int, int]]
     return torch.tensor(slots, dtype=torch.int64)
 
 
+def common_metadata(
+    requests: Sequence[tuple[int, int]],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    max_seq_len: int | None = None,
+) -> Any:
+    """vLLM's ``CommonAttentionMetadata`` of ``requests`` (context, new tokens): block table
+    ``[R, W]``, slots of the new tokens; ``max_seq_len`` defaults to the longest request."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
+    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor([q for _, q in requests]), 0)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=seq_lens,
+        num_reqs=len(requests),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(q for _, q in requests),
+        max_seq_len=int(seq_lens.max()) if max_seq_len is None else max_seq_len,
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+        is_prefilling=torch.tensor([q > 1 for _, q in requests]),
+    )
+
+
 def make_batch(
     model: Model,
     requests: Sequence[tuple[int, int]],
@@ -267,8 +295,6 @@ def make_batch(
 ) -> Batch:
     """Block tables (given, or over shuffled pages with page 0 unused), slots of the new
     tokens, metadata."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     if table is None:
         gen = torch.Generator().manual_seed(seed)
         num_blocks = next(iter(model.caches.values())).shape[0]
@@ -277,24 +303,9 @@ def make_batch(
     width = max(len(row) for row in table)
     padded = [[*row] + [0] * (width - len(row)) for row in table]
     block_table = torch.tensor(padded, dtype=torch.int32)
-    seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
-    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor([q for _, q in requests]), 0)
     slot_mapping = slots_of(table, requests)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens=seq_lens,
-        num_reqs=len(requests),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=max(q for _, q in requests),
-        max_seq_len=int(seq_lens.max()),
-        block_table_tensor=block_table,
-        slot_mapping=slot_mapping,
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
-        is_prefilling=torch.tensor([q > 1 for _, q in requests]),
-    )
-    batch = Batch(requests, block_table, seq_lens, qsl, slot_mapping)
+    common = common_metadata(requests, block_table, slot_mapping)
+    batch = Batch(requests, block_table, common.seq_lens, common.query_start_loc, slot_mapping)
     batch.metadata = model.builder.build(0, common)
     return batch
 

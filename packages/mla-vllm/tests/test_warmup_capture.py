@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PAGE, SMALL, Batch, Model, forward, layer_inputs
+from conftest import PAGE, SMALL, Batch, Model, common_metadata, forward, layer_inputs
 from test_warmup import _quant_model
 
 from mla_triton.warmup import record_keys
@@ -51,9 +51,6 @@ def _dummy_batch(model: Model, requests: list[tuple[int, int]], *, full: bool, w
     context get distinct pages. ``full``: FULL-graph capture metadata
     (``build_for_cudagraph_capture``, ``max_seq_len = max_model_len``).
     """
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    seq = [c + q for c, q in requests]
     table = torch.zeros(len(requests), width, dtype=torch.int32)
     page = 1
     for r, (c, q) in enumerate(requests):
@@ -61,25 +58,11 @@ def _dummy_batch(model: Model, requests: list[tuple[int, int]], *, full: bool, w
             for j in range(-(-(c + q) // PAGE)):
                 table[r, j] = page
                 page += 1
-    qsl = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor([q for _, q in requests]), 0)
-    seq_lens = torch.tensor(seq, dtype=torch.int32)
-    slots = torch.full((int(qsl[-1]),), -1, dtype=torch.int64)  # dummy slots: no write
+    tokens = sum(q for _, q in requests)
+    slots = torch.full((tokens,), -1, dtype=torch.int64)  # dummy slots: no write
     max_len = int(model.config.model_config.max_model_len)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens=seq_lens,
-        num_reqs=len(requests),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=max(q for _, q in requests),
-        max_seq_len=max_len if full else max(seq),
-        block_table_tensor=table,
-        slot_mapping=slots,
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
-        is_prefilling=torch.tensor([q > 1 for _, q in requests]),
-    )
-    batch = Batch(requests, table, seq_lens, qsl, slots)
+    common = common_metadata(requests, table, slots, max_len if full else None)
+    batch = Batch(requests, table, common.seq_lens, common.query_start_loc, slots)
     builder = model.builder
     batch.metadata = (
         builder.build_for_cudagraph_capture(common) if full else builder.build(0, common)
