@@ -36,11 +36,16 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # (dtype, Dqk, Dv, config, causal, return_lse, quant): the default tiling, head dims
 # 128/64, the other tilings the benchmark sweeps (fp16, not causal, without LSE), and
 # every tiling prefill's dispatcher picks (gp.AUTO_CONFIGS: P none warp specialized,
-# P fp8 / nvfp4 with dynamic Q (and K) scales and fp16 P V).
+# P fp8 / nvfp4 with dynamic Q (and K) scales and fp16 P V; with N:M: nvfp4 + 2:4 with
+# dense sink / recent keys), and the ping-pong tilings (two consumer warpgroups; 64-key
+# tiles plain, 128-key tiles with nvfp4 P and 4:8).
 DEFAULT = gp.GluonPrefillConfig()
 AUTO = gp.AUTO_CONFIGS
 FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1}
 NVFP4 = {"q_dynamic": True, "p_fmt": 2}
+NM24 = {"nm_n": 2, "nm_m": 4, "nm_dense": True}
+PP64 = gp.GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True)
+PP128 = gp.GluonPrefillConfig(128, 128, 2, warp_specialize=True, pingpong=True)
 VARIANTS: list[tuple[torch.dtype, int, int, gp.GluonPrefillConfig, bool, bool, dict[str, Any]]]
 VARIANTS = [
     (torch.bfloat16, 192, 128, DEFAULT, True, True, {}),
@@ -50,7 +55,15 @@ VARIANTS = [
     (torch.float16, 192, 128, AUTO["fp8"], True, True, FP8),
     (torch.float16, 192, 128, AUTO["nvfp4"], True, True, NVFP4),
     (torch.bfloat16, 192, 128, AUTO["none"], True, True, {}),
+    (torch.float16, 192, 128, AUTO["nvfp4+nm"], True, True, NVFP4 | NM24),
+    (torch.bfloat16, 192, 128, PP64, True, True, {}),
+    (torch.float16, 192, 128, PP128, True, False, NVFP4 | {"nm_n": 4, "nm_m": 8}),
 ]
+SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
+    4,  # fp8 P at 128 x 128: 72 B
+    7,  # nvfp4 P + 2:4 at 128 x 128
+    9,  # ping-pong 128 x 128
+}
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -96,11 +109,15 @@ def test_every_variant_compiles_for_sm90a() -> None:
         stats = json.loads(done.stdout.strip().splitlines()[-1])
     else:
         stats = compile_stats()
-    for (_, dim, _, config, _, lse, quant), got in zip(VARIANTS, stats, strict=True):
+    for index, ((_, dim, _, config, _, lse, quant), got) in enumerate(
+        zip(VARIANTS, stats, strict=True)
+    ):
         variant = (dim, config, lse, quant)
         assert got["sm_90a"] and got["tma"] and got["mbarrier"], variant
         # wgmma: Q K^T over Dqk / 16 k-steps and P V over block_n / 16, per warpgroup
-        assert got["wgmma"] >= dim // 16 + config.block_n // 16, variant
+        # (ping-pong: two consumer code paths)
+        steps = dim // 16 + config.block_n // 16
+        assert got["wgmma"] >= steps * (1 + config.pingpong), variant
         assert 0 < got["shared"] <= SMEM_LIMIT, variant
         assert got["lse_store"] == lse, variant  # LSE stores only if asked
         # P's QDQ: fp8 codes, or the nvfp4 block scales (E4M3 too)
@@ -108,18 +125,20 @@ def test_every_variant_compiles_for_sm90a() -> None:
         assert got["REG"] <= 255, variant
         # warp specialized: a producer warpgroup beside the compute warps, registers moved
         assert got["setmaxnreg"] == config.warp_specialize, variant
-        assert got["num_warps"] == config.num_warps + 4 * config.warp_specialize, variant
-        if config == DEFAULT or quant.get("p_fmt", 0) != 1:  # fp8 P at 128 x 128: 72 B
-            assert got["LOCAL"] == 0 and got["STACK"] == 0, variant
+        assert got["num_warps"] == config.total_warps, variant
+        assert got["LOCAL"] == 0, variant
+        if index not in SPILLS:
+            assert got["STACK"] == 0, variant
     # every tiling the dispatcher picks is compiled above, for its P format
-    picked = {(c, q.get("p_fmt", 0)) for _, _, _, c, _, _, q in VARIANTS}
-    assert {(AUTO[f], i) for i, f in enumerate(("none", "fp8", "nvfp4"))} <= picked
+    picked = {(c, q.get("p_fmt", 0), "nm_n" in q) for _, _, _, c, _, _, q in VARIANTS}
+    assert {(AUTO[f], i, False) for i, f in enumerate(("none", "fp8", "nvfp4"))} <= picked
+    assert (AUTO["nvfp4+nm"], 2, True) in picked
 
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"sparsity": NMSparsity(2, 4)}, "sparsity"),
+        ({"sparsity": NMSparsity(2, 128)}, "sparsity"),
         ({"dtype": torch.float32}, "q"),
         ({"dim": 160}, "q"),
         ({"dim": 320}, "q"),
@@ -136,6 +155,8 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
     for dtype in (torch.float16, torch.bfloat16):
         for dim, dim_v in ((192, 128), (64, 64), (256, 128), (128, 64)):
             assert gp.unsupported(dtype, dim, dim_v, None) is None
+    for sparsity in (NMSparsity(2, 4), NMSparsity(1, 2, 16, 64), NMSparsity(32, 64)):
+        assert gp.unsupported(torch.bfloat16, 192, 128, sparsity) is None
 
 
 @pytest.mark.parametrize(
@@ -146,11 +167,29 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("num_stages", 1),
         ("num_stages", 5),
         ("warp_specialize", 1),
+        ("pingpong", 1),
     ],
 )
 def test_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"config.{field}"):
         gp.GluonPrefillConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"block_m": 64}, {"warp_specialize": False}], ids=["block_m", "no-ws"]
+)
+def test_pingpong_needs_two_warpgroups_and_a_producer(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"^config\.pingpong: needs warp_specialize"):
+        gp.GluonPrefillConfig(**({"warp_specialize": True, "pingpong": True} | kwargs))
+
+
+def test_pingpong_warps_and_q_block() -> None:
+    """Ping-pong: a warpgroup per 64 rows (the kernel's num_warps is one of them), Q's
+    TMA block one warpgroup's rows, the producer padded to a warpgroup."""
+    assert (PP64.num_warps, PP64.q_rows, PP64.total_warps) == (4, 64, 12)
+    ws = gp.GluonPrefillConfig(warp_specialize=True)
+    assert (ws.num_warps, ws.q_rows, ws.total_warps) == (8, 128, 12)
+    assert (DEFAULT.num_warps, DEFAULT.q_rows, DEFAULT.total_warps) == (8, 128, 8)
 
 
 def test_descriptor_views_a_strided_tensor() -> None:

@@ -23,13 +23,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the interpreter")
 
 API = "triton 3.x lacks the Gluon API of the kernel (no warp_specialize)"
-SPARSE = "sparsity: the Gluon prefill has no N:M sparsity"
+SPARSE = "sparsity: m = 128 exceeds the Gluon prefill's 64-key tiles"
 
 
 def pick(impl: object = "auto", capability: Any = (9, 0), api: str | None = None,
-         unsupported: str | None = None, config: str | None = None) -> Choice:  # fmt: skip
+         unsupported: str | None = None, config: str | None = None,
+         nm_gated: bool = False) -> Choice:  # fmt: skip
     return select_impl(impl, capability=capability, gluon_api=api,
-                       gluon_unsupported=unsupported, config_impl=config)  # fmt: skip
+                       gluon_unsupported=unsupported, config_impl=config,
+                       nm_gated=nm_gated)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -42,7 +44,11 @@ def pick(impl: object = "auto", capability: Any = (9, 0), api: str | None = None
         ({"capability": (9, 1)}, "triton", False),
         ({"capability": None}, "triton", False),  # CPU / the interpreter
         ({"api": API}, "triton", True),  # sm90 without the API: logged
-        ({"unsupported": SPARSE}, "triton", False),  # N:M: the Triton kernel's job
+        ({"unsupported": SPARSE}, "triton", False),  # N:M groups wider than a tile
+        ({"nm_gated": True}, "triton", False),  # N:M while GLUON_NM_AUTO is off
+        ({"nm_gated": True, "impl": "gluon"}, "gluon", False),  # forced: runs Gluon
+        ({"nm_gated": True, "config": "gluon"}, "gluon", False),
+        ({"nm_gated": True, "capability": (8, 0)}, "triton", False),
         ({"unsupported": "q: the Gluon prefill takes float16 or bfloat16"}, "triton", False),
         ({"config": "triton"}, "triton", False),  # a PrefillConfig asks for Triton
         ({"config": "gluon"}, "gluon", False),
@@ -65,6 +71,9 @@ def test_select_impl_reasons_come_in_order() -> None:
     assert reason is not None and "sm90" in reason
     assert pick(api=API, unsupported=SPARSE).reason == API
     assert pick(unsupported=SPARSE).reason == SPARSE
+    assert pick(unsupported=SPARSE, nm_gated=True).reason == SPARSE
+    gated = pick(nm_gated=True).reason
+    assert gated is not None and gated.startswith("sparsity: ") and "GLUON_NM_AUTO" in gated
 
 
 @pytest.mark.parametrize("impl", ["Gluon", "", "cuda", "flash", None, 1, True])
@@ -79,7 +88,7 @@ def test_unknown_impl_names_impl(impl: object) -> None:
         ({"capability": (8, 0)}, "sm90"),
         ({"capability": None}, "sm90"),
         ({"api": API}, "Gluon API"),
-        ({"unsupported": SPARSE}, "N:M"),
+        ({"unsupported": SPARSE}, "sparsity: m = 128"),
     ],
 )
 def test_gluon_where_it_cannot_run_names_impl(kwargs: dict[str, Any], reason: str) -> None:
@@ -104,14 +113,17 @@ def _inputs(dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
 
 
 class _Capture:
-    """Stands in for a kernel: records each launch (grid, keyword constexprs), runs nothing."""
+    """Stands in for a kernel: records each launch (grid, keyword constexprs; the
+    positional arguments in ``args``), runs nothing."""
 
     def __init__(self) -> None:
         self.launches: list[tuple[Any, dict[str, Any]]] = []
+        self.args: list[tuple[Any, ...]] = []
 
     def __getitem__(self, grid: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> None:
             self.launches.append((grid, kwargs))
+            self.args.append(args)
 
         return run
 
@@ -221,11 +233,49 @@ def test_the_installed_triton_has_the_gluon_api() -> None:
 
 
 def test_auto_configs_are_gluon_tilings_for_every_p_format() -> None:
-    assert set(gp.AUTO_CONFIGS) == {"none", "fp8", "nvfp4"}
-    for fmt, config in gp.AUTO_CONFIGS.items():
-        assert isinstance(config, gp.GluonPrefillConfig), fmt
+    formats = ("none", "fp8", "nvfp4")
+    assert set(gp.AUTO_CONFIGS) == {*formats, *(f"{f}+nm" for f in formats)}
+    for key, config in gp.AUTO_CONFIGS.items():
+        assert isinstance(config, gp.GluonPrefillConfig), key
+        fmt, sparse = key.removesuffix("+nm"), key.endswith("+nm")
         recipe = P.Recipe.of(AttentionQuant() if fmt == "none" else AttentionQuant.uniform(fmt))
-        assert gp.auto_config(recipe) is config
+        assert gp.auto_config(recipe, sparse) is config
+
+
+@needs_interpreter
+@pytest.mark.parametrize("switch", [False, True], ids=["switch-off", "switch-on"])
+def test_nm_on_sm90_goes_to_gluon_behind_the_switch(
+    switch: bool, kernels: dict[str, _Capture], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N:M on sm90: ``auto`` takes the Gluon kernel only with ``GLUON_NM_AUTO`` on (with
+    the N:M constexprs, dense-token counts and the "+nm" tiling); ``impl="gluon"`` and
+    a GluonPrefillConfig take it either way."""
+    monkeypatch.setattr(P, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(P, "GLUON_NM_AUTO", switch)
+    q, k, v, cu = _inputs()
+    sparsity = NMSparsity(2, 4, dense_sink_tokens=5, dense_recent_tokens=7)
+    quant = AttentionQuant(p="nvfp4")
+    kw: dict[str, Any] = {"softmax_scale": 0.1, "quant": quant, "sparsity": sparsity,
+                          "max_seqlen_q": 18, "max_seqlen_k": 18}  # fmt: skip
+    prefill(q, k, v, cu, cu, **kw)
+    assert len(kernels["triton"].launches) == (not switch)
+    assert len(kernels["gluon"].launches) == switch
+    prefill(q, k, v, cu, cu, impl="gluon", **kw)
+    prefill(q, k, v, cu, cu, config=gp.GluonPrefillConfig(64, 64, 2), **kw)
+    *_, (_, forced), (_, tiled) = kernels["gluon"].launches
+    for constexprs in (forced, tiled):
+        assert (constexprs["NM_N"], constexprs["NM_M"], constexprs["NM_DENSE"]) == (2, 4, True)
+    want = gp.AUTO_CONFIGS["nvfp4+nm"]
+    assert (forced["BLOCK_M"], forced["BLOCK_N"]) == (want.block_m, want.block_n)
+    assert (tiled["BLOCK_M"], tiled["BLOCK_N"]) == (64, 64)
+    # the dense counts are runtime arguments (after ``group``)
+    assert kernels["gluon"].args[-1][13:16] == (2, 5, 7)  # group = 2 / 1, sink, recent
+    with pytest.raises(ValueError, match=r"^impl: the Gluon prefill cannot run.*sparsity: m"):
+        prefill(q, k, v, cu, cu, impl="gluon", **(kw | {"sparsity": NMSparsity(2, 128)}))
+    prefill(q, k, v, cu, cu, impl="gluon", softmax_scale=0.1, max_seqlen_q=18, max_seqlen_k=18)
+    (_, dense) = kernels["gluon"].launches[-1]
+    assert (dense["NM_N"], dense["NM_DENSE"], dense["PINGPONG"]) == (0, False, False)
+    assert kernels["gluon"].args[-1][14:16] == (0, 0)
 
 
 @needs_interpreter
@@ -244,7 +294,8 @@ def test_warmup_covers_what_auto_launches_on_sm90(monkeypatch: pytest.MonkeyPatc
         kernels = {name for name, _ in keys}
         assert calls == 16
         assert names in kernels
-        assert (triton_name in kernels) == (sparsity is not None)
+        # N:M: the Triton kernel while GLUON_NM_AUTO is off
+        assert (triton_name in kernels) == (sparsity is not None and not P.GLUON_NM_AUTO)
         # the same keys with impl spelled out (what serving with auto reaches)
         with wu.record_keys() as again:
             wu.warmup_prefill(quant=quant, sparsity=sparsity, impl="auto", **kw)

@@ -44,29 +44,46 @@ class GluonPrefillConfig:
     warp), ``block_n`` keys (64 or 128) per tile, ``num_stages`` K/V buffers (2 to 4:
     a tile's loads are issued once the MMAs of the tile ``num_stages`` before it end);
     ``warp_specialize``: one extra producer warp issues every TMA load (24 registers,
-    the compute warps get the rest) instead of the compute warps."""
+    the compute warps get the rest) instead of the compute warps; ``pingpong`` (with
+    ``warp_specialize`` and ``block_m`` 128): the 128 rows go to two consumer
+    warpgroups of 64 rows that take turns on the tensor cores (FA3's ping-pong: one's
+    softmax, P QDQ and N:M under the other's MMAs)."""
 
     block_m: int = 128
     block_n: int = 64
     num_stages: int = 3
     warp_specialize: bool = False
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m: expected 64 or 128, got {self.block_m!r}")
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
-        if not isinstance(self.warp_specialize, bool):
-            raise ValueError(
-                f"config.warp_specialize: expected a bool, got {self.warp_specialize!r}"
-            )
+        for name in ("warp_specialize", "pingpong"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 4:
             raise ValueError(f"config.num_stages: expected 2 to 4, got {self.num_stages!r}")
+        if self.pingpong and not (self.warp_specialize and self.block_m == 128):
+            raise ValueError("config.pingpong: needs warp_specialize=True and block_m=128")
 
     @property
     def num_warps(self) -> int:
-        """Warps of a program: 16 query rows each (one wgmma row block)."""
-        return self.block_m // 16
+        """Warps of a program's (first) consumer: 16 query rows each (one wgmma row
+        block); ping-pong: one warpgroup of the two."""
+        return self.block_m // (32 if self.pingpong else 16)
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of Q's TMA block: the tile, or one warpgroup's half of it (ping-pong)."""
+        return self.block_m // (2 if self.pingpong else 1)
+
+    @property
+    def total_warps(self) -> int:
+        """Warps of a program as compiled: the consumers, and the producer warp padded
+        to a warpgroup when warp specialized."""
+        return self.num_warps * (1 + self.pingpong) + 4 * self.warp_specialize
 
 
 # The tiling ``prefill`` runs the Gluon kernel with (no config given), by P's format:
@@ -81,12 +98,18 @@ AUTO_CONFIGS: dict[str, GluonPrefillConfig] = {
     "fp8": GluonPrefillConfig(128, 128, 2),
     "nvfp4": GluonPrefillConfig(128, 128, 2),
 }
+# With N:M sparsity ("<format>+nm"): the same tilings until timed (helpers' gpu_run.sh
+# times every tiling with 2:4 and nvfp4 P).
+AUTO_CONFIGS |= {f"{name}+nm": config for name, config in AUTO_CONFIGS.items()}
 _P_FORMATS = ("none", "fp8", "nvfp4")  # by format code
+CONSUMER_REGS = 240
+"""Registers a thread of ping-pong's second consumer warpgroup asks for (FA3's 240:
+two of them and the 24 of the producer warp fill the register file)."""
 
 
-def auto_config(recipe: Recipe) -> GluonPrefillConfig:
-    """``AUTO_CONFIGS``' tiling for ``recipe``'s P format."""
-    return AUTO_CONFIGS[_P_FORMATS[recipe.p_fmt]]
+def auto_config(recipe: Recipe, sparse: bool = False) -> GluonPrefillConfig:
+    """``AUTO_CONFIGS``' tiling for ``recipe``'s P format (``sparse``: with N:M)."""
+    return AUTO_CONFIGS[_P_FORMATS[recipe.p_fmt] + ("+nm" if sparse else "")]
 
 
 @functools.cache
@@ -113,9 +136,10 @@ def unsupported(
 ) -> str | None:
     """Why the Gluon kernel does not cover inputs of ``dtype`` with head dims ``dim``
     (Q, K) and ``dim_v`` (V) and ``sparsity``, naming the argument; None if it does.
-    Every recipe is covered (Q/K/V by the pass, P none, fp8 or nvfp4)."""
-    if sparsity is not None:
-        return "sparsity: the Gluon prefill has no N:M sparsity"
+    Every recipe is covered (Q/K/V by the pass, P none, fp8 or nvfp4), and N:M
+    sparsity with groups of up to 64 keys (whole groups in a key tile)."""
+    if sparsity is not None and sparsity.m > _CHUNK:
+        return f"sparsity: m = {sparsity.m} exceeds the Gluon prefill's 64-key tiles"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"q: the Gluon prefill takes float16 or bfloat16, got {dtype}"
     if dim % _CHUNK or not _CHUNK <= dim <= 256:
@@ -159,9 +183,12 @@ class _Gluon(PrefillFamily):
 
     def check_config(self, config: object, c: Checked) -> GluonPrefillConfig:
         if config is None:
-            return auto_config(Recipe.of(c.quant))
-        if not isinstance(config, GluonPrefillConfig):
+            config = auto_config(Recipe.of(c.quant), c.sparsity is not None)
+        elif not isinstance(config, GluonPrefillConfig):
             raise ValueError(f"config: expected None or a GluonPrefillConfig, got {type(config)}")
+        if c.sparsity is not None and config.block_n % c.sparsity.m:
+            raise ValueError(f"sparsity: m = {c.sparsity.m} must divide the key tile "
+                             f"config.block_n = {config.block_n}")  # fmt: skip
         return config
 
     def launch(self, c: Checked, recipe: Recipe, config: GluonPrefillConfig) -> None:
@@ -187,12 +214,18 @@ class _Gluon(PrefillFamily):
             )  # fmt: skip
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
         bm, bn = config.block_m, config.block_n
-        variant = Variant(c.causal, c.return_lse, r.q_dynamic, r.k_dynamic, r.p_fmt)
+        variant = Variant(c.causal, c.return_lse, r.q_dynamic, r.k_dynamic, r.p_fmt,
+                          *Variant.nm_of(c.sparsity))  # fmt: skip
+        n_sink, n_recent = (
+            (c.sparsity.dense_sink_tokens, c.sparsity.dense_recent_tokens) if c.sparsity
+            else (0, 0)
+        )  # fmt: skip
         gluon_prefill_kernel[(triton.cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)](
-            _descriptor(q, [bm, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
+            _descriptor(q, [config.q_rows, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
             _descriptor(v, [bn, dim_v]), c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k,
             r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, heads // kv_heads,
-            q.stride(1), k.stride(1), v.stride(1), q_scales.stride(0) if r.q_dynamic else 0,
+            n_sink, n_recent, q.stride(1), k.stride(1), v.stride(1),
+            q_scales.stride(0) if r.q_dynamic else 0,
             k_scales.stride(0) if r.k_dynamic else 0, c.out.stride(0), c.out.stride(1),
             c.lse.stride(0), **variant.constexprs(q.shape[2], dim_v, config),
         )  # fmt: skip
@@ -204,14 +237,26 @@ FAMILY = _Gluon()
 @dataclass(frozen=True)
 class Variant:
     """The kernel's compile-time switches besides the tiling: causal masking, LSE
-    output, dynamic (per-token) Q and K global scales, and P's format code (0 none,
-    1 fp8, 2 nvfp4)."""
+    output, dynamic (per-token) Q and K global scales, P's format code (0 none, 1 fp8,
+    2 nvfp4), and N:M sparsity (``nm_n`` of every ``nm_m`` keys, 0 for none;
+    ``nm_dense``: dense sink or recent keys)."""
 
     causal: bool
     return_lse: bool
     q_dynamic: bool = False
     k_dynamic: bool = False
     p_fmt: int = 0
+    nm_n: int = 0
+    nm_m: int = 1
+    nm_dense: bool = False
+
+    @staticmethod
+    def nm_of(sparsity: NMSparsity | None) -> tuple[int, int, bool]:
+        """``(nm_n, nm_m, nm_dense)`` of ``sparsity`` (``(0, 1, False)`` for None)."""
+        if sparsity is None:
+            return 0, 1, False
+        dense = sparsity.dense_sink_tokens + sparsity.dense_recent_tokens > 0
+        return sparsity.n, sparsity.m, dense
 
     def constexprs(self, dim: int, dim_v: int, config: GluonPrefillConfig) -> dict[str, Any]:
         """The kernel's compile-time arguments (``num_warps`` too)."""
@@ -219,8 +264,10 @@ class Variant:
             "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
             "NUM_STAGES": config.num_stages, "CAUSAL": self.causal,
             "Q_DYNAMIC": self.q_dynamic, "K_DYNAMIC": self.k_dynamic, "P_FMT": self.p_fmt,
+            "NM_N": self.nm_n, "NM_M": self.nm_m, "NM_DENSE": self.nm_dense,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
-            "PRODUCER_REGS": 24, "num_warps": config.num_warps,
+            "PINGPONG": config.pingpong, "PRODUCER_REGS": 24,
+            "CONSUMER_REGS": CONSUMER_REGS, "num_warps": config.num_warps,
         }  # fmt: skip
 
 
@@ -245,13 +292,13 @@ def compile_sm90(
     def desc(block: list[int], of: torch.dtype) -> str:
         return f"tensordesc<{names[of]}[{','.join(map(str, block))}],{_layout(block, of)!r}>"
 
-    bm, bn, pv = config.block_m, config.block_n, pv_dtype or dtype
+    bn, pv = config.block_n, pv_dtype or dtype
     signature = {
-        "q_desc": desc([bm, _CHUNK], dtype), "k_desc": desc([bn, _CHUNK], dtype),
+        "q_desc": desc([config.q_rows, _CHUNK], dtype), "k_desc": desc([bn, _CHUNK], dtype),
         "v_desc": desc([bn, dim_v], pv), "Out": f"*{names[dtype]}", "Lse": "*fp32",
         "QS": "*fp32", "KS": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
         "qk_scale": "fp32", "p_gs": "fp32", "p_inv_gs": "fp32", "out_scale": "fp32",
-        "group": "i32",
+        "group": "i32", "n_sink": "i32", "n_recent": "i32",
         "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",
         "stride_kst": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
     }  # fmt: skip

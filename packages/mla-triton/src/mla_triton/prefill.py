@@ -23,6 +23,7 @@ from mla_triton.kernels.prefill_kernel import kv_qdq_kernel, prefill_fwd_kernel
 from mla_triton.qdq_device import FORMAT_CODES
 
 __all__ = [
+    "GLUON_NM_AUTO",
     "IMPLS",
     "Checked",
     "Choice",
@@ -44,6 +45,10 @@ _WARPS = (1, 2, 4, 8, 16)
 IMPLS = ("auto", "triton", "gluon")
 """``prefill``'s ``impl`` values: ``auto`` (Gluon where ``select_impl`` takes it, else
 Triton), ``triton`` (the portable kernel), ``gluon`` (the sm90 kernel, or ValueError)."""
+GLUON_NM_AUTO = False
+"""Whether ``impl="auto"`` takes the Gluon kernel for N:M ``sparsity`` on sm90 (off:
+the Triton kernel, until the Gluon kernel's N:M is verified on a GPU; ``impl="gluon"``
+or a ``GluonPrefillConfig`` runs it either way)."""
 _LOG = logging.getLogger("mla_triton")
 _LOGGED: set[str] = set()  # fallback reasons logged once
 
@@ -357,7 +362,8 @@ def prefill(
             Gluon kernel (``mla_triton.gluon_prefill``) on an sm90 GPU (capability
             (9, 0)) when the installed Triton has the Gluon API it needs and the
             inputs are ones it covers (float16 / bfloat16, Dqk a multiple of 64 up to
-            256, Dv 64 or 128, no ``sparsity``, no ``PrefillConfig``), else the Triton
+            256, Dv 64 or 128, no ``PrefillConfig``; ``sparsity`` only while
+            ``GLUON_NM_AUTO`` is on, or with ``impl="gluon"``), else the Triton
             kernel (``select_impl``; a fallback on sm90 for a reason other than the
             inputs is logged once on the ``mla_triton`` logger). ``gluon`` where the
             Gluon kernel cannot run raises ``ValueError`` naming ``impl`` with the
@@ -589,6 +595,7 @@ def select_impl(
     gluon_api: str | None,
     gluon_unsupported: str | None,
     config_impl: str | None,
+    nm_gated: bool = False,
 ) -> Choice:
     """Which prefill family runs (a pure function of what ``prefill`` finds).
 
@@ -599,7 +606,8 @@ def select_impl(
     family of a given config (``"triton"`` for a ``PrefillConfig``, ``"gluon"`` for a
     ``GluonPrefillConfig``, None without one). Raises ValueError naming ``impl`` for an
     unknown value or ``"gluon"`` where it cannot run, naming ``config`` for a config of
-    the other family.
+    the other family. ``nm_gated``: the inputs have N:M sparsity and
+    ``GLUON_NM_AUTO`` is off, so ``auto`` without a config keeps Triton (not logged).
     """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl: expected 'auto', 'triton' or 'gluon', got {impl!r}")
@@ -616,6 +624,8 @@ def select_impl(
     for found, is_api in ((gluon_api, True), (gluon_unsupported, False)):
         if reason is None and found is not None:
             reason, unexpected = found, is_api
+    if reason is None and nm_gated and impl == "auto" and config_impl is None:
+        reason = "sparsity: N:M on the Gluon prefill is off in auto (prefill.GLUON_NM_AUTO)"
     if reason is None:
         return Choice("gluon")
     if impl == "gluon" or config_impl == "gluon":
@@ -651,7 +661,7 @@ def _family(
         impl, capability=capability,
         gluon_api=gluon_prefill.api_missing() if on_sm90 else None,
         gluon_unsupported=gluon_prefill.unsupported(q.dtype, q.shape[2], dim_v, sparsity),
-        config_impl=config_impl,
+        config_impl=config_impl, nm_gated=sparsity is not None and not GLUON_NM_AUTO,
     )  # fmt: skip
     if choice.unexpected and choice.reason not in _LOGGED:
         _LOGGED.add(str(choice.reason))

@@ -80,26 +80,59 @@ def _load_kv(
 @gluon.jit
 def _issue_qk(
     q_smem, k_smem, k_bars, tile, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr, Q0: gl.constexpr,
 ):  # fmt: skip
-    """Wait for key tile ``tile`` and issue ``S = Q Kᵀ`` (async); returns its token."""
+    """Wait for key tile ``tile`` and issue ``S = Q Kᵀ`` (async; Q's chunks from shared
+    tile ``Q0`` on); returns its token."""
     stage = tile % NUM_STAGES
     mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     for c in gl.static_range(NQ):
         s = warpgroup_mma(
-            q_smem.index(c), k_smem.index(stage * NQ + c).permute((1, 0)), s,
+            q_smem.index(Q0 + c), k_smem.index(stage * NQ + c).permute((1, 0)), s,
             use_acc=c > 0, is_async=True,
         )  # fmt: skip
     return s
 
 
 @gluon.jit
+def _nm_keep(
+    s, key_pos, q_pos, nm, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NM: gl.constexpr
+):  # fmt: skip
+    """Boolean in ``s``'s layout ``[ROWS, BLOCK_N]``: the keys N:M sparsity keeps, as the
+    Triton kernel's ``prefill_kernel._nm_keep`` ranks them (SPEC 5): per group of
+    ``NM_M`` keys at absolute positions ``key_pos`` (the tile starts at a multiple of
+    ``NM_M``), unique int32 sort keys (the float32 bits made order-preserving, the
+    lowest log2(NM_M) bits ``NM_M - 1 - member``: ties to the lower index), the kept
+    ones at or above the ``NM_N``-th largest; the sink and recent keys with
+    ``NM_DENSE``; every key for a single-query sequence (``dense_all``)."""
+    NM_N: gl.constexpr = NM[0]
+    NM_M: gl.constexpr = NM[1]
+    n_sink, n_recent, dense_all = nm
+    bits = s.to(gl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int order
+    member = key_pos % NM_M
+    key = (key & -NM_M) | gl.expand_dims(NM_M - 1 - member, 0)
+    key3 = gl.reshape(key, [ROWS, BLOCK_N // NM_M, NM_M])
+    nth = gl.max(key3, axis=2)
+    for _ in gl.static_range(NM_N - 1):
+        nth = gl.max(gl.where(key3 < gl.expand_dims(nth, 2), key3, -2147483648), axis=2)
+    nth = gl.where(dense_all, -2147483648, nth)  # every key is at or above that
+    keep = gl.convert_layout(
+        gl.reshape(key3 >= gl.expand_dims(nth, 2), [ROWS, BLOCK_N]), s.type.layout
+    )  # fmt: skip
+    if NM[2]:
+        distance = gl.expand_dims(q_pos, 1) - gl.expand_dims(key_pos, 0)
+        recent = (distance >= 0) & (distance < n_recent)
+        keep = keep | gl.expand_dims(key_pos < n_sink, 0) | recent
+    return keep
+
+
+@gluon.jit
 def _softmax(
     s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_scales,
-    s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr,
+    nm, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
 ):  # fmt: skip
     """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout: P's
     factored fp8 value with ``P_FMT == 1``, ``l`` summed before that QDQ)."""
@@ -114,6 +147,10 @@ def _softmax(
         if CAUSAL:
             visible = visible & (gl.expand_dims(key_pos, 0) <= gl.expand_dims(q_pos, 1))
         s = gl.where(visible, s, float("-inf"))
+    if NM[0] > 0:  # N:M over the visible scores (the Triton kernel's _nm_keep; NaN kept)
+        key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = _nm_keep(s, key_pos, q_pos, nm, BLOCK_M, BLOCK_N, NM)
+        s = gl.where(keep | (s != s), s, float("-inf"))
     # the integer running maximum, exact power-of-two rescales, l from unquantized P
     m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)
     # P's QDQ along the keys (nvfp4 blocks of 16 at multiples of 16: the tile's start)
@@ -123,32 +160,44 @@ def _softmax(
 
 @gluon.jit
 def _sanitize_v(
-    v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N: gl.constexpr,
-    DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N: gl.constexpr,
+    DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """Wait for V tile ``tile``; on a masked tile zero its rows past the sequence end
     and its non-finite rows in shared memory, and flag the query rows that see a
     non-finite one (causal: the rows at or after the first such key; else all).
-    Works on 32-row slices in V's dtype to keep registers free. Returns ``row_nan``."""
+    Works on 32-row slices in V's dtype to keep registers free. Returns ``row_nan``.
+
+    Ping-pong (``WG`` 0 or 1; -1 otherwise): the V tile is shared, so only warpgroup
+    0 checks and zeroes it and leaves the first bad key in ``bad_smem[stage]``;
+    warpgroup 1 reads that (its turn on the tensor cores comes after warpgroup 0's
+    for the same tile, see ``_attend``) instead of a tile that may be zeroed already."""
     stage = tile % NUM_STAGES
     mbarrier.wait(v_bars.index(stage), (tile // NUM_STAGES) & 1)
     start_n = tile * BLOCK_N
     if start_n >= mid:
-        SUB: gl.constexpr = 32
-        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        buf = v_smem.index(stage)
-        first_bad = seq_len_k  # the first visible key with a non-finite v row
-        for c in gl.static_range(BLOCK_N // SUB):
-            sub = buf.slice(c * SUB, SUB, dim=0)
-            v = sub.load(v_layout)
-            key_pos = start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
-            row = gl.sum((v - v).to(gl.float32), axis=1)  # NaN for a non-finite row
-            bad = row != row
-            sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
-            bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
-            first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
-        fence_async_shared()
-        gl.barrier()
+        bad_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        if WG == 1:
+            first_bad = gl.min(bad_smem.index(stage).load(bad_layout), axis=0)
+        else:
+            SUB: gl.constexpr = 32
+            v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            buf = v_smem.index(stage)
+            first_bad = seq_len_k  # the first visible key with a non-finite v row
+            for c in gl.static_range(BLOCK_N // SUB):
+                sub = buf.slice(c * SUB, SUB, dim=0)
+                v = sub.load(v_layout)
+                key_pos = start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
+                row = gl.sum((v - v).to(gl.float32), axis=1)  # NaN for a non-finite row
+                bad = row != row
+                sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
+                bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
+                first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
+            if WG == 0:
+                bad_smem.index(stage).store(gl.full([1], first_bad, gl.int32, bad_layout))
+            fence_async_shared()
+            gl.barrier()
         if CAUSAL:  # noqa: SIM108
             row_nan = row_nan | (q_pos >= first_bad)
         else:
@@ -158,7 +207,7 @@ def _sanitize_v(
 
 @gluon.jit
 def _issue_pv(
-    p, alpha, acc, v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan,
+    p, alpha, acc, v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan,
     row_o: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
     BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
     num_warps: gl.constexpr,
@@ -167,8 +216,8 @@ def _issue_pv(
     ``acc * alpha`` and the async ``acc += P V``: ``(acc token, P operand, row_nan)``."""
     p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
     row_nan = _sanitize_v(
-        v_smem, v_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL, NUM_STAGES,
-        num_warps,
+        v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
+        NUM_STAGES, -1, num_warps,
     )  # fmt: skip
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     acc = warpgroup_mma(p_op, v_smem.index(tile % NUM_STAGES), acc, is_async=True)
@@ -176,55 +225,107 @@ def _issue_pv(
 
 
 @gluon.jit
-def _attend(
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_desc, v_desc, QS, KS,
-    q_start, seq_len_q, k_start, seq_len_k, start_m, head, kv_head, k_col, v_col, mid,
-    n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, s_layout: gl.constexpr,
-    o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, NQ: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
-    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, ISSUE_LOADS: gl.constexpr,
-    num_warps: gl.constexpr,
+def _turn_pv(
+    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, step, tile, mid, seq_len_k, q_pos,
+    row_nan, row_o: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
+    BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+    WG: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """The key loop of one program: ``(acc, l, m, row_nan)``. With ``ISSUE_LOADS`` it
-    issues the K/V loads of the tile ``NUM_STAGES`` ahead itself; otherwise (warp
-    specialized) it arrives on ``empty_bars`` once a slot's MMAs are done."""
+    """Ping-pong's last turn of warpgroup ``WG``: P and ``acc * alpha`` before the turn,
+    then (in turn ``step``) V's check and the async ``acc += P V``; hands the turn on."""
+    p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(turn_bars.index(WG), step & 1)
+    row_nan = _sanitize_v(
+        v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
+        NUM_STAGES, WG, num_warps,
+    )  # fmt: skip
+    acc = warpgroup_mma(p_op, v_smem.index(tile % NUM_STAGES), acc, is_async=True)
+    mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+    return acc, p_op, row_nan
+
+
+@gluon.jit
+def _attend(
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, bad_smem, k_desc,
+    v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col, v_col,
+    mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
+    s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+    pv_dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
+    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, ISSUE_LOADS: gl.constexpr,
+    WG: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """The key loop of ``ROWS`` query rows from ``row0`` (in the sequence): ``(acc, l, m,
+    row_nan)``. With ``ISSUE_LOADS`` it issues the K/V loads of the tile ``NUM_STAGES``
+    ahead itself; otherwise (warp specialized) it arrives on ``empty_bars`` once a
+    slot's MMAs are done.
+
+    Ping-pong (``WG`` 0 or 1: one of two consumer warpgroups, rows ``WG * ROWS`` of
+    the Q tile; -1: not): the warpgroups take turns on the tensor cores through the
+    mbarriers ``turn_bars`` (FA3's warp-scheduler barriers): a turn issues ``S_j`` and
+    ``P_{j-1} V_{j-1}`` and hands over, so one warpgroup's softmax (and P's QDQ, N:M)
+    runs under the other's MMAs; turn ``t`` of warpgroup 1 follows turn ``t`` of
+    warpgroup 0 (warpgroup 0's first turn is pre-arrived by the kernel)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    PP: gl.constexpr = WG >= 0
+    Q0: gl.constexpr = NQ * WG if PP else 0  # the first of this warpgroup's Q tiles
+    offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
     q_pos = seq_len_k - seq_len_q + offs_m  # key positions of the rows (suffix alignment)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    row_nan = gl.zeros([BLOCK_M], gl.int1, row_s)
-    row_scale = gl.full([BLOCK_M], qk_scale, gl.float32, row_s)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    row_nan = gl.zeros([ROWS], gl.int1, row_s)
+    row_scale = gl.full([ROWS], qk_scale, gl.float32, row_s)
     if Q_DYNAMIC:
         qs = QS + (q_start + offs_m).to(gl.int64) * stride_qst + head
         row_scale = row_scale * gl.load(qs, mask=offs_m < seq_len_q, other=1.0)
     ks_base = KS + k_start.to(gl.int64) * stride_kst + kv_head
-    acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
     # common.qdq_p's (gs, 1 / gs, 1 / (6 gs)): p_inv_gs is the one P's format uses
     p_scales = (p_gs, p_inv_gs, p_inv_gs)
     mbarrier.wait(q_bar, 0)
 
     if n_tiles > 0:
-        s = _issue_qk(q_smem, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
+        if PP:
+            mbarrier.wait(turn_bars.index(WG), 0)
+        s = _issue_qk(q_smem, k_smem, k_bars, 0, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0)
+        if PP:
+            mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
-            p_scales, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+            p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM,
         )  # fmt: skip
         for j in range(1, n_tiles):
-            s = _issue_qk(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NQ, NUM_STAGES)
             prev = j - 1
-            acc, p_op, row_nan = _issue_pv(
-                p, alpha, acc, v_smem, v_bars, prev, mid, seq_len_k, q_pos, row_nan, row_o,
-                p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, num_warps,
-            )  # fmt: skip
+            if PP:  # P and the rescale off the turn; S_j and P V in it
+                p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                mbarrier.wait(turn_bars.index(WG), j & 1)
+                s = _issue_qk(
+                    q_smem, k_smem, k_bars, j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
+                )  # fmt: skip
+                row_nan = _sanitize_v(
+                    v_smem, v_bars, bad_smem, prev, mid, seq_len_k, q_pos, row_nan, BLOCK_N,
+                    DV, CAUSAL, NUM_STAGES, WG, num_warps,
+                )  # fmt: skip
+                acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
+                mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+            else:
+                s = _issue_qk(
+                    q_smem, k_smem, k_bars, j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
+                )  # fmt: skip
+                acc, p_op, row_nan = _issue_pv(
+                    p, alpha, acc, v_smem, v_bars, bad_smem, prev, mid, seq_len_k, q_pos,
+                    row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES,
+                    num_warps,
+                )  # fmt: skip
             s = warpgroup_mma_wait(1, deps=(s,))
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
-                stride_kst, p_scales, s_layout, BLOCK_M, BLOCK_N, CAUSAL, K_DYNAMIC,
-                P_FMT,
+                stride_kst, p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
+                NM,
             )  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if ISSUE_LOADS:
@@ -236,25 +337,97 @@ def _attend(
                     )  # fmt: skip
             else:  # the producer partition may refill the slot
                 mbarrier.arrive(empty_bars.index(prev % NUM_STAGES), count=1)
-        acc, p_op, row_nan = _issue_pv(
-            p, alpha, acc, v_smem, v_bars, n_tiles - 1, mid, seq_len_k, q_pos, row_nan, row_o,
-            p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, num_warps,
-        )  # fmt: skip
+        if PP:
+            acc, p_op, row_nan = _turn_pv(
+                p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, n_tiles, n_tiles - 1, mid,
+                seq_len_k, q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL,
+                NUM_STAGES, WG, num_warps,
+            )  # fmt: skip
+        else:
+            acc, p_op, row_nan = _issue_pv(
+                p, alpha, acc, v_smem, v_bars, bad_smem, n_tiles - 1, mid, seq_len_k, q_pos,
+                row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, num_warps,
+            )  # fmt: skip
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     return acc, l_i, m_i, row_nan
+
+
+@gluon.jit
+def _epilogue(
+    acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale, stride_ot,
+    stride_oh, stride_lh, s_layout: gl.constexpr, o_layout: gl.constexpr, ROWS: gl.constexpr,
+    DV: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """``out = acc / l`` (a non-finite element makes the row NaN, so do flagged rows)
+    and ``lse = (m + log2 l) ln 2`` of ``ROWS`` rows from ``row0``; a row with no
+    visible key writes 0 and ``-inf``."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
+    empty = l_i == 0.0
+    inv_l = gl.convert_layout(out_scale / gl.where(empty, 1.0, l_i), row_o)
+    out = acc * gl.expand_dims(inv_l, 1)  # acc is 0 on empty rows
+    poison = gl.sum(acc - acc, axis=1)  # NaN for a row with a non-finite element
+    poison = gl.where(gl.convert_layout(row_nan, row_o), float("nan"), poison)
+    out = out + gl.expand_dims(poison, 1)
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    out = gl.convert_layout(out.to(Out.dtype.element_ty), st_layout)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, st_layout))
+    o_ptrs = (
+        Out
+        + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
+        + gl.expand_dims(cols, 0)
+    )
+    gl.store(o_ptrs, out, mask=gl.expand_dims(rows < seq_len_q, 1))
+    if RETURN_LSE:
+        lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2
+        lse = gl.where(empty, float("-inf"), lse)
+        gl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=offs_m < seq_len_q)
+
+
+@gluon.jit
+def _consume(
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, bad_smem, k_desc,
+    v_desc, QS, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
+    k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst, stride_kst,
+    stride_ot, stride_oh, stride_lh, nm, s_layout: gl.constexpr, o_layout: gl.constexpr,
+    p_layout: gl.constexpr, pv_dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+    DV: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    Q_DYNAMIC: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
+    RETURN_LSE: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """A ping-pong consumer warpgroup: ``_attend`` over its ``ROWS`` rows (from ``row0``),
+    then their ``_epilogue``."""
+    acc, l_i, m_i, row_nan = _attend(
+        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, bad_smem,
+        k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
+        k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
+        s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
+        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, WG, num_warps,
+    )  # fmt: skip
+    _epilogue(
+        acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale, stride_ot,
+        stride_oh, stride_lh, s_layout, o_layout, ROWS, DV, RETURN_LSE, num_warps,
+    )  # fmt: skip
 
 
 @gluon.jit
 def _producer(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc, k_desc, v_desc,
     q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N: gl.constexpr, NQ: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, QH: gl.constexpr,
 ):  # fmt: skip
-    """The TMA partition (one warp): Q once, then every K/V tile into its ring slot once
-    the consumers released the slot's previous tile (``empty_bars``)."""
-    mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
-    for c in gl.static_range(NQ):
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col + c * CHUNK], q_bar, q_smem.index(c))
+    """The TMA partition (one warp): Q once (``QH`` row blocks of ``NQ`` chunks: one, or
+    one per ping-pong warpgroup), then every K/V tile into its ring slot once the
+    consumers released the slot's previous tile (``empty_bars``)."""
+    mbarrier.expect(q_bar, QH * NQ * q_desc.block_type.nbytes)
+    for h in gl.static_range(QH):
+        for c in gl.static_range(NQ):
+            tma.async_copy_global_to_shared(
+                q_desc, [q_row + h * q_desc.block_type.shape[0], q_col + c * CHUNK], q_bar,
+                q_smem.index(h * NQ + c),
+            )  # fmt: skip
     for t in range(n_tiles):
         if t >= NUM_STAGES:
             mbarrier.wait(empty_bars.index(t % NUM_STAGES), ((t // NUM_STAGES) - 1) & 1)
@@ -280,6 +453,8 @@ def gluon_prefill_kernel(
     p_inv_gs,
     out_scale,
     group,
+    n_sink,
+    n_recent,
     stride_qh,
     stride_kh,
     stride_vh,
@@ -297,9 +472,14 @@ def gluon_prefill_kernel(
     Q_DYNAMIC: gl.constexpr,
     K_DYNAMIC: gl.constexpr,
     P_FMT: gl.constexpr,
+    NM_N: gl.constexpr,
+    NM_M: gl.constexpr,
+    NM_DENSE: gl.constexpr,
     RETURN_LSE: gl.constexpr,
     WARP_SPEC: gl.constexpr,
+    PINGPONG: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Attention of ``BLOCK_M`` queries of one head of one sequence.
@@ -312,11 +492,19 @@ def gluon_prefill_kernel(
     ``qk_scale`` = softmax_scale * log2(e) times the static Q and K global scales;
     ``P_FMT`` 0 (none), 1 (fp8) or 2 (nvfp4), ``p_gs`` P's global scale and
     ``p_inv_gs`` ``1 / p_gs`` (fp8) or ``1 / (6 p_gs)`` (nvfp4);
-    ``out_scale`` = P's times V's global scale; ``group`` = H / Hkv.
+    ``out_scale`` = P's times V's global scale; ``group`` = H / Hkv. N:M sparsity
+    (``NM_N > 0``): ``NM_N`` of every ``NM_M`` keys, plus the ``n_sink`` first and the
+    ``n_recent`` latest keys of each row when ``NM_DENSE`` (SPEC 5). ``PINGPONG``
+    (with ``WARP_SPEC``): two consumer warpgroups of ``num_warps`` = 4 warps, 64 rows
+    each, in ping-pong (``_attend``), ``CONSUMER_REGS`` registers for the second.
     """
     NQ: gl.constexpr = DQK // CHUNK
+    ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
+    NM: gl.constexpr = (NM_N, NM_M, NM_DENSE)
     gl.static_assert(DQK % CHUNK == 0)
-    gl.static_assert(16 * num_warps == BLOCK_M)
+    gl.static_assert(16 * num_warps == ROWS)
+    gl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0)
+    gl.static_assert(WARP_SPEC or not PINGPONG)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -324,8 +512,6 @@ def gluon_prefill_kernel(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_desc.dtype  # Q and K
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
 
@@ -336,93 +522,120 @@ def gluon_prefill_kernel(
         kv_head = head // group
         hi, mid = key_bounds(start_m, seq_len_q, seq_len_k, BLOCK_M, BLOCK_N, CAUSAL)
         n_tiles = gl.cdiv(hi, BLOCK_N)
+        nm = (n_sink, n_recent, seq_len_q == 1)  # a single query is never sparsified
 
-        q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, CHUNK], q_desc.layout)
+        QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
+        q_smem = gl.allocate_shared_memory(dtype, [QH * NQ, ROWS, CHUNK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bad_smem = gl.allocate_shared_memory(
+            gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )  # fmt: skip
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
+            mbarrier.init(empty_bars.index(i), count=2 if PINGPONG else 1)
+        if PINGPONG:
+            for i in gl.static_range(2):
+                mbarrier.init(turn_bars.index(i), count=1)
         fence_async_shared()
 
         q_col = head * stride_qh
         k_col = kv_head * stride_kh
         v_col = kv_head * stride_vh
         q_row = q_start + start_m * BLOCK_M
-        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(empty_bars.index(i), count=1)
-        fence_async_shared()
-        if WARP_SPEC:
-            acc, l_i, m_i, row_nan = gl.warp_specialize(
+        row0 = start_m * BLOCK_M  # the tile's first row in the sequence
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 takes the first turn
+            gl.warp_specialize(
                 [
-                    (_attend, (
-                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_desc,
-                        v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, start_m, head,
+                    (_consume, (
+                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
+                        empty_bars, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse,
+                        q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col,
+                        v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst,
+                        stride_kst, stride_ot, stride_oh, stride_lh, nm, s_layout, o_layout,
+                        p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
+                        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, num_warps,
+                    )),
+                    (_consume, (
+                        q_smem, k_smem, v_smem, q_bar, k_bars,
+                        v_bars, empty_bars, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out,
+                        Lse, q_start, seq_len_q, k_start, seq_len_k, row0 + ROWS, head,
                         kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs,
-                        stride_qst, stride_kst, s_layout, o_layout, p_layout, pv_dtype,
-                        BLOCK_M, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC,
-                        P_FMT, False, num_warps,
+                        out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, nm,
+                        s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
+                        NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1,
+                        num_warps,
                     )),
                     (_producer, (
                         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc,
                         k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N,
-                        NQ, NUM_STAGES,
+                        NQ, NUM_STAGES, QH,
                     )),
                 ],
-                [1],
-                [PRODUCER_REGS],
+                [num_warps, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
             )  # fmt: skip
         else:
-            mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
-            for c in gl.static_range(NQ):
-                tma.async_copy_global_to_shared(
-                    q_desc, [q_row, q_col + c * CHUNK], q_bar, q_smem.index(c)
-                )
-            for i in gl.static_range(NUM_STAGES):
-                if i < n_tiles:
-                    _load_kv(
-                        k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, k_start, k_col,
-                        v_col, BLOCK_N, NQ, NUM_STAGES,
-                    )  # fmt: skip
-            acc, l_i, m_i, row_nan = _attend(
-                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_desc, v_desc, QS, KS,
-                q_start, seq_len_q, k_start, seq_len_k, start_m, head, kv_head, k_col, v_col, mid,
-                n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, s_layout, o_layout,
-                p_layout, pv_dtype, BLOCK_M, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
-                K_DYNAMIC, P_FMT, True,
+            if WARP_SPEC:
+                acc, l_i, m_i, row_nan = gl.warp_specialize(
+                    [
+                        (_attend, (
+                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
+                            turn_bars, bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q,
+                            k_start, seq_len_k, row0, head, kv_head, k_col, v_col, mid,
+                            n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
+                            s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
+                            NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, -1,
+                            num_warps,
+                        )),
+                        (_producer, (
+                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc,
+                            k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles,
+                            BLOCK_N, NQ, NUM_STAGES, QH,
+                        )),
+                    ],
+                    [1],
+                    [PRODUCER_REGS],
+                )  # fmt: skip
+            else:
+                mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
+                for c in gl.static_range(NQ):
+                    tma.async_copy_global_to_shared(
+                        q_desc, [q_row, q_col + c * CHUNK], q_bar, q_smem.index(c)
+                    )
+                for i in gl.static_range(NUM_STAGES):
+                    if i < n_tiles:
+                        _load_kv(
+                            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, k_start, k_col,
+                            v_col, BLOCK_N, NQ, NUM_STAGES,
+                        )  # fmt: skip
+                acc, l_i, m_i, row_nan = _attend(
+                    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars,
+                    bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k,
+                    row0, head, kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs,
+                    p_inv_gs, stride_qst, stride_kst, nm, s_layout, o_layout, p_layout,
+                    pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC,
+                    P_FMT, NM, True, -1, num_warps,
+                )  # fmt: skip
+            _epilogue(
+                acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale,
+                stride_ot, stride_oh, stride_lh, s_layout, o_layout, ROWS, DV, RETURN_LSE,
                 num_warps,
             )  # fmt: skip
-        offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
             mbarrier.invalidate(empty_bars.index(i))
-
-        # -- epilogue ------------------------------------------------------------
-        empty = l_i == 0.0
-        inv_l = gl.convert_layout(out_scale / gl.where(empty, 1.0, l_i), row_o)
-        out = acc * gl.expand_dims(inv_l, 1)  # acc is 0 on empty rows
-        poison = gl.sum(acc - acc, axis=1)  # NaN for a row with a non-finite element
-        poison = gl.where(gl.convert_layout(row_nan, row_o), float("nan"), poison)
-        out = out + gl.expand_dims(poison, 1)
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        out = gl.convert_layout(out.to(Out.dtype.element_ty), st_layout)
-        rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-        cols = gl.arange(0, DV, layout=gl.SliceLayout(0, st_layout))
-        o_ptrs = (
-            Out
-            + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
-            + gl.expand_dims(cols, 0)
-        )
-        gl.store(o_ptrs, out, mask=gl.expand_dims(rows < seq_len_q, 1))
-        if RETURN_LSE:
-            lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2
-            lse = gl.where(empty, float("-inf"), lse)
-            gl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=offs_m < seq_len_q)
+        if PINGPONG:
+            for i in gl.static_range(2):
+                mbarrier.invalidate(turn_bars.index(i))
