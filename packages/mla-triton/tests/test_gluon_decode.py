@@ -35,6 +35,7 @@ from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import DecodeConfig
 from mla_triton.gluon_decode import (
     IMPLS,
+    SEPARATE_V_CONFIG,
     UNQUANTIZED,
     VARIANTS,
     GluonDecodeConfig,
@@ -64,11 +65,22 @@ FP8 = gluon_recipe(AttentionQuant.uniform("fp8"))
 assert isinstance(FP8, GluonRecipe)
 # decode_shadow(impl="gluon") on an fp16 fp8 shadow: float16 K̂ tiles, q̂ and P̂ fp8, bf16 out
 SHADOW_FP8 = replace(FP8, kv_fp8=False, shadow_f16=True)
+# decode_shadow with a V̂ section (V_SEP): nvfp4 Q/K/P/V (the open V block from the raw
+# rows), and dynamic fp8 K (per-token scales; rows of 2192 bytes) with fp8 V
+SHADOW_NVFP4 = GluonRecipe(
+    q_scaled=True, p_fmt=2, shadow_f16=True, k_fmt=2, v_sep=True, v_f16=True, v_tail=True
+)
+SHADOW_KDYN = GluonRecipe(
+    q_scaled=True, p_fmt=1, shadow_f16=True, k_fmt=1, v_sep=True, v_f16=True, k_dyn=True
+)
 COMPILED = [(cfg, UNQUANTIZED) for cfg in VARIANTS] + [(VARIANTS[0], FP8), (VARIANTS[2], FP8)]
 COMPILED += [(VARIANTS[0], SHADOW_FP8)]
+COMPILED += [(SEPARATE_V_CONFIG, SHADOW_NVFP4), (SEPARATE_V_CONFIG, SHADOW_KDYN)]
 
 
 def _label(recipe: GluonRecipe) -> str:
+    if recipe.v_sep:
+        return "shadow-kdyn" if recipe.k_dyn else "shadow-nvfp4"
     return "shadow-fp8" if recipe.shadow_f16 else "fp8" if recipe.kv_fp8 else "none"
 
 
@@ -105,8 +117,8 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
     c = compile_variant(config, num_splits=2, recipe=recipe)
     assert c.num_warps == 8
     assert 0 < c.shared <= max_shared_bytes(), c.shared
-    # the ring, q and P alone take this much: a smaller figure means a buffer went missing
-    tile = config.block_n * 576 * 2
+    # the ring(s), q and P alone take this much: a smaller figure means a buffer went missing
+    tile = config.block_n * (576 + (512 if recipe.v_sep else 0)) * 2
     p_bufs = 2 if config.overlap else 1
     assert c.shared >= config.stages * tile + 64 * 576 * 2 + p_bufs * 64 * config.block_n * 2
     # S: 512/16 + 64/16 wgmma a tile (twice in the code with overlap: prologue and loop)
@@ -114,7 +126,7 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
     operands = "f16.f16" if recipe.mma_f16 else "bf16.bf16"
     typed = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{operands}", c.ptx)
     assert len(typed) == sum(shapes.values())
-    if recipe.kv_fp8 or recipe.p_fmt == 1:  # K̂ = V̂ on read, or P̂
+    if recipe.kv_fp8 or recipe.p_fmt:  # K̂ = V̂ on read, or P̂ (nvfp4: its block scales)
         assert "cvt.rn.satfinite.e4m3x2.f32" in c.ptx
     s_count = 36 * (2 if config.overlap else 1)
     assert shapes == {f"m64n{config.block_n // 2}k16": s_count, "m64n256k16": config.block_n // 16}
@@ -152,7 +164,7 @@ def test_dispatch_takes_the_covered_calls() -> None:
                   AttentionQuant(q="fp8", p="fp8"), AttentionQuant(k="fp8", v="fp8")):  # fmt: skip
         for dtype in (torch.bfloat16, torch.float16):
             assert gluon_unsupported(replace(SM90, quant=quant, dtype=dtype)) is None, quant
-    assert GluonRecipe(q_scaled=True, kv_fp8=True, p_fmt=1, p_gs=FP8.p_gs) == FP8
+    assert GluonRecipe(q_scaled=True, kv_fp8=True, p_fmt=1, p_gs=FP8.p_gs, k_fmt=1) == FP8
     kv8 = gluon_recipe(AttentionQuant(k="fp8", v="fp8"))
     assert FP8.mma_f16 and isinstance(kv8, GluonRecipe) and not kv8.mma_f16
 
@@ -356,7 +368,8 @@ def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
     assert args["P_FMT"] == (1 if quant is not None else 0)
     assert split[12] == pytest.approx(SCALE * 1.4426950408889634)
     p_gs = FP8.p_gs if quant is not None else 1.0
-    assert args["p_inv_gs"] == pytest.approx(1.0 / p_gs) and args["out_scale"] == p_gs
+    assert args["p_scales"][1] == pytest.approx(1.0 / p_gs) and args["out_scale"] == p_gs
+    assert not args["V_SEP"] and not args["V_TAIL"] and not args["K_DYN"]
     assert split[0][0].dtype == torch.float16
     default = _launched(call("gluon"))[-2][1]  # the default configuration
     assert (default["SHAPE"][4], default["STAGES"], default["OVERLAP"]) == (64, 2, False)
@@ -374,6 +387,19 @@ SHADOW_TAKEN = {
         torch.bfloat16,
     ),
     "kv-none": (AttentionQuant(q="fp8", p="fp8"), "packed", torch.bfloat16),  # raw rows
+    # a V̂ section (V_SEP): nvfp4, dynamic K, K and V of different scales or formats
+    "nvfp4": (AttentionQuant.uniform("nvfp4"), "fp16", torch.bfloat16),
+    "fp8-kdyn": (
+        AttentionQuant(q="fp8", k=OperandQuant("fp8", "dynamic"), v="fp8", p="fp8"),
+        "fp16",
+        torch.bfloat16,
+    ),
+    "fp8-k2-v": (
+        AttentionQuant(q="fp8", k=OperandQuant("fp8", 2.0), v="fp8"),
+        "fp16",
+        torch.bfloat16,
+    ),
+    "k-none-v-nvfp4": (AttentionQuant(v="nvfp4", p="nvfp4"), "fp16", torch.bfloat16),
 }
 
 
@@ -410,24 +436,36 @@ def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
         AttentionQuant(), sh.shadow_layout(AttentionQuant()), torch.bfloat16
     )
     assert none == UNQUANTIZED
+    nv = AttentionQuant.uniform("nvfp4")
+    rn = sh.gluon_shadow_recipe(nv, sh.shadow_layout(nv), torch.bfloat16)
+    assert isinstance(rn, GluonRecipe), rn
+    assert rn == replace(SHADOW_NVFP4, k_gs=rn.k_gs, v_gs=rn.v_gs, p_gs=rn.p_gs), rn
+    assert rn.mma_f16 and not rn.v_exact  # the default static nvfp4 scale is a power of two
+    kdyn = SHADOW_TAKEN["fp8-kdyn"][0]
+    rk = sh.gluon_shadow_recipe(kdyn, sh.shadow_layout(kdyn), torch.bfloat16)
+    assert isinstance(rk, GluonRecipe), rk
+    assert rk == replace(SHADOW_KDYN, v_gs=rk.v_gs, p_gs=rk.p_gs) and rk.k_gs == 1.0, rk
+    # K none, V nvfp4: raw K tiles in the input dtype, V̂ float16, S on bf16 operands
+    kn = SHADOW_TAKEN["k-none-v-nvfp4"][0]
+    rv = sh.gluon_shadow_recipe(kn, sh.shadow_layout(kn), torch.bfloat16)
+    assert isinstance(rv, GluonRecipe) and rv.v_sep and rv.v_tail and not rv.shadow_f16
+    assert not rv.mma_f16 and rv.k_fmt == 0 and rv.p_fmt == 2
+    v3 = AttentionQuant(q="fp8", k="fp8", v=OperandQuant("nvfp4", 3.0))  # gs not 2^k
+    r3v = sh.gluon_shadow_recipe(v3, sh.shadow_layout(v3), torch.bfloat16)
+    assert isinstance(r3v, GluonRecipe) and r3v.v_exact and r3v.v_tail
 
 
 @pytest.mark.parametrize(
     ("quant", "storage", "change", "needle"),
     [
-        (AttentionQuant.uniform("nvfp4"), "fp16", {}, "nvfp4 is not implemented"),
-        (AttentionQuant(q="fp8", k="nvfp4", v="nvfp4", p="fp8"), "fp16", {}, "different rows"),
-        (AttentionQuant(q="fp8", k=OperandQuant("fp8", "dynamic"), v="fp8"), "fp16", {},
-         "different rows"),
-        (AttentionQuant(q="fp8", k="fp8"), "fp16", {}, "different rows"),
-        (AttentionQuant(q="fp8", k=OperandQuant("fp8", 2.0), v="fp8"), "fp16", {},
-         "different rows"),
+        (AttentionQuant(q="fp8", k="fp8"), "fp16", {}, "K quantized with V not"),
         (AttentionQuant.uniform("fp8"), "packed", {}, "storage 'packed'"),
+        (AttentionQuant.uniform("nvfp4"), "packed", {}, "storage 'packed'"),
         (AttentionQuant(k="fp8", v="fp8"), "fp16", {}, "no cast"),
-        (AttentionQuant(q="fp8", k="fp8", v="fp8", p="nvfp4"), "fp16", {}, "nvfp4"),
+        (AttentionQuant(k="nvfp4", v="nvfp4"), "fp16", {}, "no cast"),
         (AttentionQuant.uniform("fp8"), "fp16", {"device_type": "cpu", "capability": None},
          "tensors on cpu"),
-        (AttentionQuant.uniform("fp8"), "fp16", {"kv_strides": (64 * 584, 584)}, "strides"),
+        (AttentionQuant.uniform("fp8"), "fp16", {"kv_strides": (64 * 580, 580)}, "strides"),
     ],
 )  # fmt: skip
 def test_shadow_dispatch_refusals(
@@ -463,7 +501,9 @@ def test_shadow_dispatch_launches(as_sm90: None) -> None:
     shadow's float16 K̂ section (no QDQ in the kernel, K's scale in the scores, P's and
     V's on the output) and the merge; ``"auto"`` the Triton shadow kernel; a refused
     shadow launches nothing."""
+    import mla_triton.shadow as sh_mod
     from mla_triton import allocate_shadow, decode_shadow
+    from mla_triton.decode import _operand
     from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
     from mla_triton.warmup import record_keys
 
@@ -495,10 +535,44 @@ def test_shadow_dispatch_launches(as_sm90: None) -> None:
     kv_none = AttentionQuant(q="fp8", p="fp8")
     raw = _launched(call("gluon", quant=kv_none, sh=allocate_shadow(7, 64, kv_none)))[1][1]
     assert raw["split"][1][0] is cache and not raw["KV_FP8"]
+    # a V̂ section: nvfp4 (the open V block from the raw rows), 32-token tiles, 2 stages
     nvfp4 = AttentionQuant.uniform("nvfp4")
+    nv_shadow = allocate_shadow(7, 64, nvfp4)
+    kh, _, vh = sh_mod.shadow_layout(nvfp4).views(nv_shadow)
+    assert kh is not None and vh is not None
+    nv = _launched(call("gluon", quant=nvfp4, sh=nv_shadow))
+    assert [n for n, _, _ in nv] == [names[0], "gluon_decode_split_kernel", names[2]]
+    a = nv[1][1]
+    assert (a["V_SEP"], a["V_TAIL"], a["KV_FP8"], a["K_DYN"], a["P_FMT"]) == (
+        True, True, False, False, 2
+    )  # fmt: skip
+    assert a["SHAPE"][4] == 32 and (a["STAGES"], a["OVERLAP"]) == (2, False)
+    k_t, v_t, raw_t, ks_t = a["split"][1]
+    assert k_t.data_ptr() == kh.data_ptr() and v_t.data_ptr() == vh.data_ptr()
+    assert raw_t is cache and ks_t is cache and tuple(v_t.shape) == (7, 64, 512)
+    row = sh_mod.shadow_layout(nvfp4).token_bytes // 2
+    assert a["split"][7] == (64 * row, row, 64 * row, row, *cache.stride()[:2], *cache.stride()[:2])
+    assert a["v_scales"][0] == pytest.approx(_operand(nvfp4.v).gs) and not a["V_EXACT"]
+    same = _launched(call("gluon", config=SEPARATE_V_CONFIG, quant=nvfp4, sh=nv_shadow))[1][1]
+    assert _plain(same) == _plain(a)
+    # dynamic K: its per-token scales are the fourth pointer
+    kdyn = SHADOW_TAKEN["fp8-kdyn"][0]
+    kd_shadow = allocate_shadow(7, 64, kdyn)
+    _, ks, _ = sh_mod.shadow_layout(kdyn).views(kd_shadow)
+    assert ks is not None
+    kd = _launched(call("gluon", quant=kdyn, sh=kd_shadow))[1][1]
+    assert kd["K_DYN"] and kd["V_SEP"] and not kd["V_TAIL"]
+    assert (
+        kd["split"][1][3].data_ptr() == ks.data_ptr() and kd["split"][1][3].dtype == torch.float32
+    )
+    assert kd["split"][12] == pytest.approx(SCALE * 1.4426950408889634)  # K's scale per token
     with record_keys() as keys:
-        with pytest.raises(ValueError, match=r"^impl: .*nvfp4"):
-            call("gluon", quant=nvfp4, sh=allocate_shadow(7, 64, nvfp4))()
+        with pytest.raises(ValueError, match=r"^config: a shadow with a V̂ section .* bn32-st2"):
+            call("gluon", config=VARIANTS[0], quant=nvfp4, sh=nv_shadow)()
+        packed = allocate_shadow(7, 64, nvfp4, storage="packed")
+        with pytest.raises(ValueError, match=r"^impl: .*storage 'packed'"):
+            decode_shadow(q, cache, packed, table, seq, softmax_scale=SCALE, quant=nvfp4,
+                          storage="packed", impl="gluon")  # fmt: skip
         with pytest.raises(ValueError, match=r"^config: impl='gluon' takes a GluonDecodeConfig"):
             call("gluon", config=DecodeConfig(64, 64, 8, 2))()
     assert not keys

@@ -28,6 +28,7 @@ from mla_triton.decode import DecodeConfig, _OnRead, _operand, _Operands
 
 __all__ = [
     "IMPLS",
+    "SEPARATE_V_CONFIG",
     "UNQUANTIZED",
     "GluonDecodeConfig",
     "GluonFacts",
@@ -85,6 +86,11 @@ VARIANTS: tuple[GluonDecodeConfig, ...] = (
 )
 """Every configuration the launcher may pick (the CPU test compiles each)."""
 
+SEPARATE_V_CONFIG = GluonDecodeConfig(block_n=32, stages=2)
+"""The one tiling of ``decode_shadow`` with V̂ tiles of their own (``GluonRecipe.v_sep``):
+per stage a K̂ tile (36 KiB) and a V̂ tile (32 KiB) beside q (72 KiB); 64-token tiles or a
+third stage exceed the 227 KiB of a CTA."""
+
 
 def gluon_decode_config(num_heads: int) -> GluonDecodeConfig:
     """The default tile configuration (64-token tiles, double-buffered)."""
@@ -103,8 +109,15 @@ class GluonRecipe:
             (quantized once per tile, in place).
         p_fmt: 0 (P not quantized) or 1 (fp8).
         k_gs, v_gs, p_gs: static global scales (1.0 when not quantized).
-        shadow_f16: the tiles are a float16 shadow's K̂ (= V̂, fp8 K and V of one static
-            scale; ``decode_shadow``), read as they are (no QDQ in the kernel).
+        shadow_f16: the K tiles are a float16 shadow's K̂ (``decode_shadow``; V̂ = K̂
+            for fp8 K and V of one static scale), read as they are (no QDQ in the kernel).
+        k_fmt: K's format code (0 none: the tiles are raw, an infinite score is NaN).
+        v_sep: V̂ tiles of their own (``decode_shadow``: a float16 V̂ section, or raw V
+            beside a K̂): a second shared-memory ring, ``SEPARATE_V_CONFIG`` only.
+        v_f16: the V tiles are a float16 V̂ section (else raw rows).
+        v_tail: nvfp4 V: the open 16-token block is quantized from the raw rows.
+        v_exact: V's static global scale is not a power of two (the exact division).
+        k_dyn: dynamic K: each token's global scale, from the shadow, scales S's columns.
     """
 
     q_scaled: bool = False
@@ -114,6 +127,12 @@ class GluonRecipe:
     v_gs: float = 1.0
     p_gs: float = 1.0
     shadow_f16: bool = False
+    k_fmt: int = 0
+    v_sep: bool = False
+    v_f16: bool = False
+    v_tail: bool = False
+    v_exact: bool = False
+    k_dyn: bool = False
 
     @property
     def mma_f16(self) -> bool:
@@ -124,16 +143,18 @@ class GluonRecipe:
 UNQUANTIZED = GluonRecipe()
 
 
-def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
+def gluon_recipe(quant: AttentionQuant | None, *, nvfp4_qp: bool = False) -> GluonRecipe | str:
     """The ``GluonRecipe`` of ``quant``, or the reason the Gluon kernel does not take it.
 
     Implemented: q none or fp8 (static or dynamic); K and V both none, or both fp8 with
-    the same static power-of-two global scale; P none or fp8.
+    the same static power-of-two global scale; P none or fp8. ``nvfp4_qp``
+    (``decode_shadow``): q and P nvfp4 too (not verified on a GPU yet, so ``decode``
+    keeps them on Triton).
     """
     if quant is None:
         return UNQUANTIZED
     qo, ko, vo, po = (_operand(op) for op in (quant.q, quant.k, quant.v, quant.p))
-    if 2 in (qo.code, ko.code, vo.code, po.code):
+    if 2 in (ko.code, vo.code) or (not nvfp4_qp and 2 in (qo.code, po.code)):
         return "nvfp4 is not implemented in the Gluon kernel yet"
     if (ko.code, vo.code) not in ((0, 0), (1, 1)):
         return "K and V must be both none or both fp8 in the Gluon kernel"
@@ -141,7 +162,7 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
         return "fp8 K and V need one static power-of-two global scale in the Gluon kernel"
     return GluonRecipe(
         q_scaled=qo.code != 0, kv_fp8=ko.code == 1, p_fmt=po.code, k_gs=ko.gs, v_gs=vo.gs,
-        p_gs=po.gs,
+        p_gs=po.gs, k_fmt=ko.code,
     )  # fmt: skip
 
 
@@ -239,10 +260,14 @@ def gluon_unsupported(
     *,
     forced: bool = False,
     recipe: Callable[[AttentionQuant | None], GluonRecipe | str] = gluon_recipe,
+    stride_align: int = 16,
 ) -> Unsupported | None:
     """None when ``impl="auto"`` (``forced``: ``"gluon"``) runs the call through the
     Gluon kernel, else why not. A pure function of ``f`` (testable without a GPU);
-    ``recipe``: the recipe rule (``gluon_recipe``; ``decode_shadow``: the shadow's)."""
+    ``recipe``: the recipe rule (``gluon_recipe``; ``decode_shadow``: the shadow's);
+    ``stride_align``: the multiple of elements the tiles' page and row strides must be
+    (16: ``decode``'s rule; the kernel needs 8 elements, 16-byte rows, which
+    ``decode_shadow`` takes for its shadow sections)."""
     if f.device_type != "cuda":
         return Unsupported(f"tensors on {f.device_type}, not CUDA", False)
     if f.capability != (9, 0):
@@ -255,9 +280,10 @@ def gluon_unsupported(
         return Unsupported(f"dtype {f.dtype} (16-bit only)", True)
     if (f.kv_lora_rank, f.rope) != (512, 64):
         return Unsupported(f"kv_lora_rank {f.kv_lora_rank} + rope {f.rope} (512 + 64 only)", True)
-    if any(s % 16 for s in f.kv_strides) or not f.kv_aligned:
+    if any(s % stride_align for s in f.kv_strides) or not f.kv_aligned:
         return Unsupported(
-            f"kv_cache page/row strides {f.kv_strides} must be multiples of 16 elements and "
+            f"kv_cache page/row strides {f.kv_strides} must be multiples of {stride_align} "
+            "elements and "
             "its data 16-byte aligned (the 16-byte cp.async tile copies)",
             True,
         )
@@ -356,8 +382,9 @@ class _GluonFamily(_OnRead):
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
         ko = ops[1]
-        return {"k_inv_gs": 1.0 / ko.gs, "p_inv_gs": 1.0 / ops[3].gs, "STAGES": cfg.num_stages,
-                "OVERLAP": self.config.overlap, "KV_FP8": ko.code == 1}  # fmt: skip
+        return {"k_inv_gs": 1.0 / ko.gs, "STAGES": cfg.num_stages,
+                "OVERLAP": self.config.overlap, "KV_FP8": ko.code == 1, "V_SEP": False,
+                "V_TAIL": False}  # fmt: skip
 
 
 @functools.cache
@@ -414,16 +441,29 @@ def compile_variant(
     def ptr(t: str) -> tuple[str, bool]:
         return (f"*{t}", True)
 
+    cache: tuple[Any, ...] = (ptr(tile_dtype),)
+    strides: tuple[Any, ...] = (div, div)
+    if recipe.v_sep:  # (K tiles, V tiles, raw rows, K scales); a dynamic-K shadow's row
+        # (2192 bytes: 1096 float16, 548 float32) is not a multiple of 16 elements
+        sh = i32 if recipe.k_dyn else div
+        cache = (ptr(tile_dtype), ptr("fp16" if recipe.v_f16 else dtype), ptr(dtype), ptr("fp32"))
+        strides = (
+            sh if recipe.shadow_f16 else div, sh if recipe.shadow_f16 else div,
+            sh if recipe.v_f16 else div, sh if recipe.v_f16 else div, div, div, sh, sh,
+        )  # fmt: skip
     split = (
-        (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), (ptr(tile_dtype),), ptr(index_dtype),
+        (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), cache, ptr(index_dtype),
         ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
-        (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
+        (div, div, div, div), strides, (i32, i32), i32, (div, div, i32, i32),
         (i32, i32, i32), ("fp32", False),
     )  # fmt: skip
+    k_fmt = 1 if recipe.kv_fp8 or (recipe.shadow_f16 and not recipe.k_fmt) else recipe.k_fmt
     constexprs: dict[str, Any] = {
         "SHAPE": (512, 64, page, BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "STAGES": config.stages, "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled,
-        "KV_FP8": recipe.kv_fp8, "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
+        "K_FMT": k_fmt, "KV_FP8": recipe.kv_fp8, "V_SEP": recipe.v_sep,
+        "V_TAIL": recipe.v_tail, "V_EXACT": recipe.v_exact, "K_DYN": recipe.k_dyn,
+        "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
     }  # fmt: skip
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
 
@@ -435,7 +475,9 @@ def compile_variant(
         return tuple(types(child, (*path, k)) for k, child in enumerate(node))
 
     signature: dict[str, Any] = {"split": types(split, (0,))}
-    signature |= dict.fromkeys(("k_inv_gs", "p_inv_gs", "out_scale"), "fp32")
+    signature["k_inv_gs"] = "fp32"
+    signature |= dict.fromkeys(("v_scales", "p_scales"), ("fp32", "fp32", "fp32"))
+    signature["out_scale"] = "fp32"
     signature["num_splits"] = "i32"  # not specialized (do_not_specialize)
     signature |= dict.fromkeys(constexprs, "constexpr")
     assert list(signature) == list(fn.arg_names), fn.arg_names

@@ -55,6 +55,7 @@ from mla_triton.decode import (
     run_decode,
 )
 from mla_triton.gluon_decode import (
+    SEPARATE_V_CONFIG,
     GluonDecodeConfig,
     GluonFacts,
     GluonRecipe,
@@ -653,11 +654,12 @@ def decode_shadow(
     different ones, equal up to float32 summation order (SPEC 4).
 
     ``impl``: as ``decode``'s, the rule ``gluon_shadow_unsupported`` (docs/gluon.md):
-    ``"gluon"`` runs the Gluon sm90 kernel on the shadows it reads (``fp16`` storage
-    with V̂ shared with K̂, or K and V not quantized; not verified on a GPU yet) and
-    is a ValueError naming ``impl`` elsewhere; ``"auto"`` runs the Triton kernel
-    while ``GLUON_SHADOW_AUTO`` is False. ``config``: a ``DecodeConfig`` (Triton) or
-    a ``GluonDecodeConfig`` (implies ``"gluon"``).
+    ``"gluon"`` runs the Gluon sm90 kernel on the shadows it reads (``fp16`` storage:
+    V̂ shared with K̂, or a V̂ section (nvfp4, dynamic K, K and V of different recipes);
+    or K and V not quantized; not verified on a GPU yet) and is a ValueError naming
+    ``impl`` elsewhere; ``"auto"`` runs the Triton kernel while ``GLUON_SHADOW_AUTO``
+    is False. ``config``: a ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
+    (implies ``"gluon"``; with a V̂ section only ``SEPARATE_V_CONFIG``).
     """
     chosen = check_impl(impl)
     qq = _check_quant(quant)
@@ -666,9 +668,8 @@ def decode_shadow(
     cache = _check_cache(kv_cache, kv_lora_rank + c.rope)
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
-    # the tiles the Gluon kernel reads: K̂ (= V̂) of a float16 shadow, else the raw rows
-    tiles = kh if kh is not None and lay.v_shared and st == "fp16" else cache
-    families = (_ShadowFamily(lay, (kh, ks, vh)), partial(_GluonShadowFamily, tiles=tiles))
+    tiles, gluon = _gluon_tiles(qq, lay, c.q_nope.dtype, cache, (kh, ks, vh), config)
+    families = (_ShadowFamily(lay, (kh, ks, vh)), gluon)
     rule = partial(gluon_shadow_unsupported, layout=lay)
     family, cfg = _dispatch(c, tiles, qq, kv_lora_rank, chosen, config, families, rule)
     return run_decode(
@@ -690,44 +691,97 @@ def gluon_shadow_recipe(
     """The ``GluonRecipe`` of a shadow read with ``quant`` by q of ``dtype``, or why the
     Gluon kernel does not take it (a pure function).
 
-    Taken: q and P as ``gluon_recipe`` (none or fp8); K and V both none (the raw rows,
-    as ``decode``), or fp8 with one static scale in ``fp16`` storage (the tiles are the
-    shadow's K̂, V̂ its first 512 features; any scale: the kernel applies K's to the
-    scores and ``gs_p gs_v`` to the output, as the Triton shadow kernel), with q̂
-    quantized or q float16 (q bfloat16 would need the float16 K̂ cast in the tile).
+    Taken: q and P none, fp8 or nvfp4 (``gluon_recipe(nvfp4_qp=True)``); K and V both
+    none (the raw rows, as ``decode``); else ``fp16`` storage with K's tiles the
+    shadow's K̂ (raw rows for K none) and, for V: fp8 with K's static scale, V̂ = K̂'s
+    first 512 features (any scale: the kernel applies K's to the scores and ``gs_p
+    gs_v`` to the output, as the Triton shadow kernel); any other quantized V, the V̂
+    section in tiles of their own (``v_sep``: 32-token tiles), nvfp4's open block
+    quantized from the raw rows, a dynamic K's per-token scales from the shadow. A
+    float16 K̂ needs q̂ quantized or q float16 (q bfloat16 would need K̂ cast in the
+    tile). Refused: packed storage, dynamic V, K quantized with V not.
     """
     qq = quant if quant is not None else AttentionQuant()
-    base = gluon_recipe(AttentionQuant(q=qq.q, p=qq.p))
+    base = gluon_recipe(AttentionQuant(q=qq.q, p=qq.p), nvfp4_qp=True)
     if isinstance(base, str):
         return base
     if qq.k.is_identity and qq.v.is_identity:
         return base
     if layout.storage != "fp16":
         return f"shadow storage {layout.storage!r} is not implemented in the Gluon kernel yet"
-    if not layout.v_shared:
+    ko, vo = _operand(qq.k), _operand(qq.v)
+    if ko.code and not base.q_scaled and dtype != torch.float16:
+        return f"q {dtype} not quantized with a quantized K: K̂ is float16 (no cast in the tile)"
+    if layout.v_shared:
+        return replace(base, shadow_f16=True, k_fmt=ko.code, k_gs=ko.gs, v_gs=ko.gs)
+    if vo.code == 0:
         return (
-            "K̂ and V̂ from different rows (a V̂ section: nvfp4, dynamic K, K and V in different "
-            "formats or scales; or one of them not quantized) are not implemented in the Gluon "
-            "kernel yet"
+            "K quantized with V not (raw V tiles beside K̂) is not implemented in the Gluon kernel"
         )
-    if not base.q_scaled and dtype != torch.float16:
-        return f"q {dtype} not quantized with an fp8 shadow: K̂ is float16 (no cast in the tile)"
-    gs = _operand(qq.k).gs
-    return replace(base, shadow_f16=True, k_gs=gs, v_gs=gs)
+    if vo.dynamic:
+        return "a dynamic V scale is not implemented in the Gluon kernel"
+    return replace(
+        base, shadow_f16=ko.code != 0, k_fmt=ko.code, k_gs=ko.gs, v_gs=vo.gs, v_sep=True,
+        v_f16=True, v_tail=vo.code == 2, v_exact=not vo.pow2, k_dyn=ko.dynamic,
+    )  # fmt: skip
 
 
 def gluon_shadow_unsupported(
     f: GluonFacts, *, layout: ShadowLayout, forced: bool = False
 ) -> Unsupported | None:
-    """``gluon_unsupported`` for ``decode_shadow`` (``f`` of the tiles the Gluon kernel
-    reads) with the shadow's recipe rule (``gluon_shadow_recipe``); ``"auto"`` (not
+    """``gluon_unsupported`` for ``decode_shadow`` (``f`` of the K tiles the Gluon kernel
+    reads; page and row strides multiples of 8 elements, the 16-byte rows of every
+    shadow) with the shadow's recipe rule (``gluon_shadow_recipe``); ``"auto"`` (not
     ``forced``) is refused first while ``GLUON_SHADOW_AUTO`` is off (so nothing is
     logged). A pure function of its arguments and that switch."""
     if not forced and not GLUON_SHADOW_AUTO:
         return Unsupported("decode_shadow's Gluon kernel is not verified on a GPU yet", False)
     return gluon_unsupported(
-        f, forced=forced, recipe=lambda quant: gluon_shadow_recipe(quant, layout, f.dtype)
-    )
+        f, forced=forced, recipe=lambda quant: gluon_shadow_recipe(quant, layout, f.dtype),
+        stride_align=8,
+    )  # fmt: skip
+
+
+def _gluon_tiles(
+    quant: AttentionQuant,
+    lay: ShadowLayout,
+    dtype: torch.dtype,
+    cache: torch.Tensor,
+    views: _Views,
+    config: object,
+) -> tuple[torch.Tensor, Any]:
+    """What ``decode_shadow``'s Gluon kernel reads: the K tiles (the facts' tensor) and
+    the factory of its split family from a ``GluonDecodeConfig``.
+
+    K̂ = V̂ (fp8, one scale) or K and V none: one ring of tiles, the shadow's K̂ or the
+    raw rows. A V̂ section (``GluonRecipe.v_sep``): ``(K tiles, V̂, raw rows, K
+    scales)``, ``SEPARATE_V_CONFIG`` (another ``GluonDecodeConfig``: a ValueError naming
+    ``config``)."""
+    kh, ks, vh = views
+    rec = gluon_shadow_recipe(quant, lay, dtype)
+    if not isinstance(rec, GluonRecipe) or not rec.v_sep:
+        # K̂ (= V̂) of a float16 shadow, else the raw rows
+        tiles = kh if kh is not None and lay.v_shared and lay.storage == "fp16" else cache
+        return tiles, partial(_GluonShadowFamily, cache=((tiles,), _strides(tiles)))
+    if isinstance(config, GluonDecodeConfig) and config != SEPARATE_V_CONFIG:
+        raise ValueError(
+            f"config: a shadow with a V̂ section runs the Gluon kernel as "
+            f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {config.name}"
+        )
+    assert vh is not None  # v_sep: the recipe has a V̂ section
+    tiles = kh if kh is not None else cache
+    ptrs = (tiles, vh, cache, ks if ks is not None else cache)
+    strides = tuple(x for t in ptrs for x in _strides(t))
+
+    def family(cfg: GluonDecodeConfig) -> _GluonShadowFamily:
+        del cfg  # the default, or SEPARATE_V_CONFIG (checked above)
+        return _GluonShadowFamily(SEPARATE_V_CONFIG, cache=(ptrs, strides), v_sep=True)
+
+    return tiles, family
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int]:
+    return (t.stride(0), t.stride(1))
 
 
 class _ShadowFamily(SplitFamily):
@@ -760,19 +814,30 @@ class _ShadowFamily(SplitFamily):
 
 
 class _GluonShadowFamily(_GluonFamily):
-    """``decode_shadow(impl="gluon")``: the Gluon kernel on ``tiles`` (a float16 shadow's
-    K̂ section ``[N, P, 576]``, V̂ its first 512 features; or the raw cache when K and V
-    are not quantized), read as they are: no QDQ in the kernel (``KV_FP8`` False)."""
+    """``decode_shadow(impl="gluon")``: the Gluon kernel on a shadow's tiles, read as they
+    are (no QDQ in the kernel: ``KV_FP8`` False). ``cache``: the kernel's cache pointers
+    and their (page, row) strides: ``((tiles,), ...)`` (a float16 K̂ ``[N, P, 576]``, V̂ its
+    first 512 features; or the raw cache for K and V none), or with ``v_sep`` ``(K tiles,
+    V̂, raw rows, K scales)`` (``V_SEP``; ``V_TAIL`` for nvfp4 V)."""
 
-    def __init__(self, config: GluonDecodeConfig, *, tiles: torch.Tensor) -> None:
+    def __init__(
+        self,
+        config: GluonDecodeConfig,
+        *,
+        cache: tuple[tuple[torch.Tensor, ...], tuple[int, ...]],
+        v_sep: bool = False,
+    ) -> None:
         super().__init__(config)
-        self.tiles = tiles
+        self.cache = cache
+        self.v_sep = v_sep
 
     def v_shares_k(self, ops: _Operands) -> bool:
-        return ops[1].code != 0  # the tiles hold K̂ = V̂ (gluon_shadow_recipe)
+        return ops[1].code != 0 and not self.v_sep  # the tiles hold K̂ = V̂
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
-        return super().extra_args(cache, cfg, ops) | {"KV_FP8": False}
+        return super().extra_args(cache, cfg, ops) | {
+            "KV_FP8": False, "V_SEP": self.v_sep, "V_TAIL": self.v_sep and ops[2].code == 2,
+        }  # fmt: skip
 
     def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-        return (self.tiles,), (self.tiles.stride(0), self.tiles.stride(1))
+        return self.cache

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla_triton import qdq_device as dev
+from mla_triton.kernels import common
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 NUM_WARPS = 8
@@ -49,67 +50,59 @@ _HEADS: gl.constexpr = gl.constexpr(BLOCK_H)
 # Register layout of the tile copies: 16 bytes a thread, 8 threads along a 128-byte row
 # segment, 4 rows a warp; the kv_c and k_pe parts share its rows (one block-table lookup).
 _LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+_ROWS: gl.constexpr = gl.SliceLayout(1, _LD)
+# The open nvfp4 V block, 128 columns at a time: [16, 128] over the CTA, 8 elements a thread.
+_LD16: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, NUM_WARPS // 4], [1, 0])
 
 
 @gluon.jit
 def _tile_rows(
-    bt_row, start, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks,
-    PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    bt_row, start, hi, stride_bt_p, num_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    layout: gl.constexpr = _ROWS,
 ):  # fmt: skip
-    """Element offsets ``[BLOCK_N]`` (int64) of the latent rows ``[start, start + BLOCK_N)``
-    and which of them use a block-table entry outside ``[0, num_blocks)`` (those are
-    read from page 0 instead); rows at or past ``hi`` read no table entry."""
-    tok = start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _LD))
+    """``(page, slot)`` ``[BLOCK_N]`` (int64) of the tokens ``[start, start + BLOCK_N)`` and
+    which of them use a block-table entry outside ``[0, num_blocks)`` (those read page 0
+    instead); tokens at or past ``hi`` read no table entry."""
+    tok = start + gl.arange(0, BLOCK_N, layout)
     valid = tok < hi
     page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
     bad = valid & ((page < 0) | (page >= num_blocks))
     page = gl.where(bad, 0, page)
-    return page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row, bad
+    return (page, (tok % PAGE).to(gl.int64)), bad
 
 
 @gluon.jit
-def _issue_tile(
-    kv_smem,
-    kpe_smem,
-    kv_ptr,
-    rows,
-    start,
-    hi,
-    D1: gl.constexpr,
-    D2: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """``cp.async`` the latent rows at ``rows`` (``_tile_rows`` of ``start``; those below
-    ``hi``) into ``kv_smem [BLOCK_N, D1]`` and ``kpe_smem [BLOCK_N, D2]``, one commit group.
-    Rows at or past ``hi`` are zero-filled."""
-    valid = (start + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _LD))) < hi
-    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, _LD))
+def _copy_rows(smem, ptr, rows, strides, col0, valid):
+    """``cp.async`` ``smem [BLOCK_N, W]`` from the rows ``rows = (page, slot)`` of ``ptr``
+    (page and row ``strides``, multiples of 8 elements: 16-byte rows), columns ``col0 ..
+    col0 + W``; rows not ``valid`` are zero-filled."""
+    offs = gl.arange(0, smem.shape[1], gl.SliceLayout(0, _LD))
+    base = gl.multiple_of(rows[0] * strides[0] + rows[1] * strides[1], 8)
     cp.async_copy_global_to_shared(
-        kv_smem, kv_ptr + rows[:, None] + offs_d1[None, :], mask=valid[:, None]
+        smem, ptr + base[:, None] + col0 + offs[None, :], mask=valid[:, None]
     )
-    offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, _LD))
-    cp.async_copy_global_to_shared(
-        kpe_smem, kv_ptr + rows[:, None] + D1 + offs_d2[None, :], mask=valid[:, None]
-    )
-    cp.commit_group()
 
 
 @gluon.jit
 def _advance(
-    kv_ring, kpe_ring, kv_ptr, rows, t, lo, hi, bt_row, stride_bt_p, stride_kv_page,
-    stride_kv_row, num_blocks, D1: gl.constexpr, D2: gl.constexpr, PAGE: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    rings, ptrs, strides, rows, t, lo, hi, v_hi, bt_row, stride_bt_p, num_blocks,
+    PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_SEP: gl.constexpr,
 ):  # fmt: skip
-    """Copy tile ``t`` of the split (``rows``: its row offsets) into its ring slot and
-    look up the rows of tile ``t + 1``: ``_tile_rows``'s ``(rows, bad)``."""
-    _issue_tile(
-        kv_ring.index(t % STAGES), kpe_ring.index(t % STAGES), kv_ptr, rows,
-        lo + t * BLOCK_N, hi, D1, D2, BLOCK_N,
-    )  # fmt: skip
-    return _tile_rows(
-        bt_row, lo + (t + 1) * BLOCK_N, hi, stride_bt_p, stride_kv_page, stride_kv_row,
-        num_blocks, PAGE, BLOCK_N,
-    )  # fmt: skip
+    """Copy tile ``t`` of the split (``rows``: its ``(page, slot)``) into its ring slot, one
+    commit group: K (``[BLOCK_N, D1]`` + ``[BLOCK_N, D2]`` of ``ptrs[0]``'s rows, zeros at
+    or past ``hi``) and with ``V_SEP`` V̂ (``[BLOCK_N, D1]`` of ``ptrs[1]``'s rows, zeros
+    at or past ``v_hi``); then look up the rows of tile ``t + 1``: ``_tile_rows``'s
+    ``(rows, bad)``."""
+    D1: gl.constexpr = rings[0].shape[2]
+    tok = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, _LD))
+    k_strides = (strides[0], strides[1])
+    _copy_rows(rings[0].index(t % STAGES), ptrs[0], rows, k_strides, 0, tok < hi)
+    _copy_rows(rings[1].index(t % STAGES), ptrs[0], rows, k_strides, D1, tok < hi)
+    if V_SEP:
+        v_strides = (strides[2], strides[3])
+        _copy_rows(rings[2].index(t % STAGES), ptrs[1], rows, v_strides, 0, tok < v_hi)
+    cp.commit_group()
+    return _tile_rows(bt_row, lo + (t + 1) * BLOCK_N, hi, stride_bt_p, num_blocks, PAGE, BLOCK_N)
 
 
 @gluon.jit
@@ -121,20 +114,82 @@ def _scores(q1_smem, q2_smem, kv_tile, kpe_tile, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_el, valid, row_scale, RAW: gl.constexpr):
+def _softmax_step(
+    s, m_i, l_el, valid, row_scale, col_scale, RAW: gl.constexpr, K_DYN: gl.constexpr
+):
     """One tile of the base-2 online softmax with an integer running maximum (exact
     rescales): ``(P, alpha, m_new, l_el)`` with the denominators kept per element.
 
-    ``row_scale [64]``: softmax scale times log2(e) (and q's, K's global scales).
-    ``RAW`` (an operand read raw): an infinite score becomes NaN, as in the Triton kernel.
+    ``row_scale [64]``: softmax scale times log2(e) (and q's, K's static global scales);
+    ``col_scale [BLOCK_N]`` with ``K_DYN``: each token's dynamic K global scale.
+    ``RAW`` (K read raw, or q not quantized): an infinite score becomes NaN, as in the
+    Triton kernels.
     """
     # raw: the rounded product plus (s - s), NaN where s is not finite
     t = gl.fma(s, row_scale[:, None], s - s) if RAW else s * row_scale[:, None]
+    if K_DYN:
+        t = t * col_scale[None, :]
     t = gl.where(valid[None, :], t, float("-inf"))
     m_new = gl.maximum(m_i, gl.ceil(gl.max(t, axis=1)))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - m_new[:, None])
     return p, alpha, m_new, l_el * alpha[:, None] + p
+
+
+@gluon.jit
+def _col_scales(ks_ptr, strides, bt_row, start, hi, stride_bt_p, num_blocks, PAGE: gl.constexpr,
+                BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """Dynamic K: the float32 global scale of each token of the tile at ``start``
+    (``[BLOCK_N]``, 1 at or past ``hi``), from the shadow's K-scale section."""
+    (page, slot), _ = _tile_rows(bt_row, start, hi, stride_bt_p, num_blocks, PAGE, BLOCK_N, layout)
+    valid = start + gl.arange(0, BLOCK_N, layout) < hi
+    return gl.load(ks_ptr + page * strides[6] + slot * strides[7], mask=valid, other=1.0)
+
+
+@gluon.jit
+def _nvfp4_v_block(x, v_scales, V_EXACT: gl.constexpr):
+    """Factored nvfp4 V̂ of one 16-token block ``x [16, D1]`` (float32, zeros past the
+    sequence's end): blocks of 16 along the tokens, i.e. each column is a block.
+    ``common.qdq_latent``'s arithmetic (``qdq_device.nvfp4_qdq_fast`` with ``snap_ties``
+    for a power-of-two ``gs``, ``nvfp4_qdq`` with the exact division otherwise), so
+    equal to ``mla_formats`` bit for bit; a non-finite element makes its block NaN."""
+    gs, _, inv_6gs = v_scales
+    a = gl.abs(x)
+    bmax = dev.nan_max(a, 0)[None, :]
+    if V_EXACT:
+        sb = dev.nvfp4_block_scale(bmax, gs)
+        mag = dev.e2m1_scaled(a, sb * gs, True) * sb
+    else:
+        sb, inv = dev._nvfp4_fast_blocks(a, bmax, gs, inv_6gs, True, True)
+        mag = dev.e2m1_round_nonneg(dev.snap_ties(a * inv)) * sb
+    return gl.where(x < 0, -mag, mag)
+
+
+@gluon.jit
+def _tail_v(vh_tile, raw_ptr, strides, bt_row, start, hi, stride_bt_p, num_blocks, v_scales,
+            PAGE: gl.constexpr, V_EXACT: gl.constexpr):  # fmt: skip
+    """nvfp4 V: the sequence's open 16-token block (``ob = 16 (hi // 16) < hi``, in this
+    tile) has no V̂ in the shadow (the copy left its rows zero): quantize it from the raw
+    rows (``ptrs[2]``), zeros past ``hi``, into its 16 rows of ``vh_tile``. The caller
+    fences and meets at a barrier before the P V MMA."""
+    D1: gl.constexpr = vh_tile.shape[1]
+    BLOCK_N: gl.constexpr = vh_tile.shape[0]
+    ob = (hi // 16) * 16
+    # one page holds the block (PAGE is a multiple of 16); a page outside the cache was
+    # flagged with the tile's rows and reads page 0
+    page = gl.load(bt_row + (ob // PAGE) * stride_bt_p).to(gl.int64)
+    page = gl.where((page < 0) | (page >= num_blocks), 0, page)
+    offs_o = gl.arange(0, 16, gl.SliceLayout(1, _LD16))
+    rows = page * strides[4] + ((ob % PAGE) + offs_o).to(gl.int64) * strides[5]
+    W: gl.constexpr = 128  # columns a piece (each column is a block: pieces are independent)
+    offs_d = gl.arange(0, W, gl.SliceLayout(0, _LD16))
+    for c in gl.static_range(D1 // W):
+        x = gl.load(raw_ptr + rows[:, None] + c * W + offs_d[None, :],
+                    mask=(ob + offs_o < hi)[:, None], other=0.0)  # fmt: skip
+        y = _nvfp4_v_block(x.to(gl.float32), v_scales, V_EXACT).to(vh_tile.dtype)
+        for k in gl.static_range(BLOCK_N // 16):  # the open block's place in the tile
+            if start + 16 * k == ob:
+                vh_tile.slice(16 * k, 16, dim=0).slice(c * W, W, dim=1).store(y)
 
 
 @gluon.jit
@@ -155,11 +210,11 @@ def _qdq_tile_fp8(kv_raw, kpe_raw, kv_mma, kpe_mma, k_inv_gs):
 
 
 @gluon.jit
-def _p_hat(p, p_inv_gs, P_FMT: gl.constexpr):
-    """P̂ (factored) for the P V MMA: fp8 along the tokens (per element), or P itself."""
-    if P_FMT == 1:
-        p = dev.fp8_qdq_p(p, p_inv_gs, True)
-    return p
+def _p_hat(p, p_scales, P_FMT: gl.constexpr):
+    """P̂ (factored) for the P V MMA, ``common.qdq_p`` on S's layout: fp8 per element,
+    nvfp4 in blocks of 16 tokens at multiples of 16 (within a warpgroup's half of the
+    tile), or P itself. ``p_scales = (gs, 1 / gs, 1 / (6 gs))``."""
+    return common.qdq_p(p, p_scales, P_FMT, True, p.shape[0], p.shape[1])
 
 
 @gluon.jit
@@ -181,14 +236,20 @@ def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, d
 def gluon_decode_split_kernel(
     split,
     k_inv_gs,
-    p_inv_gs,
+    v_scales,  # (gs_v, 1 / gs_v, 1 / (6 gs_v)): the open nvfp4 V block (V_TAIL)
+    p_scales,  # (gs_p, 1 / gs_p, 1 / (6 gs_p))
     out_scale,  # gs_p * gs_v
     num_splits,
     SHAPE: gl.constexpr,
     STAGES: gl.constexpr,
     OVERLAP: gl.constexpr,
     Q_SCALED: gl.constexpr,
+    K_FMT: gl.constexpr,
     KV_FP8: gl.constexpr,
+    V_SEP: gl.constexpr,
+    V_TAIL: gl.constexpr,
+    V_EXACT: gl.constexpr,
+    K_DYN: gl.constexpr,
     P_FMT: gl.constexpr,
     MULTI_SPLIT: gl.constexpr,
 ):
@@ -198,19 +259,29 @@ def gluon_decode_split_kernel(
     cache rows ``D1 + D2`` wide, out ``[B, H, D1]`` and lse ``[B, H]`` (one split) or
     workspace acc ``[B, num_splits, H, D1]`` and ``(m, l)`` ``[B, num_splits, H, 2]``.
     Recipes: ``Q_SCALED``: q is q̂ (factored, by ``decode_q_kernel``) with its global
-    scales ``qgs [B, H]``; ``KV_FP8``: K̂ = V̂ (fp8, one static power-of-two global scale)
-    quantized in place once the tile has landed; ``P_FMT`` 0 or 1 (fp8). ``split`` and
+    scales ``qgs [B, H]``; ``K_FMT``: K's format (0: the tiles are raw, so an infinite
+    score becomes NaN); ``KV_FP8``: K̂ = V̂ (fp8, one static power-of-two global scale)
+    quantized in place once the tile has landed; ``P_FMT`` 0, 1 (fp8) or 2 (nvfp4). ``split`` and
     ``SHAPE`` as the Triton split kernels' (``kernels.common.split_program``; ``cache =
     (kv_ptr,)``, ``BLOCK_H`` 64); ``num_splits`` a runtime argument, ``MULTI_SPLIT``
     (``num_splits > 1``) the epilogue, as theirs.
+
+    ``V_SEP`` (``decode_shadow`` with a V̂ section, or K and V from different rows):
+    ``cache = (k_ptr, v_ptr, raw_ptr, ks_ptr)`` with four (page, row) stride pairs: the
+    K tiles (a float16 shadow's K̂ ``[.., 576]`` or the raw rows), the V tiles (its V̂
+    ``[.., 512]``, or the raw rows), the raw cache and the dynamic K scales (``K_DYN``:
+    float32, one a token, multiplied into S's columns). ``V_TAIL`` (nvfp4 V): the
+    sequence's open 16-token block has no V̂ yet and is quantized here from the raw rows
+    (``_tail_v``; ``V_EXACT``: ``gs_v`` not a power of two).
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
-    (kv_ptr,) = split[1]
+    ptrs = split[1]  # (kv_ptr,), or with V_SEP (k_ptr, v_ptr, raw_ptr, ks_ptr)
+    k_ptr = ptrs[0]
     bt_ptr, seq_lens_ptr = split[2], split[3]
     out_ptr, lse_ptr = split[4]
     wacc_ptr, wml_ptr = split[5]
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h = split[6]
-    stride_kv_page, stride_kv_row = split[7]
+    strides = split[7]  # (page, row) of each cache pointer
     stride_bt_b, stride_bt_p = split[8]
     stride_sl = split[9]
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h = split[10]
@@ -223,8 +294,11 @@ def gluon_decode_split_kernel(
     HEAD_GROUPS: gl.constexpr = SHAPE[5]
     SPLIT_ALIGN_: gl.constexpr = SHAPE[6]
     gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
-    dtype: gl.constexpr = kv_ptr.dtype.element_ty  # the raw cache
-    mma: gl.constexpr = qn_ptr.dtype.element_ty  # q (or q̂), K̂, V̂ and P̂ in the MMAs
+    gl.static_assert(not (V_SEP and (OVERLAP or KV_FP8)), "V_SEP: the plain loop, no QDQ")
+    gl.static_assert((not V_TAIL and not K_DYN) or V_SEP, "V_TAIL, K_DYN: shadow sections")
+    gl.static_assert(PAGE % 16 == 0 or not V_TAIL, "PAGE: a multiple of 16 (V blocks)")
+    dtype: gl.constexpr = k_ptr.dtype.element_ty  # the K tiles as stored
+    mma: gl.constexpr = qn_ptr.dtype.element_ty  # q (or q̂) and K in the S MMA
     # S [64, BLOCK_N]: each warpgroup half of the tokens; O [64, D1]: half the features.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
@@ -234,6 +308,7 @@ def gluon_decode_split_kernel(
     )
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     pid = gl.program_id(0)
     hg = pid % HEAD_GROUPS
@@ -249,6 +324,9 @@ def gluon_decode_split_kernel(
     lo = split * chunk
     hi = gl.minimum(lo + chunk, seq_len)
     n_tiles = gl.maximum(hi - lo + BLOCK_N - 1, 0) // BLOCK_N
+    # nvfp4 V: V̂ rows exist below the open block's start (hi is the sequence's end or a
+    # multiple of SPLIT_ALIGN, so every block below it is complete or the open one)
+    v_hi = (hi // 16) * 16 if V_TAIL else hi
 
     q1_smem = _q_rows_smem(qn_ptr, b, hg, stride_qn_b, stride_qn_h, num_heads, D1, mma)
     q2_smem = _q_rows_smem(qp_ptr, b, hg, stride_qp_b, stride_qp_h, num_heads, D2, mma)
@@ -256,26 +334,33 @@ def gluon_decode_split_kernel(
     if Q_SCALED:
         offs_hs = hg * _HEADS + gl.arange(0, _HEADS, row_s)
         row_scale *= gl.load(qgs_ptr + b * num_heads + offs_hs, mask=offs_hs < num_heads, other=1.0)
-    RAW: gl.constexpr = (not KV_FP8) or (not Q_SCALED)
+    RAW: gl.constexpr = (K_FMT == 0) or (not Q_SCALED)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], dtype)
     kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, BLOCK_N], mma)
     kv_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], kv_layout)
     kpe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kpe_layout)
     # the same buffers as the MMAs read them (K̂ = V̂ rewritten in place in their type)
     kv_mma = kv_ring._reinterpret(mma)
     kpe_mma = kpe_ring._reinterpret(mma)
+    # V̂ tiles of their own with V_SEP (the P V MMA's B, in their stored type; so is P),
+    # else V is the first D1 features of the K tile
+    pv: gl.constexpr = ptrs[1].dtype.element_ty if V_SEP else mma
+    if V_SEP:
+        vh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], pv)
+        vh_ring = gl.allocate_shared_memory(pv, [STAGES, BLOCK_N, D1], vh_layout)
+    else:
+        vh_ring = kv_mma
+    rings = (kv_ring, kpe_ring, vh_ring)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, BLOCK_N], pv)
 
     bt_row = bt_ptr + b * stride_bt_b
     # The block-table lookup runs one tile ahead of the copy issue (its latency hides
     # behind an iteration); n_bad: a row whose page lies outside the cache, any tile.
-    rows_next, n_bad = _tile_rows(
-        bt_row, lo, hi, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE, BLOCK_N
-    )
+    rows_next, n_bad = _tile_rows(bt_row, lo, hi, stride_bt_p, num_blocks, PAGE, BLOCK_N)
     for j in gl.static_range(STAGES - 1):
         rows_next, bad = _advance(
-            kv_ring, kpe_ring, kv_ptr, rows_next, j, lo, hi, bt_row, stride_bt_p,
-            stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N, STAGES,
+            rings, ptrs, strides, rows_next, j, lo, hi, v_hi, bt_row, stride_bt_p,
+            num_blocks, PAGE, BLOCK_N, STAGES, V_SEP,
         )  # fmt: skip
         n_bad |= bad
 
@@ -283,7 +368,8 @@ def gluon_decode_split_kernel(
     # The denominators stay per element of S until the end: no cross-warpgroup sum per tile.
     l_el = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([_HEADS, D1], gl.float32, o_layout)
-    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, col_s)
+    col_scale = gl.full([BLOCK_N], 1.0, gl.float32, col_s)
 
     if OVERLAP:
         # The softmax of tile i + 1 runs on the ALUs while P V of tile i runs on the
@@ -300,8 +386,10 @@ def gluon_decode_split_kernel(
         gl.barrier()
         s = _scores(q1_smem, q2_smem, kv_mma.index(0), kpe_mma.index(0), s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, lo + offs_n < hi, row_scale, RAW)
-        p_ring.index(0).store(_p_hat(p, p_inv_gs, P_FMT).to(mma))
+        p, alpha, m_i, l_el = _softmax_step(
+            s, m_i, l_el, lo + offs_n < hi, row_scale, col_scale, RAW, False
+        )
+        p_ring.index(0).store(_p_hat(p, p_scales, P_FMT).to(mma))
         for i in range(n_tiles):
             cp.wait_group(STAGES - 3)  # tile i + 1 has landed (this thread's copies) ...
             nx = (i + 1) % STAGES
@@ -320,27 +408,35 @@ def gluon_decode_split_kernel(
             acc = warpgroup_mma(p_ring.index(i % 2), kv_mma.index(i % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_next,))  # S of tile i + 1 done, P V in flight
             valid = (lo + (i + 1) * BLOCK_N + offs_n) < hi
-            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, row_scale, RAW)
-            p_ring.index((i + 1) % 2).store(_p_hat(p, p_inv_gs, P_FMT).to(mma))
+            p, alpha, m_i, l_el = _softmax_step(
+                s, m_i, l_el, valid, row_scale, col_scale, RAW, False
+            )
+            p_ring.index((i + 1) % 2).store(_p_hat(p, p_scales, P_FMT).to(mma))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             nxt = i + STAGES - 1  # into the buffer of tile i - 1: both warpgroups are past it
             rows_next, bad = _advance(
-                kv_ring, kpe_ring, kv_ptr, rows_next, nxt, lo, hi, bt_row, stride_bt_p,
-                stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N, STAGES,
+                rings, ptrs, strides, rows_next, nxt, lo, hi, v_hi, bt_row, stride_bt_p,
+                num_blocks, PAGE, BLOCK_N, STAGES, V_SEP,
             )  # fmt: skip
             n_bad |= bad
     else:
-        p_smem = gl.allocate_shared_memory(mma, [_HEADS, BLOCK_N], p_layout)
+        p_smem = gl.allocate_shared_memory(pv, [_HEADS, BLOCK_N], p_layout)
         for i in range(n_tiles):
             # Both warpgroups are done with tile i - 1 (its P V was waited for): free.
             gl.barrier()
             nxt = i + STAGES - 1
             rows_next, bad = _advance(
-                kv_ring, kpe_ring, kv_ptr, rows_next, nxt, lo, hi, bt_row, stride_bt_p,
-                stride_kv_page, stride_kv_row, num_blocks, D1, D2, PAGE, BLOCK_N, STAGES,
+                rings, ptrs, strides, rows_next, nxt, lo, hi, v_hi, bt_row, stride_bt_p,
+                num_blocks, PAGE, BLOCK_N, STAGES, V_SEP,
             )  # fmt: skip
             n_bad |= bad
+            start = lo + i * BLOCK_N
+            if K_DYN:  # issued before the wait: its latency hides behind the copies
+                col_scale = _col_scales(
+                    ptrs[3], strides, bt_row, start, hi, stride_bt_p, num_blocks, PAGE,
+                    BLOCK_N, col_s,
+                )  # fmt: skip
             cp.wait_group(STAGES - 1)  # tile i has landed (this thread's copies) ...
             cur = i % STAGES
             if KV_FP8:
@@ -352,18 +448,26 @@ def gluon_decode_split_kernel(
                     kpe_mma.index(cur),
                     k_inv_gs,
                 )
+            if V_TAIL:  # noqa: SIM102 (a constexpr branch, then the tile holding the block)
+                if (v_hi < hi) & (start <= v_hi) & (v_hi < start + BLOCK_N):
+                    gl.barrier()  # every thread's copies (the open block's zero rows) landed
+                    _tail_v(
+                        vh_ring.index(cur), ptrs[2], strides, bt_row, start, hi,
+                        stride_bt_p, num_blocks, v_scales, PAGE, V_EXACT,
+                    )  # fmt: skip
             fence_async_shared()
             gl.barrier()  # ... and every thread's
-            kv_tile = kv_mma.index(cur)
-            s = _scores(q1_smem, q2_smem, kv_tile, kpe_mma.index(cur), s_layout)
+            s = _scores(q1_smem, q2_smem, kv_mma.index(cur), kpe_mma.index(cur), s_layout)
             s = warpgroup_mma_wait(0, deps=(s,))
-            valid = (lo + i * BLOCK_N + offs_n) < hi
-            p, alpha, m_i, l_el = _softmax_step(s, m_i, l_el, valid, row_scale, RAW)
+            valid = (start + offs_n) < hi
+            p, alpha, m_i, l_el = _softmax_step(
+                s, m_i, l_el, valid, row_scale, col_scale, RAW, K_DYN
+            )
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_smem.store(_p_hat(p, p_inv_gs, P_FMT).to(mma))
+            p_smem.store(_p_hat(p, p_scales, P_FMT).to(pv))
             fence_async_shared()
             gl.barrier()  # both halves of P are in shared memory
-            acc = warpgroup_mma(p_smem, kv_tile, acc, is_async=True)
+            acc = warpgroup_mma(p_smem, vh_ring.index(cur), acc, is_async=True)
             # Waited for here, not across the loop's back edge: ptxas serializes every
             # wgmma of the loop (warning C7515) when an async accumulator crosses it.
             acc = warpgroup_mma_wait(0, deps=(acc,))
