@@ -349,6 +349,23 @@ def test_other_geometry_keys_differently() -> None:
     assert split and not split & warmed
 
 
+@pytest.mark.parametrize("name", ["nvfp4-on-read", "nvfp4-shadow", "fp8-shadow"])
+def test_block_count_is_not_a_compile_key(name: str) -> None:
+    """Caches of 1, 37, 64 and 1000 blocks warm the same keys (decode split, merge,
+    q and the shadow's write): vLLM's CUDA-graph memory profile runs on a minimal cache
+    (64 blocks in the serving benchmark, divisible by 16) before the real one, whose
+    block count is of any class; the split kernels take it unspecialized."""
+    quant, shadow = (FP8, True) if name.startswith("fp8") else CPU_ENGINES[name]
+    keys = []
+    for blocks in (1, 37, 64, 1000):
+        engine = make_engine(quant, shadow, blocks=blocks, width=35, max_rows=40,
+                             max_seq_len=2176, dtype=torch.float16, device="cpu")  # fmt: skip
+        keys.append(_keys(lambda e=engine: warm(e, prefill_too=False)))
+    split = {kernel for kernel, _ in keys[0] if kernel.endswith("split_kernel")}
+    assert len(split) == 1, split
+    assert all(k == keys[0] for k in keys), [len(k - keys[0]) for k in keys]
+
+
 def test_compile_only_launches_nothing() -> None:
     """Under compile_only the outputs stay unwritten (and on CPU nothing compiles)."""
     cache = torch.zeros(3, PAGE, RANK + ROPE, dtype=torch.float16)

@@ -903,6 +903,7 @@ def _launch_splits(
     args = split_kernel_args(
         c, kv_cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
         ops, cfg, splits, kv_lora_rank, pv_f16, family.cache_args(kv_cache),
+        own_num_blocks=takes_num_blocks(family.kernel),
     )  # fmt: skip
     grid = (-(-c.heads // cfg.block_h) * splits * c.batch,)
     family.kernel[grid](**args, **family.extra_args(kv_cache, cfg, ops))
@@ -945,6 +946,8 @@ def split_kernel_args(
     kv_lora_rank: int,
     pv_f16: bool,
     cache: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None,
+    *,
+    own_num_blocks: bool = True,
 ) -> dict[str, Any]:
     """The keyword arguments the split kernels share, by name.
 
@@ -952,6 +955,11 @@ def split_kernel_args(
     ``(acc, ml)``; ``queries``: ``(q_nope, q_pe, q_scale)`` as ``_stage_q`` returns them;
     ``operands``: q, k, v, p; ``cache``: the family's cache pointers and their (page,
     row) strides (``SplitFamily.cache_args``; None: the raw cache alone).
+    ``num_blocks`` (the cache's page count) is its own argument, which the kernels
+    do not specialize, so that caches of every size share the compiled variants (vLLM
+    profiles on a minimal cache, then serves on the real one); with
+    ``own_num_blocks`` False (a kernel without that argument: ``takes_num_blocks``)
+    it is also the split tuple's ``sizes[2]``, where the JIT specializes it.
     """
     q_nope, q_pe, q_scale = queries
     qo, ko, vo, po = operands
@@ -961,7 +969,7 @@ def split_kernel_args(
         (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1)), strides,
         (block_table.stride(0), block_table.stride(1)), seq_lens.stride(0),
         (out_t.stride(0), out_t.stride(1), lse_t.stride(0), lse_t.stride(1)),
-        (c.heads, c.capacity, kv_cache.shape[0]),
+        (c.heads, c.capacity) + (() if own_num_blocks else (kv_cache.shape[0],)),
         c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
     )  # fmt: skip
     shape = (kv_lora_rank, c.rope, c.page_size, cfg.block_h, cfg.block_n,
@@ -973,6 +981,7 @@ def split_kernel_args(
         "out_scale": po.gs * vo.gs,
         "SHAPE": shape,
         "num_splits": splits,
+        "num_blocks": kv_cache.shape[0],
         "MULTI_SPLIT": splits > 1,
         "Q_SCALED": qo.code != 0,
         "K_FMT": ko.code,
@@ -985,6 +994,12 @@ def split_kernel_args(
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
+
+
+def takes_num_blocks(kernel: Any) -> bool:
+    """Whether a split kernel (a ``@triton.jit`` function, or a wrapper of one in its
+    ``kernel`` attribute) takes the cache's block count as its own ``num_blocks``."""
+    return "num_blocks" in getattr(kernel, "kernel", kernel).arg_names
 
 
 def _scales(gs: float) -> tuple[float, float, float]:

@@ -258,7 +258,9 @@ def split_program(split, SHAPE: tl.constexpr, num_splits):
     ``partials``, ``q_strides`` and ``o_strides`` as in this module's docstring, ``cache``
     the family's cache pointers (the raw cache's first) and ``cache_strides`` their (page,
     row) strides, ``bt_strides = (stride_bt_b, stride_bt_p)``, ``sizes = (num_heads,
-    capacity, num_blocks)``. ``SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS,
+    capacity)`` (the Triton split kernels take the cache's block count as their own
+    unspecialized ``num_blocks``; a kernel without that argument, the Gluon one, finds it
+    as ``sizes[2]``). ``SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS,
     SPLIT_ALIGN_)``; ``num_splits``: the split count (a runtime value; the constant 1 where
     the kernel's ``MULTI_SPLIT`` is false: one split's program needs no division).
     """

@@ -180,7 +180,7 @@ def decode_q_kernel(
     tl.store(qgs_ptr + b * num_heads + h, gs)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "num_blocks"])
 def decode_split_kernel(
     split,
     k_scales,
@@ -188,6 +188,7 @@ def decode_split_kernel(
     p_scales,
     out_scale,  # gs_p * gs_v
     num_splits,
+    num_blocks,
     SHAPE: tl.constexpr,
     MULTI_SPLIT: tl.constexpr,
     Q_SCALED: tl.constexpr,
@@ -208,7 +209,9 @@ def decode_split_kernel(
     ``SHAPE = (D1, D2, PAGE, BLOCK_H, BLOCK_N, HEAD_GROUPS, SPLIT_ALIGN_)``; ``k_scales``,
     ``v_scales``, ``p_scales``: static ``(gs, 1 / gs, 1 / (6 gs))`` triples. ``num_splits``
     is a runtime argument, not specialized: one compiled kernel serves every split count;
-    ``MULTI_SPLIT`` (``num_splits > 1``) picks the epilogue.
+    ``MULTI_SPLIT`` (``num_splits > 1``) picks the epilogue. ``num_blocks``: the cache's
+    page count (the page-id bound), not specialized either: caches of any size share
+    one compiled kernel.
 
     Shapes: q ``[B, H, D1]`` + ``[B, H, D2]``; cache rows ``D1 + D2`` wide at
     ``page * stride_kv_page + slot * stride_kv_row``; out ``[B, H, D1]``, lse
@@ -230,7 +233,6 @@ def decode_split_kernel(
     )
     lo, hi = prog[5], prog[6]
     (kv_ptr,), (stride_kv_page, stride_kv_row), stride_bt_p = split[1], split[7], split[8][1]
-    num_blocks = split[11][2]
     offs_d1 = tl.arange(0, D1)
     offs_d2 = tl.arange(0, D2)
     pv_dtype = tl.float16 if PV_F16 else kv_ptr.dtype.element_ty

@@ -549,13 +549,14 @@ def _shadow_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "num_blocks"])
 def shadow_decode_split_kernel(
     split,
     v_scales,
     p_scales,
     out_scale,  # gs_p * gs_v
     num_splits,
+    num_blocks,
     MULTI_SPLIT: tl.constexpr,
     SHAPE: tl.constexpr,
     STORE: tl.constexpr,
@@ -573,7 +574,7 @@ def shadow_decode_split_kernel(
 ):
     """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``
     (``split`` with ``cache = (kv_ptr, kh_ptr, ks_ptr, vh_ptr)`` and their (page, row)
-    strides).
+    strides; ``num_splits`` and ``num_blocks`` runtime arguments, not specialized).
 
     The split's tiles that end at or before the sequence's end run in the main
     loop (``_shadow_tile`` with ``FULL``: shadow reads only, no masks). The tile
@@ -595,7 +596,6 @@ def shadow_decode_split_kernel(
     heads, _, bt_row, q1, q2, row_scale, m_i, l_i, acc = split_start(split, prog, Q_SCALED, SHAPE)
     ptrs = split[1]  # (kv_ptr, kh_ptr, ks_ptr, vh_ptr)
     strides = split[7] + (split[8][1],)  # their (page, row) strides, then stride_bt_p
-    num_blocks = split[11][2]
     RECIPE: tl.constexpr = (
         Q_SCALED, K_FMT, K_DYN, V_FMT, V_SRC, V_EXACT, P_FMT, PV_F16, STORE, HW_FP8
     )  # fmt: skip

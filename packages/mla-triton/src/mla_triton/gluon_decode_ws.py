@@ -1,0 +1,197 @@
+"""The warp-specialized Gluon sm90 decode (``kernels.gluon_decode_ws``): launcher and CPU compile.
+
+``decode_ws`` runs the kernel through the decode core (``decode.run_decode``): the
+checks, split policy, workspace, ``split_kernel_args`` and the Triton merge kernel are
+``decode``'s, only the split kernel differs, so its outputs (one split: ``out`` and
+``lse``; several: the workspace partials the merge combines) follow the same contract.
+Recipe none only (bf16/fp16, widths 512 + 64, an sm90 GPU with Triton 3.8: the
+conditions of ``gluon_decode.gluon_unsupported``). Not wired into ``decode``'s
+dispatch: ``WsFamily`` is the split family a dispatch would use.
+
+``compile_ws`` compiles the kernel for sm_90a on any machine (Gluon has no
+interpreter): the CPU test and the GPU script's report use it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mla_formats import AttentionQuant
+from mla_triton import gluon_decode as gd
+from mla_triton.decode import DecodeConfig, _check, _OnRead, _Operands, run_decode
+
+__all__ = ["VARIANTS", "WsConfig", "WsFamily", "compile_ws", "decode_ws", "ws_family"]
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    """Register split of the warp-specialized kernel (three warpgroups, 65536 registers).
+
+    Attributes:
+        math_regs: registers a thread of the worker math warpgroup asks for
+            (``setmaxnreg``; the default partition, math warpgroup 0, gets the rest of
+            the 504 a thread of each of the three warpgroups has: 232 by default).
+        producer_regs: registers a thread of the copy warpgroup asks for.
+    """
+
+    math_regs: int = 232
+    producer_regs: int = 40
+
+    def __post_init__(self) -> None:
+        for name in ("math_regs", "producer_regs"):
+            v = getattr(self, name)
+            if not 24 <= v <= 256 or v % 8:
+                raise ValueError(f"config.{name}: expected a multiple of 8 in [24, 256], got {v}")
+
+    @property
+    def name(self) -> str:
+        """A short label: ``ws-r232-p40``."""
+        return f"ws-r{self.math_regs}-p{self.producer_regs}"
+
+
+VARIANTS: tuple[WsConfig, ...] = (WsConfig(), WsConfig(math_regs=224, producer_regs=56))
+"""The configurations the CPU test compiles and the GPU script times."""
+
+
+def _kernel() -> Any:
+    from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
+
+    return gluon_decode_ws_kernel
+
+
+class WsFamily(_OnRead):
+    """The decode core's split family of the warp-specialized kernel: 64 heads and 64
+    tokens a CTA, four warps a partition, its register split."""
+
+    def __init__(self, config: WsConfig) -> None:
+        self.config = config
+        self.kernel = gd._ByName(_kernel())
+
+    def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
+        from mla_triton.kernels import gluon_decode_ws as k
+
+        return DecodeConfig(block_h=k.BLOCK_H, block_n=k.BLOCK_N, num_warps=k.NUM_WARPS,
+                            num_stages=k.STAGES)  # fmt: skip
+
+    def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
+        return {"MATH_REGS": self.config.math_regs, "PRODUCER_REGS": self.config.producer_regs}
+
+
+@functools.cache
+def ws_family(config: WsConfig) -> WsFamily:
+    """The split family of ``config`` (one per configuration)."""
+    return WsFamily(config)
+
+
+def _recipe_none(quant: AttentionQuant | None) -> gd.GluonRecipe | str:
+    taken = gd.gluon_recipe(quant)
+    if isinstance(taken, str):
+        return taken
+    if taken != gd.UNQUANTIZED:
+        return "the warp-specialized Gluon kernel implements recipe none only"
+    return taken
+
+
+def decode_ws(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int = 512,
+    quant: AttentionQuant | None = None,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    check_values: bool | None = None,
+    config: WsConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla_triton.decode`` (same arguments, shapes and outputs: ``out [B, H, 512]`` in
+    q's dtype, ``lse [B, H]`` float32) through the warp-specialized Gluon split kernel.
+
+    Raises ValueError (naming the argument) before any launch for what ``decode``
+    refuses, for a quantized recipe (``quant``) and where the Gluon kernels cannot run
+    (``impl``: not an sm90 GPU, another Triton release, widths other than 512 + 64).
+    """
+    if config is not None and not isinstance(config, WsConfig):
+        raise ValueError(f"config: expected None or WsConfig, got {type(config).__name__}")
+    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
+    if isinstance(_recipe_none(quant), str):
+        raise ValueError(f"quant: {_recipe_none(quant)}")
+    facts = gd.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
+    why = gd.gluon_unsupported(facts, forced=True, recipe=_recipe_none)
+    if why is not None:
+        raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
+                         f"{why.reason}")  # fmt: skip
+    return run_decode(
+        c, kv_cache, block_table, seq_lens, quant or AttentionQuant(),
+        ws_family(config or VARIANTS[0]), out=out, lse=lse, num_splits=num_splits,
+        workspace=workspace, max_seq_len=max_seq_len, check_values=check_values, config=None,
+        kv_lora_rank=kv_lora_rank,
+    )  # fmt: skip
+
+
+def compile_ws(
+    config: WsConfig = VARIANTS[0], *, dtype: str = "bf16", num_splits: int = 1, page: int = 64,
+    index_dtype: str = "i32",
+) -> gd.CompiledVariant:  # fmt: skip
+    """Compile the warp-specialized kernel for sm_90a on any machine (no GPU needed).
+
+    ``dtype``: ``"bf16"`` or ``"fp16"`` (q, cache and output); ``num_splits``, ``page``:
+    what the launch would pass; strides and sizes marked divisible by 16 as the JIT
+    marks a multiple of 16 (``gluon_decode.compile_variant``'s convention).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_triton.kernels import gluon_decode_ws as k
+    from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
+
+    fn = _kernel()
+    div, i32 = ("i32", True), ("i32", False)
+
+    def ptr(t: str) -> tuple[str, bool]:
+        return (f"*{t}", True)
+
+    split = (
+        (ptr(dtype), ptr(dtype), ptr("fp32")), (ptr(dtype),), ptr(index_dtype),
+        ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
+        (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
+        (i32, i32, i32), ("fp32", False),
+    )  # fmt: skip
+    constexprs: dict[str, Any] = {
+        "SHAPE": (512, 64, page, k.BLOCK_H, k.BLOCK_N, 2, SPLIT_ALIGN),
+        "MULTI_SPLIT": num_splits > 1, "PRODUCER_REGS": config.producer_regs,
+        "MATH_REGS": config.math_regs,
+    }  # fmt: skip
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+
+    def types(node: Any, path: tuple[int, ...]) -> Any:
+        if isinstance(node[0], str):
+            if node[1]:
+                attrs[path] = [["tt.divisibility", 16]]
+            return node[0]
+        return tuple(types(child, (*path, i)) for i, child in enumerate(node))
+
+    signature: dict[str, Any] = {"split": types(split, (0,)), "out_scale": "fp32"}
+    signature["num_splits"] = "i32"
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    assert list(signature) == list(fn.arg_names), fn.arg_names
+    source = GluonASTSource(fn, signature, constexprs, attrs)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": k.NUM_WARPS}
+    )
+    ptx = compiled.asm["ptx"]
+    return gd.CompiledVariant(
+        ptx=ptx, ttgir=compiled.asm["ttgir"], shared=int(compiled.metadata.shared),
+        num_warps=int(compiled.metadata.num_warps), ptxas_info=gd._ptxas_info(ptx),
+    )  # fmt: skip

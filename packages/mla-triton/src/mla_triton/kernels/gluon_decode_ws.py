@@ -1,0 +1,441 @@
+"""Absorbed-MLA split-K decode for Hopper (sm90) in Gluon, warp-specialized (recipe none).
+
+The contract (split bounds, base-2 online softmax with an integer running maximum,
+NaN rules, partial outputs) is ``decode_kernel.decode_split_kernel``'s, as in
+``gluon_decode``; this kernel changes only the schedule, after FlashMLA's sm90 one.
+
+Schedule (one CTA per (64 heads, split, request); three partitions of 4 warps)
+------------------------------------------------------------------------------
+- producer (a warpgroup): block-table lookup and ``cp.async`` of latent tile ``t``
+  (``[64, 512]`` + ``[64, 64]``, rows past the split's end zero-filled) into ring slot
+  ``t % 2`` once both math warpgroups released the slot's previous tile (``free``),
+  then arrives on ``full``. One lookup per row: every page size works.
+- math warpgroup ``r`` (``r`` = 0: the default partition, 1: a worker) owns the
+  tiles ``t`` with ``t % 2 == r`` and the output features ``[256 r, 256 r + 256)``.
+  For its tile ``t`` it issues ``S_t = q K_tᵀ`` (``64 x 64``, all 64 tokens: S is
+  computed once, by one warpgroup), then the other warpgroup's ``P_{t-1} V_{t-1}``
+  (its half of the features; P read from shared memory) under it, runs the softmax
+  of ``S_t`` starting from the running maximum after tile ``t - 1`` (the other
+  warpgroup's, from shared memory), publishes ``P_t`` (into the slot's dead rope
+  columns: K's last 64 features are not needed once ``S_t`` is done) and the new
+  maximum (``pready``), and then issues ``P_t V_t`` from registers. So one warpgroup's
+  softmax runs under the other's MMAs (FlashMLA's "seesaw"), the running maxima form
+  one chain through the tiles in order, and every rescale is the exact power of two of
+  the single-partition kernels: the accumulator and the per-warpgroup denominators see
+  the same multiplications in the same order.
+- Every wgmma is waited for before a loop's back edge (ptxas serializes the loop's
+  wgmma otherwise, warning C7515).
+
+Epilogue: the two warpgroups exchange their denominators (rescaled to the final
+maximum) through shared memory; each writes its 256 features (one split: ``out`` and,
+warpgroup 0, ``lse``; several: the float32 accumulator and ``(m, l)`` of the
+workspace that ``decode_kernel.decode_merge_kernel`` combines).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+NUM_WARPS = 4
+"""Warps of each partition (the default one is the kernel's ``num_warps``)."""
+BLOCK_H = 64
+"""Query heads per CTA (the wgmma M)."""
+BLOCK_N = 64
+"""Tokens per tile."""
+STAGES = 2
+"""Ring slots (a 64-token tile is 72 KiB; q takes another 72 KiB)."""
+_WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
+_HEADS: gl.constexpr = gl.constexpr(BLOCK_H)
+_N: gl.constexpr = gl.constexpr(BLOCK_N)
+_ST: gl.constexpr = gl.constexpr(STAGES)
+# copies: 16 bytes a thread, 8 threads along a 128-byte row segment, 4 rows a warp
+_LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+_ROWS: gl.constexpr = gl.constexpr(16)  # rows a copy step (8 vectors a thread)
+_VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+_MAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+
+@gluon.jit
+def _q_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, dtype: gl.constexpr):
+    """q rows of heads ``[64 hg, 64 hg + 64)`` (zeros past ``num_heads``), features
+    ``[0, D)``, as a shared ``[1, 64, D]`` wgmma operand (indexed at run time)."""
+    offs_h = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, _LD))
+    offs_d = gl.arange(0, D, gl.SliceLayout(0, _LD))
+    rows = gl.load(
+        q_ptr + b * stride_b + offs_h[:, None] * stride_h + offs_d[None, :],
+        mask=(offs_h < num_heads)[:, None],
+        other=0.0,
+    )
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], dtype)
+    smem = gl.allocate_shared_memory(dtype, [1, _HEADS, D], layout)
+    smem.index(0).store(rows)
+    return smem
+
+
+@gluon.jit
+def _producer(
+    kv_ring, kpe_ring, full, free, bad_smem, kv_ptr, bt_row, lo, hi, n_tiles, stride_bt_p,
+    stride_kv_page, stride_kv_row, num_blocks, D1: gl.constexpr, D2: gl.constexpr,
+    PAGE: gl.constexpr,
+):  # fmt: skip
+    """Copy every tile of the split into its slot (``cp.async``, zero rows past ``hi``),
+    once the slot is free; ``bad_smem [BLOCK_N]``: per row slot, whether a row so far
+    used a block-table entry outside ``[0, num_blocks)`` (read from page 0 instead)."""
+    row_l: gl.constexpr = gl.SliceLayout(1, _LD)
+    sub = gl.arange(0, _ROWS, row_l)
+    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, _LD))
+    offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, _LD))
+    n_bad = gl.zeros([_N], gl.int32, row_l)
+    all_rows = gl.arange(0, _N, row_l)
+    for t in range(n_tiles):
+        s = t % _ST
+        if t >= _ST:
+            mbarrier.wait(free.index(s), ((t // _ST) - 1) & 1)
+        start = lo + t * _N
+        # the rope part of the whole tile (4 vectors a thread), then kv_c 16 rows a step
+        tok = start + all_rows
+        valid = tok < hi
+        page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
+        bad = valid & ((page < 0) | (page >= num_blocks))
+        n_bad = n_bad | bad.to(gl.int32)
+        page = gl.where(bad, 0, page)
+        rows = page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row
+        cp.async_copy_global_to_shared(
+            kpe_ring.index(s), kv_ptr + rows[:, None] + D1 + offs_d2[None, :],
+            mask=valid[:, None],
+        )  # fmt: skip
+        for c in gl.static_range(_N // _ROWS):
+            tok_c = start + c * _ROWS + sub
+            valid_c = tok_c < hi
+            page_c = gl.load(bt_row + (tok_c // PAGE) * stride_bt_p, mask=valid_c, other=0)
+            page_c = page_c.to(gl.int64)
+            page_c = gl.where(valid_c & ((page_c < 0) | (page_c >= num_blocks)), 0, page_c)
+            rows_c = page_c * stride_kv_page + (tok_c % PAGE).to(gl.int64) * stride_kv_row
+            cp.async_copy_global_to_shared(
+                kv_ring.index(s).slice(c * _ROWS, _ROWS, dim=0),
+                kv_ptr + rows_c[:, None] + offs_d1[None, :],
+                mask=valid_c[:, None],
+            )
+        cp.commit_group()
+        cp.wait_group(0)
+        bad_smem.store(n_bad)
+        fence_async_shared()
+        gl.barrier()  # every producer thread's copies have landed
+        mbarrier.arrive(full.index(s))
+
+
+@gluon.jit
+def _softmax(s, m_prev, valid, row_scale):
+    """One tile of the base-2 online softmax with an integer running maximum, from the
+    maximum after the previous tile: ``(P, alpha, m_new)``. An infinite score is NaN
+    (the raw operands' rule of the Triton kernel)."""
+    t = gl.fma(s, row_scale[:, None], s - s)  # the rounded product, NaN where s is not finite
+    t = gl.where(valid[None, :], t, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.ceil(gl.max(t, axis=1)))
+    return gl.exp2(t - m_new[:, None]), gl.exp2(m_prev - m_new), m_new
+
+
+@gluon.jit
+def _pv_other(
+    acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t, ROLE: gl.constexpr,
+    row_s: gl.constexpr, row_o: gl.constexpr, p_sl: gl.constexpr,
+):  # fmt: skip
+    """Wait for the other warpgroup's P of tile ``t`` and its maximum, rescale, issue
+    ``acc += P_t V_t`` (this warpgroup's features; async): ``(acc, l, m)``."""
+    s: gl.constexpr = 1 - ROLE  # the other warpgroup's tiles use the other slot
+    mbarrier.wait(pready.index(s), (t // _ST) & 1)
+    fence_async_shared()
+    m_new = m_smem.slice(s * _HEADS, _HEADS).load(row_s)
+    alpha = gl.exp2(m_i - m_new)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    p_tile = kpe_ring.index(s)._reinterpret(kpe_ring.dtype, [_HEADS, _N], p_sl)
+    v_half = kv_ring.index(s).slice(ROLE * (acc.shape[1]), acc.shape[1], dim=1)
+    acc = warpgroup_mma(p_tile, v_half, acc, is_async=True)
+    return acc, l_i * alpha, m_new
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` (an int32 scalar) through an identity the compiler cannot see through."""
+    return gl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _own_tile(
+    acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, full, pready, free, t, lo, hi,
+    row_scale, ROLE: gl.constexpr, HAS_PREV: gl.constexpr,
+):  # fmt: skip
+    """This warpgroup's tile ``t`` (slot ``ROLE``): ``S_t`` issued, the other warpgroup's
+    ``P_{t-1} V_{t-1}`` under it (``HAS_PREV``), the softmax, ``P_t`` and the maximum
+    published, ``P_t V_t`` from registers; both slots released once read. Returns
+    ``(acc, l, m)``."""
+    HALF: gl.constexpr = acc.shape[1]
+    dtype: gl.constexpr = kv_ring.dtype
+    o_layout: gl.constexpr = acc.type.layout
+    s_layout: gl.constexpr = row_scale.type.layout.parent
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, _N], dtype)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s: gl.constexpr = ROLE  # this warpgroup's tiles use slot ROLE
+    mbarrier.wait(full.index(s), (t // _ST) & 1)
+    fence_async_shared()
+    # The slot as a value the compiler cannot fold: with a constant one, it hoists the
+    # 72 wgmma descriptors of S out of the loop and spills them.
+    slot = _opaque(t) % _ST
+    zero = _opaque(t) - t  # q's descriptors too (q1_smem, q2_smem: [1, 64, D])
+    sc = gl.zeros([_HEADS, _N], gl.float32, s_layout)
+    sc = warpgroup_mma(q1_smem.index(zero), kv_ring.index(slot).permute((1, 0)), sc,
+                       use_acc=False, is_async=True)  # fmt: skip
+    sc = warpgroup_mma(q2_smem.index(zero), kpe_ring.index(slot).permute((1, 0)), sc,
+                       is_async=True)  # fmt: skip
+    if HAS_PREV:  # the other warpgroup's tile t - 1, under S_t
+        acc, l_i, m_i = _pv_other(
+            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
+        )  # fmt: skip
+        sc = warpgroup_mma_wait(1, deps=(sc,))
+    else:
+        sc = warpgroup_mma_wait(0, deps=(sc,))
+    offs_n = gl.arange(0, _N, gl.SliceLayout(0, s_layout))
+    p, alpha, m_i = _softmax(sc, m_i, (lo + t * _N + offs_n) < hi, row_scale)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p16 = p.to(dtype)
+    # publish P_t (into the slot's rope columns, read by S_t only) and the maximum
+    kpe_ring.index(s)._reinterpret(dtype, [_HEADS, _N], p_sl).store(p16)
+    m_smem.slice(s * _HEADS, _HEADS).store(m_i)
+    fence_async_shared()
+    gl.barrier()
+    mbarrier.arrive(pready.index(s))
+    if HAS_PREV:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.barrier()
+        mbarrier.arrive(free.index(1 - ROLE))
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    v_half = kv_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
+    acc = warpgroup_mma(gl.convert_layout(p16, p_op), v_half, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    gl.barrier()
+    mbarrier.arrive(free.index(s))
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _math(
+    q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free, done,
+    lo, hi, n_tiles, score_scale, ROLE: gl.constexpr, D1: gl.constexpr,
+):  # fmt: skip
+    """Math warpgroup ``ROLE``: its tiles' S and softmax, P V of every tile on its 256
+    features. Returns ``(acc [64, 256], m [64], l [64], any bad row)``, ``l`` the sum of
+    both warpgroups' denominators at the final maximum ``m``."""
+    HALF: gl.constexpr = D1 // 2
+    dtype: gl.constexpr = kv_ring.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, _N], dtype)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_scale = gl.full([_HEADS], score_scale, gl.float32, row_s)
+    m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([_HEADS], gl.float32, row_s)
+    acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
+
+    n_own = gl.maximum(n_tiles - ROLE + 1, 0) // 2
+    first = 0
+    if ROLE == 0:  # tile 0 has no predecessor: peeled
+        if n_own > 0:
+            acc, l_i, m_i = _own_tile(
+                acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, full, pready, free,
+                0, lo, hi, row_scale, ROLE, False,
+            )  # fmt: skip
+        first = 1
+    for k in range(first, n_own):
+        acc, l_i, m_i = _own_tile(
+            acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, full, pready, free,
+            2 * k + ROLE, lo, hi, row_scale, ROLE, True,
+        )  # fmt: skip
+    last = n_tiles - 1
+    if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
+        acc, l_i, m_i = _pv_other(
+            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, last, ROLE, row_s, row_o, p_sl,
+        )  # fmt: skip
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.barrier()
+        mbarrier.arrive(free.index(1 - ROLE))
+
+    # both warpgroups' denominators at the final maximum (which both hold now)
+    l_smem.slice(ROLE * _HEADS, _HEADS).store(l_i)
+    gl.barrier()
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    l_i = l_smem.slice(0, _HEADS).load(row_s) + l_smem.slice(_HEADS, _HEADS).load(row_s)
+    bad = gl.max(bad_smem.load(gl.SliceLayout(1, _LD)), axis=0) > 0
+    return acc, m_i, l_i, bad
+
+
+@gluon.jit
+def _epilogue(
+    acc, m_i, l_i, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split, n_splits, lo,
+    seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    out_scale, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr,
+):  # fmt: skip
+    """Write this warpgroup's 256 features (and, warpgroup 0, the LSE or ``(m, l)``)."""
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    HALF: gl.constexpr = D1 // 2
+    l_i = gl.where(bad, float("nan"), l_i)
+    m_o = gl.convert_layout(m_i, row_o)
+    l_o = gl.convert_layout(l_i, row_o)
+    offs_h = hg * _HEADS + gl.arange(0, _HEADS, row_o)
+    h_mask = offs_h < num_heads
+    offs_d = ROLE * HALF + gl.arange(0, HALF, gl.SliceLayout(0, o_layout))
+    if not MULTI_SPLIT:
+        l_o = gl.where(poisoned, float("nan"), l_o)
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        keep = (seq_len > 0) | poisoned
+        inv_l = gl.where(keep, out_scale / l_safe, 0.0)
+        o = acc * inv_l[:, None]
+        row_sum = gl.sum(acc, axis=1)
+        o = o + (row_sum - row_sum)[:, None]  # a non-finite row is NaN in every feature
+        o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        if ROLE == 0:
+            lse = gl.where(keep, (gl.log2(l_safe) + m_o) * LN2, float("-inf"))
+            gl.store(lse_ptr + b * stride_lse_b + offs_h * stride_lse_h, lse, mask=h_mask)
+    else:
+        row = (b * n_splits + split) * num_heads + offs_h
+        st_mask = h_mask & (lo < seq_len)
+        gl.store(wacc_ptr + row[:, None] * D1 + offs_d[None, :], acc, mask=st_mask[:, None])
+        if ROLE == 0:
+            gl.store(wml_ptr + row * 2, m_o, mask=st_mask)
+            gl.store(wml_ptr + row * 2 + 1, l_o, mask=st_mask)
+
+
+@gluon.jit
+def _math_part(args, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr):
+    """A math warpgroup: ``_math`` then ``_epilogue`` for its features (``args``: the
+    kernel's shared buffers, barriers, bounds and output pointers, in this order)."""
+    (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free, done,
+     lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
+     n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
+     stride_lse_h, out_scale) = args  # fmt: skip
+    acc, m_i, l_i, bad = _math(
+        q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free,
+        done, lo, hi, n_tiles, score_scale, ROLE, D1,
+    )  # fmt: skip
+    _epilogue(
+        acc, m_i, l_i, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split, n_splits, lo,
+        seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+        out_scale, ROLE, D1, MULTI_SPLIT,
+    )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=["num_splits"])
+def gluon_decode_ws_kernel(
+    split,
+    out_scale,
+    num_splits,
+    SHAPE: gl.constexpr,
+    MULTI_SPLIT: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    MATH_REGS: gl.constexpr,
+):
+    """Stage 1, warp-specialized: one (head group, split, request), recipe none.
+
+    Arguments as ``gluon_decode.gluon_decode_split_kernel``'s (``split``: the split
+    kernels' tuple, ``kernels.common.split_program``; ``SHAPE`` with ``BLOCK_H`` 64 and
+    ``BLOCK_N`` 64); ``PRODUCER_REGS`` / ``MATH_REGS``: the registers a thread of the
+    producer / the worker math warpgroup asks for (``setmaxnreg``).
+    """
+    qn_ptr, qp_ptr, _qgs_ptr = split[0]
+    (kv_ptr,) = split[1]
+    bt_ptr, seq_lens_ptr = split[2], split[3]
+    out_ptr, lse_ptr = split[4]
+    wacc_ptr, wml_ptr = split[5]
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h = split[6]
+    stride_kv_page, stride_kv_row = split[7]
+    stride_bt_b, stride_bt_p = split[8]
+    stride_sl = split[9]
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h = split[10]
+    num_heads, capacity, num_blocks = split[11]
+    score_scale = split[12]  # softmax_scale * log2(e)
+    D1: gl.constexpr = SHAPE[0]
+    D2: gl.constexpr = SHAPE[1]
+    PAGE: gl.constexpr = SHAPE[2]
+    HEAD_GROUPS: gl.constexpr = SHAPE[5]
+    SPLIT_ALIGN_: gl.constexpr = SHAPE[6]
+    gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
+    gl.static_assert(SHAPE[4] == _N, "BLOCK_N: 64-token tiles")
+    dtype: gl.constexpr = kv_ptr.dtype.element_ty
+
+    pid = gl.program_id(0)
+    hg = pid % HEAD_GROUPS
+    n_splits = num_splits if MULTI_SPLIT else 1
+    split = (pid // HEAD_GROUPS) % n_splits
+    b = (pid // HEAD_GROUPS // n_splits).to(gl.int64)
+    raw = gl.load(seq_lens_ptr + b * stride_sl).to(gl.int32)
+    poisoned = (raw < 0) | (raw > capacity)
+    seq_len = gl.minimum(gl.maximum(raw, 0), capacity)
+    per = (seq_len + n_splits - 1) // n_splits
+    chunk = gl.maximum((per + SPLIT_ALIGN_ - 1) // SPLIT_ALIGN_, 1) * SPLIT_ALIGN_
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, seq_len)
+    n_tiles = gl.maximum(hi - lo + _N - 1, 0) // _N
+
+    q1_smem = _q_smem(qn_ptr, b, hg, stride_qn_b, stride_qn_h, num_heads, D1, dtype)
+    q2_smem = _q_smem(qp_ptr, b, hg, stride_qp_b, stride_qp_h, num_heads, D2, dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_N, D1], dtype)
+    kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_N, D2], dtype)
+    kv_ring = gl.allocate_shared_memory(dtype, [_ST, _N, D1], kv_layout)
+    kpe_ring = gl.allocate_shared_memory(dtype, [_ST, _N, D2], kpe_layout)
+    m_smem = gl.allocate_shared_memory(gl.float32, [_ST * _HEADS], _VEC)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2 * _HEADS], _VEC)
+    bad_smem = gl.allocate_shared_memory(
+        gl.int32, [_N], _VEC, gl.zeros([_N], gl.int32, gl.SliceLayout(1, _LD))
+    )
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    full = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
+    pready = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
+    free = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    for i in gl.static_range(_ST):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(pready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)  # both math warpgroups
+    mbarrier.init(done, count=2)
+    fence_async_shared()
+    gl.barrier()
+
+    math_args = (
+        q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free,
+        done, lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
+        n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
+        stride_lse_h, out_scale,
+    )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_math_part, (math_args, 0, D1, MULTI_SPLIT)),
+            (_math_part, (math_args, 1, D1, MULTI_SPLIT)),
+            (_producer, (
+                kv_ring, kpe_ring, full, free, bad_smem, kv_ptr, bt_ptr + b * stride_bt_b, lo,
+                hi, n_tiles, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1, D2,
+                PAGE,
+            )),
+        ],
+        [_WARPS, _WARPS],
+        [MATH_REGS, PRODUCER_REGS],
+    )  # fmt: skip
