@@ -16,8 +16,10 @@ compiled float32 arithmetic (``_compare``); the share of bit-identical rows is
 printed.
 
 ``impl="gluon"`` (sm90 only; the shadows ``gluon_shadow_unsupported`` takes: fp16 storage
-with V̂ = K̂): ``decode_shadow`` through the Gluon kernel against the Triton shadow kernel
-and on-read decode with the same split count (``_agree``'s bounds), and against
+with V̂ = K̂, or a V̂ section: nvfp4 with its open block quantized in the kernel, dynamic
+K, K and V of different recipes): ``decode_shadow`` through the Gluon kernel against the
+Triton shadow kernel and on-read decode with the same split count (``_agree``'s bounds:
+the quantized operands are the same bits, the summation order differs), and against
 ``mla_reference.decode`` (float64, CPU) with test_decode_gpu's bounds, after each step.
 """
 
@@ -34,8 +36,13 @@ import mla_reference
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton import decode, decode_shadow
 from mla_triton.decode import decode_config, decode_num_splits
-from mla_triton.gluon_decode import gluon_facts
-from mla_triton.shadow import gluon_shadow_unsupported, shadow_decode_config, shadow_layout
+from mla_triton.gluon_decode import GluonRecipe, gluon_facts
+from mla_triton.shadow import (
+    gluon_shadow_recipe,
+    gluon_shadow_unsupported,
+    shadow_decode_config,
+    shadow_layout,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels, bf16)"
@@ -121,12 +128,24 @@ CASES = {
     ),
 }
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-GLUON_CASES = [c for c in CASES if CASES[c][1] == "fp16" and shadow_layout(CASES[c][0]).v_shared]
-"""The cases ``decode_shadow(impl="gluon")`` takes (fp16 storage, V̂ = K̂): fp8, fp8-scale-3."""
+GLUON_ONLY = {
+    # a V̂ section, each token's dynamic K scale from the shadow (rows of 2192 bytes)
+    "kdyn-nvfp4-vfp8-fp16": (RECIPES["kdyn-nvfp4-vfp8"][0], "fp16", 64),
+    # K not quantized (raw K tiles), nvfp4 V̂ and its open block
+    "v-only": (RECIPES["v-only"][0], "fp16", 64),
+}
+GLUON_CASES = [
+    c
+    for c, (quant, storage, _) in (CASES | GLUON_ONLY).items()
+    if storage == "fp16"
+    and isinstance(gluon_shadow_recipe(quant, shadow_layout(quant), torch.bfloat16), GluonRecipe)
+]
+"""The cases ``decode_shadow(impl="gluon")`` takes (fp16 storage): V̂ = K̂ (fp8,
+fp8-scale-3) and a V̂ section (nvfp4, calibrated, and the two of ``GLUON_ONLY``)."""
 
 
 def _pool(case: str) -> Pool:
-    quant, storage, page = CASES[case]
+    quant, storage, page = (CASES | GLUON_ONLY)[case]
     return Pool(
         quant,
         storage,
@@ -181,9 +200,8 @@ def test_gluon_shadow_bf16(case: str, heads: int) -> None:
     _prefill(pool)
     q = _query(heads)
     lay = shadow_layout(pool.quant, storage=pool.storage)
-    k_hat = lay.views(pool.shadow)[0]
-    assert k_hat is not None
-    facts = gluon_facts(q[..., :512], k_hat, pool.quant, 512)
+    k_hat = lay.views(pool.shadow)[0]  # the K tiles: K̂, or the raw rows for K none
+    facts = gluon_facts(q[..., :512], pool.cache if k_hat is None else k_hat, pool.quant, 512)
     assert gluon_shadow_unsupported(facts, layout=lay, forced=True) is None
     default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
     same = rows = 0
