@@ -1,13 +1,15 @@
 """decode_shadow through the Gluon kernel: impl triton vs gluon vs FlashMLA bf16 (one process).
 
 Shapes b128 h128 L8192 and b32 h128 L32768 (page 64, every request at full length,
-benchmarks/decode.py's inputs), recipe fp8 Q/K/P/V through the fp16 shadow (the one
-the Gluon shadow path takes), plus decode(impl="auto") fp8 on read for context.
-Median of triton.testing.do_bench; TFLOP/s with FlashMLA's count. Checks the Gluon
-result against the Triton shadow kernel (max row error, LSE) before timing.
+benchmarks/decode.py's inputs), recipes fp8 and nvfp4 Q/K/P/V through the fp16 shadow
+(fp8: V̂ = K̂, 64-token tiles; nvfp4: a V̂ section, 32-token tiles, the open V block
+quantized in the kernel), plus decode(impl="auto") on read for context, and FlashMLA
+bf16 on the same cache with each recipe's rows. Median of triton.testing.do_bench;
+TFLOP/s with FlashMLA's count. Checks the Gluon result against the Triton shadow
+kernel (max row error, LSE) before timing.
 Usage (repository root, an sm90 GPU, vLLM's wheel for FlashMLA):
-``python packages/mla-triton/benchmarks/gluon_shadow.py OUTDIR`` (writes
-``OUTDIR/shadow_gluon_bench.json``). Not run on a GPU yet.
+``python packages/mla-triton/benchmarks/gluon_shadow.py OUTDIR [fp8] [nvfp4]`` (default
+both; writes ``OUTDIR/shadow_gluon_bench.json``). Not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from mla_formats import AttentionQuant
 from mla_triton import allocate_shadow, decode, decode_shadow, update_cache
 from mla_triton.decode import decode_num_splits, decode_workspace_size
 
-QUANT = AttentionQuant.uniform("fp8")
+RECIPES = {"fp8": AttentionQuant.uniform("fp8"), "nvfp4": AttentionQuant.uniform("nvfp4")}
 SCALE = 0.1
 
 
@@ -43,19 +45,20 @@ def row_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-3)).max())
 
 
-def one(shape: str) -> dict[str, Any]:
-    """Check and time one shape: the row of the JSON."""
+def one(shape: str, recipe: str) -> dict[str, Any]:
+    """Check and time one shape and recipe: the row of the JSON."""
+    quant = RECIPES[recipe]
     batch, heads, seq, page = SHAPES[shape]
     q, cache, table, lens = make_inputs(shape, "cuda")
-    shadow = allocate_shadow(cache.shape[0], page, QUANT, device="cuda")
+    shadow = allocate_shadow(cache.shape[0], page, quant, device="cuda")
     flat = cache.reshape(-1, 576).clone()
     slots = torch.arange(flat.shape[0], device="cuda", dtype=torch.int64)
-    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=QUANT)
+    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=quant)
     splits = decode_num_splits(batch, heads, seq, device=q.device)
     size = decode_workspace_size(batch, heads, seq, num_splits=splits, device=q.device)
     kw: dict[str, Any] = {
         "softmax_scale": SCALE,
-        "quant": QUANT,
+        "quant": quant,
         "num_splits": splits,
         "workspace": torch.empty(size, dtype=torch.uint8, device="cuda"),
         "out": torch.empty(batch, heads, 512, dtype=q.dtype, device="cuda"),
@@ -75,7 +78,7 @@ def one(shape: str) -> dict[str, Any]:
         "bit_identical_rows": float((glu[0] == tri[0]).all(-1).float().mean()),
         "finite": bool(torch.isfinite(glu[0]).all()),
     }
-    print(f"{shape}: gluon vs triton shadow {check}", flush=True)
+    print(f"{shape} {recipe}: gluon vs triton shadow {check}", flush=True)
     try:
         runs["flashmla-bf16"] = flashmla_run(q, cache, table, lens, SCALE)
     except Exception as exc:
@@ -89,11 +92,12 @@ def one(shape: str) -> dict[str, Any]:
             continue
         tf = flops(batch, heads, seq) / times[name] / 1e9
         print(
-            f"{shape:17s} {name:14s} {times[name]:8.3f} ms {tf:7.1f} TFLOP/s",
+            f"{shape:17s} {recipe:6s} {name:14s} {times[name]:8.3f} ms {tf:7.1f} TFLOP/s",
             flush=True,
         )
     row: dict[str, Any] = {
         "shape": shape,
+        "recipe": recipe,
         "splits": splits,
         "check": check,
         "ms": times,
@@ -106,11 +110,12 @@ def one(shape: str) -> dict[str, Any]:
     return row
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, recipes: list[str]) -> None:
     rows = []
-    for shape in ("b128-h128-L8192", "b32-h128-L32768"):
-        rows.append(one(shape))
-        torch.cuda.empty_cache()
+    for recipe in recipes:
+        for shape in ("b128-h128-L8192", "b32-h128-L32768"):
+            rows.append(one(shape, recipe))
+            torch.cuda.empty_cache()
     info = {
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -119,13 +124,14 @@ def main(out_dir: str) -> None:
     }
     with open(f"{out_dir}/shadow_gluon_bench.json", "w") as f:
         json.dump(
-            {"info": info, "recipe": "fp8 uniform, fp16 shadow", "rows": rows},
+            {"info": info, "recipes": "uniform, fp16 shadow", "rows": rows},
             f,
             indent=1,
         )
     for r in rows:
         print(
             r["shape"],
+            r["recipe"],
             {k: round(v, 3) for k, v in r.get("vs_flashmla", {}).items()},
             "gluon/triton",
             round(r.get("gluon_over_triton", float("nan")), 3),
@@ -133,4 +139,8 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    names = sys.argv[2:] or list(RECIPES)
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise SystemExit(f"recipes: expected some of {list(RECIPES)}, got {unknown}")
+    main(sys.argv[1], names)
