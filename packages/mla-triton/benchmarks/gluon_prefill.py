@@ -29,9 +29,14 @@ hiding the softmax could reach at most). With
 (``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``) is timed in
 the same process. ``--dispatch`` times only what ``prefill`` runs by default
 (``impl="auto"``) against ``impl="triton"`` (and, with ``--fa3``, FA3 bf16) for the
-recipes none, fp8 and nvfp4. Every Gluon and Triton time is of a ``prefill`` call
+recipes none, fp8 and nvfp4. ``--sweep`` times every Gluon tiling of ``SWEEP_TILINGS``
+(plain, warp-specialized, ping-pong) with every recipe of ``SWEEP_RECIPES`` (none,
+fp8, nvfp4, nvfp4 + 2:4) beside the Triton kernel and FA3 bf16 at b4 h128 L4096 and b1
+h16 L16384 (with LSE, as vLLM calls it), and prints each time's ratio to FA3 and the
+fastest tiling per recipe (``AUTO_CONFIGS``' candidates; ``--no-pingpong`` leaves the
+ping-pong tilings out). Every Gluon and Triton time is of a ``prefill`` call
 (its checks on preallocated ``out``, no host sync: ``max_seqlen_*`` given).
-Results: ``OUTDIR/gluon-prefill.json`` (and ``.txt``).
+Results: ``OUTDIR/gluon-prefill.json`` (``--sweep``: ``gluon-prefill-sweep.json``).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import torch
 # one benchmark dataset: the shapes of benchmarks/prefill.py (this script's folder)
 from prefill import DQK, DV, SHAPES
 
-from mla_formats import AttentionQuant
+from mla_formats import AttentionQuant, NMSparsity
 
 CHECK_LENS = [1, 17, 128, 1000, 4096]
 QUANTS: dict[str, AttentionQuant | None] = {
@@ -73,6 +78,25 @@ CONFIGS: list[Tiling] = [
 WS_CONFIGS: list[Tiling] = [
     (128, 64, 3, True), (128, 128, 2, True), (128, 64, 4, True),
 ]  # fmt: skip
+
+
+# --sweep: GluonPrefillConfig fields by name, recipes (quant, sparsity), shapes
+SWEEP_TILINGS: dict[str, tuple[int, int, int, bool, bool]] = {
+    "plain-128x64x3": (128, 64, 3, False, False),
+    "plain-128x128x2": (128, 128, 2, False, False),
+    "ws-128x64x3": (128, 64, 3, True, False),
+    "ws-128x128x2": (128, 128, 2, True, False),
+    "pp-128x64x3": (128, 64, 3, True, True),
+    "pp-128x64x2": (128, 64, 2, True, True),
+    "pp-128x128x2": (128, 128, 2, True, True),
+}
+SWEEP_RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
+    "none": (None, None),
+    "fp8": (AttentionQuant.uniform("fp8"), None),
+    "nvfp4": (AttentionQuant.uniform("nvfp4"), None),
+    "nvfp4+2:4": (AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4)),
+}
+SWEEP_SHAPES = ("b4-h128-L4096", "b1-h16-L16384")
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -408,6 +432,92 @@ def ablation(result: dict[str, Any]) -> None:
         kmod.gluon_prefill_kernel = real
 
 
+def _sweep_shape(
+    shape: str, tilings: dict[str, Any], rep: int, shard: tuple[int, int] | None = None
+) -> list[dict[str, Any]]:
+    """``--sweep``'s rows at one shape: FA3 first, then per recipe Triton and the tilings.
+    ``shard (i, n)``: only compile (one call each) the Triton and Gluon calls ``i, i + n,
+    ...`` (``--warm``: several processes fill Triton's cache side by side)."""
+    import triton
+
+    from mla_triton import prefill
+    from mla_triton.gluon_prefill import GluonPrefillConfig
+
+    lens, heads = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lens)
+    q, k = _rand(total, heads, DQK, gen), _rand(total, heads, DQK, gen)
+    v = _rand(total, heads, DV, gen)
+    cu = _cu(lens)
+    out = torch.empty(total, heads, DV, dtype=q.dtype, device="cuda")
+
+    def call(quant: Any, sparsity: Any, impl: str, config: Any) -> Callable[[], Any]:
+        return lambda: prefill(
+            q, k, v, cu, cu, softmax_scale=DQK**-0.5, causal=True, quant=quant,
+            sparsity=sparsity, out=out, return_lse=True, max_seqlen_q=max(lens),
+            max_seqlen_k=max(lens), impl=impl, config=config,
+        )  # fmt: skip
+
+    fns: list[tuple[str, str, Callable[[], Any]]] = [("-", "fa3", _fa3(q, k, v, cu, lens))]
+    for recipe, (quant, sparsity) in SWEEP_RECIPES.items():
+        fns.append((recipe, "triton", call(quant, sparsity, "triton", None)))
+        for name, t in tilings.items():
+            fns.append((recipe, name, call(quant, sparsity, "gluon", GluonPrefillConfig(*t))))
+    if shard is not None:
+        for recipe, impl, fn in fns[1:][shard[0] :: shard[1]]:
+            t0 = time.time()
+            try:
+                fn()
+                torch.cuda.synchronize()
+                print(f"warm {recipe} {impl}: {time.time() - t0:.1f}s", flush=True)
+            except Exception as exc:
+                print(f"warm {recipe} {impl}: {exc!r}", flush=True)
+        return []
+    rows: list[dict[str, Any]] = []
+    fa3_ms = None
+    for recipe, impl, fn in fns:
+        row: dict[str, Any] = {"shape": shape, "recipe": recipe, "impl": impl}
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+            fa3_ms = ms if impl == "fa3" else fa3_ms
+            row |= {"ms": ms, "tflops": _tflops(lens, heads, ms)}
+            if fa3_ms is not None:
+                row["vs_fa3"] = fa3_ms / ms
+            print(f"{shape:14s} {recipe:10s} {impl:16s} {ms:8.3f} ms {row['tflops']:7.1f} "
+                  f"TFLOP/s {row.get('vs_fa3', 0.0):6.3f}x FA3", flush=True)  # fmt: skip
+        except Exception as exc:
+            traceback.print_exc()
+            row["error"] = repr(exc)
+        rows.append(row)
+    return rows
+
+
+def sweep(result: dict[str, Any], pingpong: bool, rep: int) -> None:
+    """``--sweep``: every tiling x recipe at ``SWEEP_SHAPES`` with the Triton kernel and
+    FA3 (bf16) in the same process; rows ``{shape, recipe, impl, ms, tflops, vs_fa3}``,
+    then ``result["best"]``: the fastest Gluon tiling per shape and recipe."""
+    tilings = {n: t for n, t in SWEEP_TILINGS.items() if pingpong or not t[4]}
+    rows: list[dict[str, Any]] = result["timings"]
+    for shape in SWEEP_SHAPES:
+        rows += _sweep_shape(shape, tilings, rep)
+        torch.cuda.empty_cache()
+    best: list[dict[str, Any]] = []
+    for shape in SWEEP_SHAPES:
+        for recipe in SWEEP_RECIPES:
+            timed = [r for r in rows if r["shape"] == shape and r["recipe"] == recipe
+                     and "ms" in r and r["impl"] != "triton"]  # fmt: skip
+            if timed:
+                top = min(timed, key=lambda r: float(r["ms"]))
+                best.append({"shape": shape, "recipe": recipe, "tiling": top["impl"],
+                             "vs_fa3": top.get("vs_fa3")})  # fmt: skip
+    result["best"] = best
+    print("\nfastest Gluon tiling (ratio to FA3 bf16), per shape and recipe:")
+    for b in best:
+        print(f"  {b['shape']:14s} {b['recipe']:10s} {b['tiling']:16s} {b['vs_fa3'] or 0:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".", help="folder for gluon-prefill.json / .txt")
@@ -416,6 +526,15 @@ def main() -> None:
     parser.add_argument("--no-bench", action="store_true", help="correctness only")
     parser.add_argument("--no-quant", action="store_true", help="recipe none only")
     parser.add_argument("--no-ws", action="store_true", help="no warp-specialized tilings")
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help="only every SWEEP_TILINGS tiling x SWEEP_RECIPES recipe with Triton and FA3",
+    )  # fmt: skip
+    parser.add_argument("--no-pingpong", action="store_true", help="--sweep without ping-pong")
+    parser.add_argument("--rep", type=int, default=100, help="--sweep: do_bench rep (ms)")
+    parser.add_argument(
+        "--warm", default=None, help="--sweep: I/N, only compile shard I of N (at L16384)"
+    )  # fmt: skip
     parser.add_argument(
         "--dispatch", action="store_true",
         help="only prefill's default (impl auto) against impl triton (and --fa3) for "
@@ -439,6 +558,16 @@ def main() -> None:
         (True, functools.partial(timings, result, args.fa3, recipe, dispatch=True))
         for recipe in ("none", "fp8", "nvfp4")
     ]  # fmt: skip
+    if args.sweep and args.warm:
+        i, n = map(int, args.warm.split("/"))
+        tilings = {k: t for k, t in SWEEP_TILINGS.items() if not args.no_pingpong or not t[4]}
+        _sweep_shape("b1-h16-L16384", tilings, args.rep, (i, n))
+        return
+    if args.sweep:
+        sweep(result, not args.no_pingpong, args.rep)
+        _write(args.out, result, "gluon-prefill-sweep.json")
+        print(f"total {time.time() - t0:.0f}s")
+        return
     steps: list[tuple[bool, Callable[[], None]]] = (
         dispatch
         if args.dispatch
@@ -463,9 +592,9 @@ def main() -> None:
     print(f"total {time.time() - t0:.0f}s")
 
 
-def _write(out: str, result: dict[str, Any]) -> None:
+def _write(out: str, result: dict[str, Any], name: str = "gluon-prefill.json") -> None:
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gluon-prefill.json"), "w") as f:
+    with open(os.path.join(out, name), "w") as f:
         json.dump(result, f, indent=1)
 
 

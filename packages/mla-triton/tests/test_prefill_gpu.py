@@ -15,13 +15,16 @@ quantized); with quantized P, a small fraction of elements may sit one P code
 away (GPU exp2 is approximate, so values near a rounding midpoint can flip),
 each bounded.
 
-The tests that the Gluon sm90 kernel covers (every recipe; no N:M, no
+The tests that the Gluon sm90 kernel covers (every recipe, N:M sparsity; no
 ``PrefillConfig``, head dims up to 256/128) run for ``impl`` "triton" and "gluon"
 (the latter skipped, as a GPU skip, off sm90): Gluon against the oracle and
 against the Triton kernel (same tolerances, NaN and -inf positions equal);
 ``test_gluon_tilings`` runs every Gluon tiling ``prefill``'s dispatcher picks
 (``gluon_prefill.AUTO_CONFIGS``, the warp-specialized one included) with its recipes,
-the plain default, and the warp-specialized tilings with fp8 / nvfp4 P.
+the plain default, the warp-specialized tilings with fp8 / nvfp4 P, the ping-pong
+tilings with every P format, and N:M on each schedule; ``test_nan_rule_gluon_tilings``
+the NaN rule on the ping-pong tilings (their masked V tiles are checked by one
+warpgroup for both).
 """
 
 from __future__ import annotations
@@ -169,10 +172,11 @@ def test_bf16_long_sequence_gqa(name: str, impl: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["none", "nvfp4"])
-def test_bf16_nm_sparsity(name: str) -> None:
+def test_bf16_nm_sparsity(name: str, impl: str) -> None:
     q, k, v, cu_q, cu_k, scale = make_batch([1, 100, 2000], [50, 100, 2048], 16, 16, seed=2)
     for sparsity in (NMSparsity(2, 4), NMSparsity(2, 4, 64, 64), NMSparsity(4, 8, 16, 0)):
-        run(q, k, v, cu_q, cu_k, scale, f"{name} {sparsity}", quant=QUANTS[name], sparsity=sparsity)
+        run(q, k, v, cu_q, cu_k, scale, f"{name} {sparsity}", quant=QUANTS[name], sparsity=sparsity,
+            impl=impl)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["none", "nvfp4"])
@@ -215,6 +219,10 @@ def test_understated_max_seqlen_k_and_empty_batch(impl: str) -> None:
 def test_nan_rule_bf16(impl: str) -> None:
     """NaN / inf in q, k and v (real tile sizes: the causal diagonal tiles are 128 x 64):
     exactly the rows that see them are NaN; the others match the oracle."""
+    _nan_rule(impl, None)
+
+
+def _nan_rule(impl: str, config: object) -> None:
     lens = [300, 200]
     q, k, v, cu_q, cu_k, scale = make_batch(lens, lens, 16, 16, seed=7)
     q[10, 3, 5] = float("nan")  # sequence 0, query 10, head 3
@@ -224,7 +232,7 @@ def test_nan_rule_bf16(impl: str) -> None:
         for causal in (True, False):
             out, lse = prefill(
                 q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS[name], causal=causal,
-                return_lse=True, impl=impl,
+                return_lse=True, impl=impl, config=config,
             )  # fmt: skip
             want = torch.zeros(500, 16, dtype=torch.bool)
             want[10, 3] = True
@@ -267,19 +275,32 @@ def test_out_slice_and_max_seqlen_no_sync(impl: str) -> None:
 _AUTO = gluon_prefill.AUTO_CONFIGS
 _PLAIN = gluon_prefill.GluonPrefillConfig()
 _WS = gluon_prefill.GluonPrefillConfig(warp_specialize=True)
-# (tiling, recipe): every tiling prefill's dispatcher picks with its recipes, the plain
-# default, and the warp-specialized tilings with quantized P and at 128 x 128
-GLUON_CASES = {
-    "auto-none": (_AUTO["none"], "none"),
-    "auto-fp8": (_AUTO["fp8"], "fp8"),
-    "auto-fp8-dynamic-k": (_AUTO["fp8"], "fp8-dynamic-k"),
-    "auto-nvfp4": (_AUTO["nvfp4"], "nvfp4"),
-    "auto-k-fp8-v-nvfp4": (_AUTO["nvfp4"], "k-fp8-v-nvfp4"),
-    "plain-none": (_PLAIN, "none"),
-    "plain-nvfp4": (_PLAIN, "nvfp4"),
-    "ws-fp8": (_WS, "fp8"),
-    "ws-nvfp4": (_WS, "nvfp4"),
-    "ws-128x128-none": (gluon_prefill.GluonPrefillConfig(128, 128, 2, True), "none"),
+_PP64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True)
+_PP128 = gluon_prefill.GluonPrefillConfig(128, 128, 2, warp_specialize=True, pingpong=True)
+_NM = NMSparsity(2, 4, 16, 32)
+# (tiling, recipe, sparsity): every tiling prefill's dispatcher picks with its recipes,
+# the plain default, the warp-specialized tilings with quantized P and at 128 x 128,
+# the ping-pong tilings, and N:M on each schedule
+GLUON_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
+    "auto-none": (_AUTO["none"], "none", None),
+    "auto-fp8": (_AUTO["fp8"], "fp8", None),
+    "auto-fp8-dynamic-k": (_AUTO["fp8"], "fp8-dynamic-k", None),
+    "auto-nvfp4": (_AUTO["nvfp4"], "nvfp4", None),
+    "auto-k-fp8-v-nvfp4": (_AUTO["nvfp4"], "k-fp8-v-nvfp4", None),
+    "plain-none": (_PLAIN, "none", None),
+    "plain-nvfp4": (_PLAIN, "nvfp4", None),
+    "ws-fp8": (_WS, "fp8", None),
+    "ws-nvfp4": (_WS, "nvfp4", None),
+    "ws-128x128-none": (gluon_prefill.GluonPrefillConfig(128, 128, 2, True), "none", None),
+    "pp64-none": (_PP64, "none", None),
+    "pp64-fp8": (_PP64, "fp8", None),
+    "pp64-nvfp4": (_PP64, "nvfp4", None),
+    "pp128-none": (_PP128, "none", None),
+    "pp128-nvfp4": (_PP128, "nvfp4", None),
+    "auto-nvfp4-2:4": (_AUTO["nvfp4+nm"], "nvfp4", _NM),
+    "ws-none-2:4": (_WS, "none", _NM),
+    "pp64-nvfp4-2:4": (_PP64, "nvfp4", _NM),
+    "pp128-fp8-4:8": (_PP128, "fp8", NMSparsity(4, 8)),
 }
 
 
@@ -288,13 +309,21 @@ GLUON_CASES = {
 def test_gluon_tilings(case: str) -> None:
     """Gluon tilings (``GLUON_CASES``), varlen causal with GQA and a chunked context
     (non-causal, fewer queries than keys), against the oracle and the Triton kernel."""
-    config, name = GLUON_CASES[case]
+    config, name, sparsity = GLUON_CASES[case]
     q, k, v, cu_q, cu_k, scale = make_batch(LENS, [n + 7 * (n % 2) for n in LENS], 16, 4)
     run(q, k, v, cu_q, cu_k, scale, f"{case} causal", quant=QUANTS[name], impl="gluon",
-        config=config)  # fmt: skip
+        config=config, sparsity=sparsity)  # fmt: skip
     q, k, v, cu_q, cu_k, scale = make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)
     run(q, k, v, cu_q, cu_k, scale, f"{case} chunk", quant=QUANTS[name], causal=False,
-        impl="gluon", config=config)  # fmt: skip
+        impl="gluon", config=config, sparsity=sparsity)  # fmt: skip
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
+@pytest.mark.parametrize("config", [_PP64, _PP128], ids=["pp64", "pp128"])
+def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> None:
+    """The NaN rule on the ping-pong tilings: a masked V tile is checked and zeroed by
+    warpgroup 0 only, warpgroup 1 reads the first bad key it left (rows of both)."""
+    _nan_rule("gluon", config)
 
 
 class _Spy:
@@ -310,7 +339,8 @@ class _Spy:
 
 @pytest.mark.skipif(not _sm90(), reason="the dispatch default needs an sm90 (H100/H200) GPU")
 def test_auto_runs_gluon_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """impl="auto" launches the Gluon kernel on sm90 (no N:M), the Triton one with N:M."""
+    """impl="auto" launches the Gluon kernel on sm90; with N:M only while
+    ``prefill.GLUON_NM_AUTO`` is on (else the Triton one)."""
     import importlib
 
     from mla_triton.kernels import gluon_prefill as gk
@@ -324,7 +354,10 @@ def test_auto_runs_gluon_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, cu_q, cu_k, scale = make_batch([300], [300], 8, 8, seed=9)
     prefill(q, k, v, cu_q, cu_k, softmax_scale=scale)
     prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, sparsity=NMSparsity(2, 4))
-    assert launched == ["gluon", "triton"]
+    assert launched == ["gluon", "gluon" if prefill_module.GLUON_NM_AUTO else "triton"]
+    monkeypatch.setattr(prefill_module, "GLUON_NM_AUTO", True)  # the switch flipped
+    prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, sparsity=NMSparsity(2, 4))
+    assert launched[-1] == "gluon"
 
 
 @triton.jit
