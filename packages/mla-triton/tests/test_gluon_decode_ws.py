@@ -1,0 +1,213 @@
+"""The warp-specialized Gluon sm90 decode (``mla_triton.gluon_decode_ws``).
+
+CPU (CI): compiled for sm_90a (in a child process without Triton's interpreter, as
+test_gluon_decode.py does): three partitions of four warps with the planned register
+split, S once per tile (36 wgmma ``64 x 64`` per instance), P V on 256 features
+(``64 x 256``), ``cp.async`` and mbarriers, no spills, no serialized wgmma, shared
+memory within the limit; the launcher's refusals (before any launch) and the launch
+arguments it passes through the decode core.
+
+GPU (skipped without an sm90 GPU): against ``decode(impl="gluon")`` and
+``mla_reference.decode`` (float64) with test_gluon_decode.py's bounds (rows 1.5e-2,
+LSE 2e-5) on ragged lengths, empty requests, pages 16/64/128, 1 to 4 splits, H 20 and
+128, bf16 and fp16; the NaN rule (pages outside the cache, lengths outside the table,
+a non-finite latent row) row for row as the Gluon kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from test_gluon_decode import _cpu_case, as_sm90  # noqa: F401  (a fixture)
+
+from mla_formats import AttentionQuant
+from mla_triton.decode import decode
+from mla_triton.gluon_decode import max_shared_bytes
+from mla_triton.gluon_decode_ws import VARIANTS, WsConfig, compile_ws, decode_ws
+
+SCALE = 576**-0.5
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the compile test runs in this process")
+def test_compile_test_in_child() -> None:
+    """The compile test passes in a child pytest with TRITON_INTERPRET=0 (Gluon cannot
+    compile the interpreter's functions)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(
+        [*cmd, "-k", "test_compiles_for_sm90a"], env=os.environ | {"TRITON_INTERPRET": "0"},
+        capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiled in a child process without the interpreter")
+def test_compiles_for_sm90a() -> None:
+    """The default variant (several splits: the workspace epilogue) compiles to the plan."""
+    cfg = VARIANTS[0]
+    c = compile_ws(cfg, num_splits=2)
+    assert c.num_warps == 12  # the default partition and two workers of four warps
+    # q [64, 576] and two 64-token slots of 576 features (P lives in the slots' rope part)
+    assert 3 * 64 * 576 * 2 <= c.shared <= max_shared_bytes(), c.shared
+    shapes: dict[str, int] = {}
+    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k16)\.f32\.bf16", c.ptx):
+        shapes[m] = shapes.get(m, 0) + 1
+    # S: 512/16 + 64/16 wgmma, in three copies (warpgroup 0's peeled tile 0, its loop,
+    # warpgroup 1's loop); P V: 64/16 a tile in seven (own tile x3, the other's x4)
+    assert shapes == {"m64n64k16": 3 * 36, "m64n256k16": 7 * 4}, shapes
+    assert "wgmma.wait_group.sync.aligned 1;" in c.ptx  # the other's P V under S
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", c.ptx)
+    asked = {int(n) for _, n in regs}
+    assert {cfg.math_regs, cfg.producer_regs, 504 - cfg.math_regs - cfg.producer_regs} <= asked
+    assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
+    assert "mbarrier.try_wait" in c.ptx and "mbarrier.arrive" in c.ptx
+    assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
+    assert "ttg.warp_specialize" in c.ttgir
+    assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
+    assert "C7515" not in c.ptxas_info, c.ptxas_info
+
+
+def test_config_checks() -> None:
+    assert VARIANTS[0].name == "ws-r232-p40"
+    with pytest.raises(ValueError, match=r"^config\.math_regs"):
+        WsConfig(math_regs=260)
+    with pytest.raises(ValueError, match=r"^config\.producer_regs"):
+        WsConfig(producer_regs=44)
+
+
+def test_refusals_before_any_launch() -> None:
+    """A quantized recipe, a wrong config, CPU tensors (no sm90 GPU) and bad input are a
+    ValueError naming the argument, and nothing launches."""
+    from mla_triton.warmup import record_keys
+
+    q, cache, table, seq = _cpu_case(128)
+    with record_keys() as keys:
+        with pytest.raises(ValueError, match=r"^quant: the warp-specialized .* recipe none"):
+            decode_ws(q, cache, table, seq, softmax_scale=SCALE,
+                      quant=AttentionQuant.uniform("fp8"))  # fmt: skip
+        with pytest.raises(ValueError, match=r"^config: expected None or WsConfig"):
+            decode_ws(q, cache, table, seq, softmax_scale=SCALE, config=1)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
+            decode_ws(q, cache, table, seq, softmax_scale=SCALE)
+        with pytest.raises(ValueError, match=r"^softmax_scale"):
+            decode_ws(q, cache, table, seq, softmax_scale=float("nan"))
+    assert not keys
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_launch_arguments() -> None:
+    """Through the decode core: the ws kernel with exactly its parameters, 64 heads and
+    64 tokens a CTA, 4 warps, the config's registers, then the merge (several splits)."""
+    from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
+    from mla_triton.warmup import _intercept
+
+    seen: list[tuple[str, dict[str, Any], Any]] = []
+
+    def action(run: Any, kernel: Any, args: Any, kwargs: dict[str, Any], grid: Any) -> None:
+        seen.append((kernel.fn.__name__, kwargs, grid))
+
+    q, cache, table, seq = _cpu_case(128)
+    with _intercept(action):
+        decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=3, config=VARIANTS[1])
+    assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel", "decode_merge_kernel"]
+    _, args, grid = seen[0]
+    assert set(args) == set(gluon_decode_ws_kernel.arg_names) | {"num_warps"}
+    assert grid == (2 * 3 * 3,)  # head groups x splits x requests
+    assert args["num_warps"] == 4 and args["SHAPE"] == (512, 64, 64, 64, 64, 2, 64)
+    assert args["num_splits"] == 3 and args["MULTI_SPLIT"]
+    assert (args["MATH_REGS"], args["PRODUCER_REGS"]) == (224, 56)
+    assert args["split"][1][0] is cache and args["out_scale"] == 1.0
+    assert args["split"][12] == pytest.approx(SCALE * 1.4426950408889634)
+    seen.clear()
+    with _intercept(action):
+        decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=1)
+    assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel"]
+    assert not seen[0][1]["MULTI_SPLIT"] and seen[0][1]["MATH_REGS"] == 232
+
+
+# ---------------------------------------------------------------------- GPU
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+gpu = pytest.mark.skipif(not _sm90(), reason="GPU suite: needs an sm90 CUDA GPU")
+CASES = [  # batch, heads, page, lengths (0: empty), splits, dtype
+    (1, 128, 64, [64], 1, torch.bfloat16),
+    (3, 128, 64, [1, 0, 130], 1, torch.bfloat16),
+    (4, 20, 16, [300, 0, 77, 1000], 2, torch.bfloat16),
+    (2, 128, 64, [4096, 513], 4, torch.bfloat16),
+    (5, 128, 16, [0, 0, 65, 191, 2000], 3, torch.float16),
+    (3, 64, 128, [129, 1, 700], 2, torch.float16),
+    (2, 128, 64, [0, 0], 2, torch.bfloat16),
+]
+
+
+def _inputs(
+    batch: int, heads: int, page: int, lens: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(batch * 1000 + heads + page + sum(lens))
+    max_blocks = max(1, -(-max(lens) // page))
+    blocks = batch * max_blocks + 3
+    q = torch.randn(batch, heads, 576, generator=g).to("cuda", dtype)
+    cache = torch.randn(blocks, page, 576, generator=g).to("cuda", dtype)
+    table = torch.randperm(blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return q, cache, table.to("cuda", torch.int32), lens_t.cuda()
+
+
+def _row_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = b.double().abs().amax(-1).clamp_min(1e-3)
+    return float(((a.double() - b.double()).abs().amax(-1) / den).max())
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-p{c[2]}-s{c[4]}" for c in CASES])
+@pytest.mark.parametrize("config", VARIANTS, ids=[c.name for c in VARIANTS])
+def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) -> None:
+    import mla_reference
+
+    batch, heads, page, lens, splits, dtype = case
+    q, cache, table, seq = _inputs(batch, heads, page, lens, dtype)
+    o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
+                         config=config)  # fmt: skip
+    o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits, impl="gluon")
+    o_r, l_r = mla_reference.decode(q.double().cpu(), cache.double().cpu(), table.cpu(),
+                                    seq.cpu(), softmax_scale=SCALE)  # fmt: skip
+    assert o_w.dtype == dtype and bool(torch.isfinite(o_w).all())
+    assert _row_err(o_w.cpu(), o_r) < 1.5e-2
+    assert _row_err(o_w, o_g) < 1.5e-2
+    empty = seq.cpu() == 0
+    assert bool((o_w[empty.cuda()] == 0).all()) and bool((l_w.cpu()[empty] == float("-inf")).all())
+    fin = torch.isfinite(l_r)
+    assert torch.allclose(l_w.double().cpu()[fin], l_r[fin], atol=2e-5, rtol=0)
+    assert torch.allclose(l_w[~empty.cuda()], l_g[~empty.cuda()], atol=2e-5, rtol=0)
+    # split invariance: one split against this split count
+    o_1, _ = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=config)
+    assert _row_err(o_1, o_w) < 1.5e-2
+
+
+@gpu
+def test_nan_rule_as_gluon() -> None:
+    """Pages outside the cache, a length outside the table and a non-finite latent row
+    poison exactly the rows the Gluon kernel poisons (one split and several)."""
+    q, cache, table, seq = _inputs(4, 128, 64, [200, 300, 150, 90], torch.bfloat16)
+    table[0, 1] = -1  # request 0: a page outside the cache
+    table[1, 2] = cache.shape[0]  # request 1: too
+    seq[2] = table.shape[1] * 64 + 1  # request 2: beyond the table's capacity
+    cache[table[3, 1], 5, 7] = float("inf")  # request 3: token 69 (seen) is not finite
+    for splits in (1, 3):
+        o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+        o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
+                          impl="gluon")  # fmt: skip
+        assert bool(torch.isnan(o_g[:4]).all())  # every request here is poisoned
+        assert torch.equal(torch.isnan(o_w), torch.isnan(o_g))
+        assert torch.equal(torch.isnan(l_w), torch.isnan(l_g))
