@@ -10,6 +10,8 @@ kernel (max row error, LSE) before timing.
 Usage (repository root, an sm90 GPU, vLLM's wheel for FlashMLA):
 ``python packages/mla-triton/benchmarks/gluon_shadow.py OUTDIR [fp8] [nvfp4]`` (default
 both; writes ``OUTDIR/shadow_gluon_bench.json``). Not run on a GPU yet.
+``python packages/mla-triton/benchmarks/gluon_shadow.py --compile`` (any machine): the
+Gluon variants these shadows run, compiled for sm_90a: shared memory, registers, spills.
 """
 
 from __future__ import annotations
@@ -138,7 +140,29 @@ def main(out_dir: str, recipes: list[str]) -> None:
         )
 
 
+def compile_stats() -> None:
+    """Each recipe's Gluon shadow variant (bf16, page 64, two splits) for sm_90a, printed."""
+    import re
+
+    from mla_triton.gluon_decode import GluonRecipe, compile_variant, gluon_decode_config
+    from mla_triton.shadow import SEPARATE_V_CONFIG, gluon_shadow_recipe, shadow_layout
+
+    for name, quant in RECIPES.items():
+        recipe = gluon_shadow_recipe(quant, shadow_layout(quant), torch.bfloat16)
+        assert isinstance(recipe, GluonRecipe), recipe
+        cfg = SEPARATE_V_CONFIG if recipe.v_sep else gluon_decode_config(128)
+        c = compile_variant(cfg, num_splits=2, recipe=recipe)
+        regs = re.search(r"Used (\d+) registers", c.ptxas_info)
+        spills = "0 bytes spill stores, 0 bytes spill loads" not in c.ptxas_info
+        bars = len(re.findall(r"\bbar\.sync\b", c.ptx))
+        print(f"{name} {cfg.name}: shared {c.shared} B, registers {regs and regs.group(1)}, "
+              f"spills {spills}, bar.sync {bars}")  # fmt: skip
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--compile"]:
+        compile_stats()
+        raise SystemExit(0)
     names = sys.argv[2:] or list(RECIPES)
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
