@@ -532,10 +532,14 @@ def gluon_prefill_kernel(
         k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        bad_smem = gl.allocate_shared_memory(
-            gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
-        )  # fmt: skip
+        if PINGPONG:  # the turns, and the first bad V key of each ring slot (WG 0 to 1)
+            turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            bad_smem = gl.allocate_shared_memory(
+                gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+            )  # fmt: skip
+        else:  # not read without ping-pong
+            turn_bars = empty_bars
+            bad_smem = empty_bars
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_bars.index(i), count=1)
