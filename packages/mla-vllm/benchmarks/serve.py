@@ -24,7 +24,12 @@ the recipes ``none``, ``fp8``, ``nvfp4`` and ``nvfp4kv`` (nvfp4 K and V only), o
 read or through the shadow (``kv_path: shadow``). Suffixes: ``:nowarm`` runs it
 with ``MLA_QUANT_WARMUP=0`` (MLA_QUANT's warmup off: the cold batch compiles);
 ``:fresh`` gives the engine an empty ``TRITON_CACHE_DIR`` (a new machine), as
-``--triton-cache fresh`` does for all; ``keep`` (default) uses the environment's.
+``--triton-cache fresh`` does for all; ``keep`` (default) uses the environment's;
+``:restart`` reuses the Triton cache that the same configuration's ``:fresh`` engine
+of this run filled (a restart on that machine; skipped if that one did not run).
+The summary gives first batch and decode relative to the FLASHMLA row of the same
+cache state (``:fresh``, ``:restart``, or neither), and the engine's own log lines:
+``init engine ... took`` (and its torch.compile part) and each CUDA-graph capture.
 ``--capture-sizes 1,2,4`` sets vLLM's CUDA-graph capture sizes (default: vLLM's).
 
 Writes ``<out>/serve-<tag>.json`` (rewritten after every configuration, so a run
@@ -81,20 +86,30 @@ RECIPES: dict[str, dict[str, Any]] = {
     "nvfp4": {"recipe": "nvfp4"},
     "nvfp4kv": {"k": "nvfp4", "v": "nvfp4"},
 }
-MODIFIERS = ("nowarm", "fresh")
+MODIFIERS = ("nowarm", "fresh", "restart")
+CACHE_STATES = ("fresh", "restart")  # a row's Triton-cache state, from its modifiers
 JIT_LINE = re.compile(r"during inference: ([\w<>]+(?:\.[\w<>]+)*)")  # vllm.utils.jit_monitor
 WARMUP_LINE = re.compile(r"MLA_QUANT warmup: .*")
+INIT_LINE = re.compile(r"init engine \(.*?\) took ([\d.]+) s(?: \(compilation: ([\d.]+) s\))?")
+CAPTURE_LINE = re.compile(r"Graph capturing finished in ([\d.]+) secs")
 
 
 @dataclass(frozen=True)
 class Config:
-    """One engine: its backend, ``mla_quant`` (None: none given), warmup on, Triton cache."""
+    """One engine: its backend, ``mla_quant`` (None: none given), warmup on, Triton cache
+    (empty: ``fresh_cache``; the one its ``:fresh`` run filled: ``restart``)."""
 
     name: str
     backend: str
     mla_quant: dict[str, Any] | None
     warmup: bool = True
     fresh_cache: bool = False
+    restart: bool = False
+
+    @property
+    def cache_key(self) -> str:
+        """The name without ``:fresh``/``:restart``: a restart reuses that key's cache."""
+        return ":".join(p for p in self.name.split(":") if p not in CACHE_STATES)
 
 
 def parse_config(name: str) -> Config:
@@ -105,11 +120,13 @@ def parse_config(name: str) -> Config:
         raise ValueError(
             f"--configs: {name!r}: unknown modifier(s) {unknown}; expected {MODIFIERS}"
         )
-    warm, fresh = "nowarm" not in mods, "fresh" in mods
+    warm, fresh, restart = "nowarm" not in mods, "fresh" in mods, "restart" in mods
+    if fresh and restart:
+        raise ValueError(f"--configs: {name!r}: :fresh and :restart exclude each other")
     if base in ("FLASHMLA", "TRITON_MLA"):
         if not warm:
             raise ValueError(f"--configs: {name!r}: :nowarm only applies to quant-* configurations")
-        return Config(name, base, None, True, fresh)
+        return Config(name, base, None, True, fresh, restart)
     match = re.fullmatch(r"quant-([a-z0-9]+)(-shadow)?", base)
     if match is None or match.group(1) not in RECIPES:
         raise ValueError(
@@ -122,7 +139,7 @@ def parse_config(name: str) -> Config:
     quant = dict(RECIPES[recipe])
     if shadow:
         quant["kv_path"] = "shadow"
-    return Config(name, "MLA_QUANT", quant, warm, fresh)
+    return Config(name, "MLA_QUANT", quant, warm, fresh, restart)
 
 
 def model_config(layers: int, max_len: int) -> dict[str, Any]:
@@ -171,6 +188,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     if not args.config_list:
         parser.error("--configs: no configuration given")
+    for i, config in enumerate(args.config_list):
+        earlier = {c.cache_key for c in args.config_list[:i] if c.fresh_cache}
+        if config.restart and config.cache_key not in earlier:
+            parser.error(
+                f"--configs: {config.name!r}: :restart needs {config.cache_key}:fresh before it"
+            )
+    args.cache_dirs = {}  # cache_key -> the Triton cache its :fresh engine filled
     sizes = args.capture_sizes
     try:
         args.capture_list = None if sizes is None else [int(x) for x in sizes.split(",") if x]
@@ -287,11 +311,21 @@ def run_child(args: argparse.Namespace) -> int:
 
 
 def scan_log(text: str) -> dict[str, Any]:
-    """vLLM's JIT-monitor warnings (kernel names, in order) and MLA_QUANT's warmup lines."""
+    """vLLM's JIT-monitor warnings (kernel names, in order), MLA_QUANT's warmup lines, and
+    the engine's init time (``init_engine_s``, its torch.compile part ``compile_s``) and
+    CUDA-graph capture passes (``capture_s``, seconds each) as vLLM logs them."""
     # only the per-kernel warnings: the monitor's own start line also says "during inference"
     kernels = [m.group(1) for line in text.splitlines() if (m := JIT_LINE.search(line))]
     warmups = [m.group(0).strip() for m in WARMUP_LINE.finditer(text)]
-    return {"jit_warnings": len(kernels), "jit_kernels": kernels, "mla_warmup": warmups}
+    found: dict[str, Any] = {"jit_warnings": len(kernels), "jit_kernels": kernels,
+                             "mla_warmup": warmups}  # fmt: skip
+    init = INIT_LINE.search(text)
+    if init is not None:
+        found["init_engine_s"] = float(init.group(1))
+        if init.group(2) is not None:
+            found["compile_s"] = float(init.group(2))
+    found["capture_s"] = [float(m.group(1)) for m in CAPTURE_LINE.finditer(text)]
+    return found
 
 
 def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:
@@ -304,6 +338,9 @@ def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:
         env["MLA_QUANT_WARMUP"] = "0"
     if args.triton_cache == "fresh" or config.fresh_cache:
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="serve-triton-")  # not in --out
+        args.cache_dirs[config.cache_key] = env["TRITON_CACHE_DIR"]
+    elif config.restart:
+        env["TRITON_CACHE_DIR"] = args.cache_dirs[config.cache_key]
     return env
 
 
@@ -344,25 +381,47 @@ def run_config(config: Config, args: argparse.Namespace, timeout: float) -> dict
     return result
 
 
-def summary(results: Sequence[dict[str, Any]]) -> str:
-    """A text table of the results, warm decode relative to FLASHMLA's."""
-    base = next((r.get("decode_tok_s") for r in results if r["name"] == "FLASHMLA"), None)
-    cols = ("start", "cold", "warm", "first", "cold/warm", "prefill/s", "decode/s", "vs FM", "JIT")
-    rows = [f"{'configuration':28s}" + "".join(f"{c:>11s}" for c in cols)]
+def cache_state(name: str) -> str:
+    """A row's Triton-cache state: ``fresh``, ``restart`` or ``keep`` (its modifiers)."""
+    mods = set(name.split(":")[1:])
+    return next((state for state in CACHE_STATES if state in mods), "keep")
+
+
+def _flashmla(results: Sequence[dict[str, Any]], state: str) -> dict[str, Any] | None:
+    """The FLASHMLA row of cache ``state`` (None: not measured)."""
     for r in results:
-        decode = r.get("decode_tok_s")
-        ratio = f"{decode / base:.2f}x" if decode and base else "-"
+        if r["name"].split(":")[0] == "FLASHMLA" and cache_state(r["name"]) == state:
+            return r
+    return None
+
+
+def summary(results: Sequence[dict[str, Any]]) -> str:
+    """A text table of the results: first batch (engine start + cold) and warm decode
+    relative to the FLASHMLA row of the same cache state ("first/FM", "dec/FM"), and the
+    engine's init, torch.compile and CUDA-graph capture seconds from its log."""
+    cols = ("start", "cold", "warm", "first", "first/FM", "cold/warm", "prefill/s",
+            "decode/s", "dec/FM", "JIT", "init", "compile", "capture")  # fmt: skip
+    rows = [f"{'configuration':28s}" + "".join(f"{c:>10s}" for c in cols)]
+    for r in results:
+        base = _flashmla(results, cache_state(r["name"])) or {}
 
         def num(key: str, fmt: str = "{:.1f}", r: dict[str, Any] = r) -> str:
             value = r.get(key)
             return fmt.format(value) if isinstance(value, (int, float)) else "-"
 
+        def ratio(key: str, r: dict[str, Any] = r, base: dict[str, Any] = base) -> str:
+            value, ref = r.get(key), base.get(key)
+            ok = isinstance(value, (int, float)) and isinstance(ref, (int, float)) and ref > 0
+            return f"{value / ref:.2f}x" if ok else "-"
+
+        captures = r.get("capture_s") or []
         cells = (
             num("engine_start_s"), num("cold_s"), num("warm_s"), num("first_batch_s"),
-            num("cold_over_warm", "{:.2f}"), num("prefill_tok_s", "{:.0f}"),
-            num("decode_tok_s", "{:.0f}"), ratio, str(r.get("jit_warnings", "-")),
+            ratio("first_batch_s"), num("cold_over_warm", "{:.2f}"), num("prefill_tok_s", "{:.0f}"),
+            num("decode_tok_s", "{:.0f}"), ratio("decode_tok_s"), str(r.get("jit_warnings", "-")),
+            num("init_engine_s"), num("compile_s"), "+".join(f"{c:g}" for c in captures) or "-",
         )  # fmt: skip
-        line = f"{r['name']:28s}" + "".join(f"{c:>11s}" for c in cells)
+        line = f"{r['name']:28s}" + "".join(f"{c:>10s}" for c in cells)
         if r.get("status") != "ok":
             line += f"  [{r.get('status')}]"
         rows.append(line)
@@ -458,6 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     results: list[dict[str, Any]] = []
     for item in args.config_list:
+        if item.restart and item.cache_key not in args.cache_dirs:
+            results.append(
+                {"name": item.name, "status": f"skipped ({item.cache_key}:fresh did not run)"}
+            )
+            continue
         timeout = args.timeout
         if deadline is not None:
             left = deadline - time.time()

@@ -40,6 +40,21 @@ def test_configurations(serve: ModuleType) -> None:
     assert args.capture_list == [1, 2, 64]
     assert args.tag == "L4-b64-p4096-g256"
     assert serve.parse_config("quant-none").mla_quant == {}
+    args = serve.parse_args(["--configs", "quant-fp8:nowarm:fresh,quant-fp8:restart:nowarm"])
+    fresh, restart = args.config_list
+    assert restart.restart and not restart.fresh_cache and not restart.warmup
+    assert fresh.cache_key == restart.cache_key == "quant-fp8:nowarm"
+
+
+def test_restart_reuses_its_fresh_cache(serve: ModuleType, tmp_path: Path) -> None:
+    """``:restart`` gets the directory its ``:fresh`` run was given; another
+    configuration's ``:fresh`` gets a new one."""
+    args = serve.parse_args(["--configs", "FLASHMLA:fresh,quant-fp8:fresh,FLASHMLA:restart"])
+    flash, fp8, again = args.config_list
+    first = serve._env(flash, args)["TRITON_CACHE_DIR"]
+    other = serve._env(fp8, args)["TRITON_CACHE_DIR"]
+    assert serve._env(again, args)["TRITON_CACHE_DIR"] == first != other
+    assert Path(first).is_dir() and not any(Path(first).iterdir())
 
 
 @pytest.mark.parametrize(
@@ -49,6 +64,8 @@ def test_configurations(serve: ModuleType) -> None:
         (["--configs", "quant-none-shadow"], "recipe none stores no shadow"),
         (["--configs", "TRITON_MLA:nowarm"], "only applies to quant-*"),
         (["--configs", "quant-fp8:cold"], "unknown modifier(s) ['cold']"),
+        (["--configs", "quant-fp8:fresh:restart"], ":fresh and :restart exclude each other"),
+        (["--configs", "quant-fp8:restart,quant-fp8:fresh"], ":restart needs quant-fp8:fresh"),
         (["--capture-sizes", "1,x"], "--capture-sizes: expected comma-separated ints"),
         (["--gen", "1"], "--gen: expected at least 2"),
         (["--batch", "0"], "--batch: expected a positive int"),
@@ -87,6 +104,10 @@ def test_log_scan(serve: ModuleType) -> None:
         "prefill_fwd_kernel. This causes a latency spike; consider extending warmup to cover "
         "this shape/config.\n"
         "WARNING Triton kernel JIT compilation during inference: decode_split_kernel (x=1). \n"
+        "INFO 12-01 16:59:52 [model_runner.py:1163] Graph capturing finished in 14 secs, took "
+        "0.08 GiB\nINFO [model_runner.py:1163] Graph capturing finished in 2 secs, took 0.08 GiB\n"
+        "INFO 12-01 17:00:09 [core.py:405] init engine (profile, create kv cache, warmup model) "
+        "took 65.52 s (compilation: 22.46 s)\n"
     )
     found = serve.scan_log(log)
     assert found["jit_warnings"] == 2
@@ -95,6 +116,11 @@ def test_log_scan(serve: ModuleType) -> None:
         "MLA_QUANT warmup: 3 plans (decode, prefill, update) over 4 layers: 61 kernel variants "
         "in 12.3 s"
     ]
+    assert (found["init_engine_s"], found["compile_s"], found["capture_s"]) == (
+        65.52,
+        22.46,
+        [14, 2],
+    )
     assert serve.scan_log("no warnings")["jit_warnings"] == 0
 
 
@@ -107,13 +133,18 @@ def test_results_json_and_plot(serve: ModuleType, tmp_path: Path) -> None:
          "warm_s": 3.8, "first_batch_s": 64.0, "cold_over_warm": 1.05, "decode_tok_s": 9300.0,
          "jit_warnings": 0},
         {"name": "quant-nvfp4-shadow", "status": "timeout after 200 s", "engine_start_s": 85.0},
+        {"name": "FLASHMLA:fresh", "status": "ok", "first_batch_s": 50.0, "capture_s": [2, 1]},
+        {"name": "quant-fp8:fresh", "status": "ok", "first_batch_s": 70.0, "init_engine_s": 58.7},
     ]  # fmt: skip
     path = serve.write_results(fake, args, {"command": "test"})
     doc = json.loads(path.read_text())
     assert [r["name"] for r in doc["results"]] == [r["name"] for r in fake]
     lines = doc["summary"].splitlines()
+    assert "first/FM" in lines[0] and "capture" in lines[0]
     assert "0.93x" in lines[2] and "1.00x" in lines[1]
+    assert "1.30x" in lines[2]  # first batch 64.0 / 49.1, against the FLASHMLA of its state
     assert "[timeout after 200 s]" in lines[3]
+    assert "2+1" in lines[4] and "1.40x" in lines[5] and "58.7" in lines[5]  # 70 / 50: fresh
     png = path.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

@@ -111,3 +111,50 @@ def test_warmup_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert ENGINE_WARMUP.get_warmup_keys(model.config) == []
     monkeypatch.setenv(ENV, "1")
     assert ENGINE_WARMUP.get_warmup_keys(model.config)
+
+
+def _probe(x):  # type: ignore[no-untyped-def]  # a kernel's source, never compiled
+    pass
+
+
+def test_failed_warmup_leaves_no_failed_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up that fails is logged and returns None, and the asynchronous compiles it
+    left in an ``mla_triton`` kernel's cache unfinished or failed are forgotten (the next
+    launch compiles them anew); finished ones and plain kernels stay."""
+    import sys
+    import types
+    from concurrent.futures import Future
+    from contextlib import contextmanager
+
+    from triton.runtime._async_compile import FutureKernel
+    from triton.runtime.jit import JITFunction
+
+    import mla_vllm.warmup as warmup
+
+    failed: Future[Any] = Future()
+    failed.set_exception(RuntimeError("ptxas died"))
+    finished: Future[Any] = Future()
+    finished.set_result("binary")
+    done = FutureKernel(lambda kernel: None, finished)
+    done.result()
+    cache: dict[str, Any] = {"plain": object(), "done": done, "pending": None, "failed": None}
+    cache["pending"] = FutureKernel(lambda kernel: None, Future())
+    cache["failed"] = FutureKernel(lambda kernel: None, failed)
+    kernel = JITFunction(_probe)
+    kernel.device_caches = {0: (cache, {}, None, None, None)}  # type: ignore[assignment]
+    module = types.ModuleType("mla_triton._probe")
+    module.kernel = kernel  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mla_triton._probe", module)
+
+    @contextmanager
+    def compile_only(threads: int | None = None) -> Any:
+        yield
+
+    def run_plans(plans: Any) -> None:
+        raise RuntimeError("a warm-up call failed")
+
+    monkeypatch.setattr(warmup, "compile_only", compile_only)
+    engine = warmup.EngineWarmup()
+    monkeypatch.setattr(engine, "run_plans", run_plans)
+    assert engine.compile_plans([warmup.Plan("decode", "layer")]) is None
+    assert sorted(cache) == ["done", "plain"]

@@ -18,19 +18,31 @@ Each batch here is built as vLLM builds it (zero block tables as wide as the per
 one, slots -1, the builder's ``build`` or ``build_for_cudagraph_capture``) and run
 through ``MLAAttention.forward``; ``record_keys`` gives the compile keys (sm_90, nothing
 launched). Steps 4 and 5 must be covered by the warm-up's keys. Step 2 runs before the
-warm-up on another cache: its split-kernel keys differ from the warm-up's only where
-the two caches' block counts specialize apart (1, divisible by 16, other), which the
-last tests pin down.
+warm-up on another cache; the split kernels do not specialize the cache's block
+count, so its keys are the real cache's warm-up's, and the first metadata build (in
+step 2) runs the warm-up for the minimal cache (``warmup.warm_before_capture``): the
+last tests pin both down.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import PAGE, SMALL, Batch, Model, common_metadata, forward, layer_inputs
+from conftest import (
+    PAGE,
+    SMALL,
+    Batch,
+    Model,
+    common_metadata,
+    forward,
+    layer_inputs,
+    make_builder,
+)
 from test_warmup import _quant_model
 
 from mla_triton.warmup import record_keys
@@ -115,6 +127,12 @@ def _warmup_steps(model: Model) -> list[Batch]:
     return [_dummy_batch(model, step, full=False, width=width) for step in steps]
 
 
+def _width(model: Model) -> int:
+    from mla_vllm.warmup import block_table_width
+
+    return block_table_width(model.config, PAGE)
+
+
 def _kernels(keys: Keys) -> list[str]:
     return sorted(name.rsplit(".", 1)[1] for name, _ in keys)
 
@@ -159,28 +177,89 @@ def test_profile_pass_keys_are_the_warmups_for_its_cache(tmp_path: Path) -> None
     assert not profile - _warmed(model), _kernels(profile - _warmed(model))
 
 
-@pytest.mark.parametrize(
-    ("real", "covered"),
-    [
-        (48, False),  # 48 % 16 == 0, the minimal 8 blocks are "other": keyed apart
-        (40, True),  # both "other": the same keys
-    ],
-)
-def test_profile_pass_split_keys_follow_the_block_count(
-    tmp_path: Path, real: int, covered: bool
-) -> None:
-    """The split kernels specialize the cache's block count (``num_blocks`` of
-    ``kernels.common``, passed as an int): the profile pass's minimal cache (8 blocks
-    here; 64 in the serving benchmark) compiles its own split variants, never used
-    again, when the real cache's count specializes differently (1,608,071 blocks on
-    the H200 at 4k, on read). What the warm-up then compiles for the real cache is
-    all that serving reaches."""
+@pytest.mark.parametrize("real", [48, 40])  # a multiple of 16, and not: the minimal is 8
+def test_profile_pass_keys_do_not_follow_the_block_count(tmp_path: Path, real: int) -> None:
+    """The split kernels take the cache's block count unspecialized (their own
+    ``num_blocks``): the profile pass's minimal cache (8 blocks here; 64 in the serving
+    benchmark) keys them as the real one does (1,608,071 blocks on the H200 at 4k, on
+    read), whatever the two counts' classes (1, divisible by 16, other)."""
     model = _quant_model(tmp_path, CONFIGS["nvfp4"])
     _shrink_cache(model, real)
     warmed = _warmed(model)
     minimal = min(int(model.config.scheduler_config.max_num_seqs), _sizes(model)[0])
-    missing = _profile_pass(model, minimal) - warmed
-    if covered:
-        assert not missing, _kernels(missing)
-    else:
-        assert missing and all("split" in k for k in _kernels(missing)), _kernels(missing)
+    profile = _profile_pass(model, minimal)
+    assert any("split" in k for k in _kernels(profile)), _kernels(profile)
+    assert not profile - warmed, _kernels(profile - warmed)
+
+
+@contextmanager
+def _recording(compiled: list[Keys], *, compiles: bool = True) -> Iterator[None]:
+    """``compile_only`` replaced: each warm-up's keys, appended to ``compiled``; with
+    ``compiles``, Triton's interpreter is taken for a compiler (as on a GPU)."""
+    from mla_triton.warmup import record_keys
+
+    @contextmanager
+    def recording(threads: int | None = None) -> Iterator[None]:
+        with record_keys() as keys:
+            yield
+        compiled.append(set(keys))
+
+    import mla_vllm.warmup as warmup
+
+    original = warmup.compile_only, warmup._compiles
+    warmup.compile_only = recording  # type: ignore[assignment]
+    if compiles:
+        warmup._compiles = lambda: True  # as on a GPU (under the interpreter: skipped)
+    try:
+        yield
+    finally:
+        warmup.compile_only, warmup._compiles = original
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_first_build_warms_what_the_profile_pass_reaches(tmp_path: Path, name: str) -> None:
+    """The first metadata build runs the engine warm-up for the caches bound then (the
+    profile pass's minimal one), once per engine; the profile pass's keys, and those of
+    the real cache's warm-up, capture and ``warmup_kernels``, are among them."""
+    compiled: list[Keys] = []
+    with _recording(compiled):
+        model = _quant_model(tmp_path, CONFIGS[name])  # builder made, nothing built yet
+        assert compiled == []
+        real = _warmed(model)
+        sizes = _sizes(model)
+        _shrink_cache(model, min(int(model.config.scheduler_config.max_num_seqs), sizes[0]))
+        batches = _capture(model, sizes, sizes[:2])  # the first build warms, later ones not
+        assert len(compiled) == 1
+        profile = _served(model, batches)
+        make_builder(model)  # a new builder, as for the real cache: the engine is warmed
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
+        assert len(compiled) == 1
+    early = compiled[0]
+    kernels = _kernels(early)
+    assert any("split" in k for k in kernels) and "prefill_fwd_kernel" in kernels, kernels
+    assert not profile - early, _kernels(profile - early)
+    assert not real - early, _kernels(real - early)
+
+
+def test_first_build_warmup_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter, ``MLA_QUANT_WARMUP=0`` and vLLM's JIT warm-up off (eager):
+    no warm-up at a build, and the engine's one warm-up is left for later."""
+    from mla_vllm.warmup import ENV
+
+    compiled: list[Keys] = []
+    with _recording(compiled, compiles=False):
+        model = _quant_model(tmp_path, CONFIGS["nvfp4"])
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
+    with _recording(compiled):
+        monkeypatch.setenv(ENV, "0")
+        make_builder(model)
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
+        monkeypatch.setenv(ENV, "1")
+        model.config.kernel_config.enable_jit_warmup = False
+        make_builder(model)
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
+        model.config.kernel_config.enable_jit_warmup = True
+        assert compiled == []
+        make_builder(model)  # all on: this engine has not been warmed yet
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
+        assert len(compiled) == 1

@@ -42,6 +42,7 @@ from mla_vllm.prefill import MLAQuantPrefillBackend
 from mla_vllm.shadow import LayerShadow, layer_shadow, shadow_spec, split_cache
 from mla_vllm.state import LayerState, layer_errors
 from mla_vllm.warmup import register as register_warmup
+from mla_vllm.warmup import warm_before_capture
 from mla_vllm.workspace import reserve_decode_workspace
 
 __all__ = [
@@ -320,7 +321,9 @@ def bind_layers(
 
 
 class MLAQuantMetadataBuilder(TritonMLAMetadataBuilder):
-    """TRITON_MLA's builder; binds the group's layers and reserves decode scratch."""
+    """TRITON_MLA's builder; binds the group's layers and reserves decode scratch; its
+    first ``build`` runs the engine warm-up for the caches then bound
+    (``warmup.warm_before_capture``: before vLLM's CUDA-graph memory profile)."""
 
     def __init__(
         self,
@@ -343,6 +346,17 @@ class MLAQuantMetadataBuilder(TritonMLAMetadataBuilder):
             self.num_heads * self.dcp_world_size,
             self.mla_dims.kv_lora_rank,
         )
+        self._mla_layers = layers
+        self._mla_warm = True
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
+    ) -> Any:
+        """TRITON_MLA's metadata; the first build warms the layers up first."""
+        if self._mla_warm:
+            self._mla_warm = False
+            warm_before_capture(self._mla_layers, self.vllm_config)
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
 
 
 class MLAQuantBackend(TritonMLABackend):

@@ -16,6 +16,12 @@ to ``max_model_len`` tokens (on read, or from the shadow), prefill for new token
 (with and without LSE) and context chunks, the shadow's cache write, and, with
 ``observe`` on, the unquantized reference calls. ``MLA_QUANT_WARMUP=0`` turns it
 off; ``MLA_QUANT_WARMUP_THREADS`` sets the pool size (default: CPUs, at most 16).
+The same plans run once per engine earlier, at the first metadata build
+(``warm_before_capture``, from ``MLAQuantMetadataBuilder.build``): vLLM's CUDA-graph
+memory profile, which runs before ``kernel_warmup`` on a minimal KV cache, then finds
+its variants compiled (the log line ends in ``(first metadata build)``), and
+``kernel_warmup`` on the real cache finds them too (the kernels do not specialize the
+cache's block count).
 vLLM skips the registry when ``kernel_config.enable_jit_warmup`` is off (eager
 mode). An in-place ``install`` (``mla_vllm.install``) comes after the registry
 ran: it calls ``warm_layers`` on each worker, the same plans and calls for the
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,6 +59,7 @@ __all__ = [
     "Plan",
     "block_table_width",
     "register",
+    "warm_before_capture",
     "warm_layers",
 ]
 
@@ -135,8 +143,9 @@ class EngineWarmup(VllmJitKernel[Plan]):
         """Compile every plan's variants in one thread pool; log the count and time."""
         self.compile_plans(compile_keys)
 
-    def compile_plans(self, compile_keys: Iterable[Plan]) -> int | None:
-        """``compile_many``, returning the kernel variants added (None: failed, logged)."""
+    def compile_plans(self, compile_keys: Iterable[Plan], where: str = "") -> int | None:
+        """``compile_many``, returning the kernel variants added (None: failed, logged);
+        ``where`` ends the log line (which warm-up this was)."""
         plans = list(compile_keys)
         if not plans:
             return 0
@@ -147,13 +156,15 @@ class EngineWarmup(VllmJitKernel[Plan]):
             with compile_only(int(threads) if threads else None):
                 self.run_plans(plans)
         except Exception:  # serving still works: the kernels then compile on first use
+            _drop_failed_compiles()
             logger.exception("MLA_QUANT warmup failed; kernels will compile during inference")
             return None
         seconds = time.perf_counter() - start
         after = sum(compiled_variants().values())
-        message = "MLA_QUANT warmup: %d plans (%s) over %d layers: %d kernel variants in %.1f s"
+        message = "MLA_QUANT warmup: %d plans (%s) over %d layers: %d kernel variants in %.1f s%s"
         kinds = ", ".join(sorted({p.kind for p in plans}))
-        logger.info(message, len(plans), kinds, len(self._layers), after - before, seconds)
+        layers = len(self._layers)
+        logger.info(message, len(plans), kinds, layers, after - before, seconds, where)
         return after - before
 
     def run_plans(self, plans: Iterable[Plan]) -> None:
@@ -194,6 +205,82 @@ def warm_layers(layers: Mapping[str, Any], vllm_config: Any) -> int | None:
         return None
     with _jit_monitor_paused():
         return warmup.compile_plans(plans)
+
+
+_EARLY: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) -> the config, warmed early
+
+
+def _first_time(vllm_config: Any) -> bool:
+    """True the first time for ``vllm_config`` (the object: one engine), then False."""
+    for key, old in list(_EARLY.items()):
+        if old() is None:
+            del _EARLY[key]  # that engine's config is gone: its id may be reused
+    seen = _EARLY.get(id(vllm_config))
+    if seen is not None and seen() is vllm_config:
+        return False
+    _EARLY[id(vllm_config)] = weakref.ref(vllm_config)
+    return True
+
+
+def warm_before_capture(layers: Mapping[str, Any], vllm_config: Any) -> int | None:
+    """The engine warm-up's plans, now, for the caches bound to ``layers``; once per engine.
+
+    For the first metadata build (``MLAQuantMetadataBuilder.build``). vLLM 0.33's V2
+    model runner captures CUDA graphs on a minimal KV cache to measure their memory
+    (``profile_cudagraph_memory``) before ``kernel_warmup`` runs; its first batch
+    would compile every decode variant it reaches there, one after another. Warmed
+    here in the pool instead, that pass and ``kernel_warmup`` (on the real cache)
+    then find them compiled: the split kernels do not specialize the cache's block
+    count. Returns the variants added; None when off (``MLA_QUANT_WARMUP=0``, or
+    vLLM's JIT warm-up off: eager), done before for ``vllm_config``, vLLM's JIT
+    monitor on (this would be inference), under Triton's interpreter (nothing
+    compiles there), nothing to plan, or failed (logged; ``kernel_warmup`` then runs
+    as before).
+    """
+    from vllm.utils import jit_monitor
+
+    kernel_config = getattr(vllm_config, "kernel_config", None)
+    if not enabled() or not _compiles() or not getattr(kernel_config, "enable_jit_warmup", True):
+        return None
+    bound = any(
+        isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and layer.kv_cache.numel()
+        for layer in layers.values()
+    )  # before the caches are bound there is no decode to plan: wait for them
+    if not bound or jit_monitor.is_active() or not _first_time(vllm_config):
+        return None
+    warmup = EngineWarmup()
+    plans = warmup.plan(layers, vllm_config)
+    if not plans:
+        return None
+    return warmup.compile_plans(plans, where=" (first metadata build)")
+
+
+def _compiles() -> bool:
+    """False under Triton's interpreter (``TRITON_INTERPRET=1``): kernels compile nothing."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() in ("", "0")
+
+
+def _drop_failed_compiles() -> None:
+    """Forget every ``mla_triton`` kernel variant whose asynchronous compile failed or
+    never finished (``triton.AsyncCompileMode`` puts a future in the kernel cache at
+    once): the next launch then compiles it again instead of raising the old error."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    modules = [m for n, m in list(sys.modules.items()) if n.startswith("mla_triton") and m]
+    for module in modules:
+        for value in list(vars(module).values()):
+            if not isinstance(value, JITFunction):
+                continue
+            for entry in list(getattr(value, "device_caches", {}).values()):
+                cache = entry[0]
+                for key, kernel in list(cache.items()):
+                    future = getattr(kernel, "future", None)
+                    if future is None or getattr(kernel, "kernel", None) is not None:
+                        continue  # compiled, or not a future
+                    if not future.done() or future.cancelled() or future.exception() is not None:
+                        del cache[key]
 
 
 @contextmanager
