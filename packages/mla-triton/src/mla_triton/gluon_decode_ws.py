@@ -37,10 +37,13 @@ class WsConfig:
             (``setmaxnreg``; the default partition, math warpgroup 0, gets the rest of
             the 504 a thread of each of the three warpgroups has: 232 by default).
         producer_regs: registers a thread of the copy warpgroup asks for.
+        chunked: ``S`` of a tile starts on each of its 64-feature chunks as that lands
+            (nine barriers a slot), else once the whole tile has landed.
     """
 
     math_regs: int = 232
     producer_regs: int = 40
+    chunked: bool = True
 
     def __post_init__(self) -> None:
         for name in ("math_regs", "producer_regs"):
@@ -50,11 +53,15 @@ class WsConfig:
 
     @property
     def name(self) -> str:
-        """A short label: ``ws-r232-p40``."""
-        return f"ws-r{self.math_regs}-p{self.producer_regs}"
+        """A short label: ``ws-r232-p40`` (``-tile`` when not chunked)."""
+        return f"ws-r{self.math_regs}-p{self.producer_regs}" + ("" if self.chunked else "-tile")
 
 
-VARIANTS: tuple[WsConfig, ...] = (WsConfig(), WsConfig(math_regs=224, producer_regs=56))
+VARIANTS: tuple[WsConfig, ...] = (
+    WsConfig(),
+    WsConfig(chunked=False),
+    WsConfig(math_regs=224, producer_regs=56),
+)
 """The configurations the CPU test compiles and the GPU script times."""
 
 
@@ -79,7 +86,8 @@ class WsFamily(_OnRead):
                             num_stages=k.STAGES)  # fmt: skip
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
-        return {"MATH_REGS": self.config.math_regs, "PRODUCER_REGS": self.config.producer_regs}
+        c = self.config
+        return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked}
 
 
 @functools.cache
@@ -171,7 +179,7 @@ def compile_ws(
     constexprs: dict[str, Any] = {
         "SHAPE": (512, 64, page, k.BLOCK_H, k.BLOCK_N, 2, SPLIT_ALIGN),
         "MULTI_SPLIT": num_splits > 1, "PRODUCER_REGS": config.producer_regs,
-        "MATH_REGS": config.math_regs,
+        "MATH_REGS": config.math_regs, "CHUNKED": config.chunked,
     }  # fmt: skip
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
 

@@ -44,6 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla_triton.kernels.common import split_program
+
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 NUM_WARPS = 4
 """Warps of each partition (the default one is the kernel's ``num_warps``)."""
@@ -59,9 +61,9 @@ _N: gl.constexpr = gl.constexpr(BLOCK_N)
 _ST: gl.constexpr = gl.constexpr(STAGES)
 # copies: 16 bytes a thread, 8 threads along a 128-byte row segment, 4 rows a warp
 _LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-_ROWS: gl.constexpr = gl.constexpr(16)  # rows a copy step (8 vectors a thread)
+_CH: gl.constexpr = gl.constexpr(64)  # features a chunk (128 bytes: one swizzle atom)
+_NCH: gl.constexpr = gl.constexpr(512 // 64 + 1)  # chunks a tile: kv_c, then k_pe
 _VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-_MAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
 
 @gluon.jit
@@ -83,54 +85,54 @@ def _q_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, dtype:
 
 @gluon.jit
 def _producer(
-    kv_ring, kpe_ring, full, free, bad_smem, kv_ptr, bt_row, lo, hi, n_tiles, stride_bt_p,
-    stride_kv_page, stride_kv_row, num_blocks, D1: gl.constexpr, D2: gl.constexpr,
-    PAGE: gl.constexpr,
+    kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr, bt_row, lo, hi, n_tiles,
+    stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1: gl.constexpr,
+    D2: gl.constexpr, PAGE: gl.constexpr, CHUNKED: gl.constexpr,
 ):  # fmt: skip
-    """Copy every tile of the split into its slot (``cp.async``, zero rows past ``hi``),
-    once the slot is free; ``bad_smem [BLOCK_N]``: per row slot, whether a row so far
-    used a block-table entry outside ``[0, num_blocks)`` (read from page 0 instead)."""
+    """Copy every tile of the split into its slot (``cp.async``, zero rows past ``hi``)
+    once the slot is free. ``CHUNKED``: each 64-feature chunk arrives on its own barrier
+    (``landed``, the copying threads' ``cp.async.mbarrier.arrive``) and the next tile is
+    issued at once; else the tile is waited for and arrives on the slot's first barrier.
+    At the end ``bad_smem [BLOCK_N]`` says, per row slot, whether a row used a
+    block-table entry outside ``[0, num_blocks)`` (read from page 0 instead); then
+    ``done``."""
     row_l: gl.constexpr = gl.SliceLayout(1, _LD)
-    sub = gl.arange(0, _ROWS, row_l)
-    offs_d1 = gl.arange(0, D1, gl.SliceLayout(0, _LD))
+    offs_c = gl.arange(0, _CH, gl.SliceLayout(0, _LD))
     offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, _LD))
     n_bad = gl.zeros([_N], gl.int32, row_l)
-    all_rows = gl.arange(0, _N, row_l)
     for t in range(n_tiles):
         s = t % _ST
         if t >= _ST:
             mbarrier.wait(free.index(s), ((t // _ST) - 1) & 1)
-        start = lo + t * _N
-        # the rope part of the whole tile (4 vectors a thread), then kv_c 16 rows a step
-        tok = start + all_rows
+        tok = lo + t * _N + gl.arange(0, _N, row_l)
         valid = tok < hi
         page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
         bad = valid & ((page < 0) | (page >= num_blocks))
         n_bad = n_bad | bad.to(gl.int32)
         page = gl.where(bad, 0, page)
-        rows = page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row
-        cp.async_copy_global_to_shared(
-            kpe_ring.index(s), kv_ptr + rows[:, None] + D1 + offs_d2[None, :],
-            mask=valid[:, None],
-        )  # fmt: skip
-        for c in gl.static_range(_N // _ROWS):
-            tok_c = start + c * _ROWS + sub
-            valid_c = tok_c < hi
-            page_c = gl.load(bt_row + (tok_c // PAGE) * stride_bt_p, mask=valid_c, other=0)
-            page_c = page_c.to(gl.int64)
-            page_c = gl.where(valid_c & ((page_c < 0) | (page_c >= num_blocks)), 0, page_c)
-            rows_c = page_c * stride_kv_page + (tok_c % PAGE).to(gl.int64) * stride_kv_row
+        src = kv_ptr + (page * stride_kv_page + (tok % PAGE).to(gl.int64) * stride_kv_row)
+        for c in gl.static_range(D1 // _CH):
             cp.async_copy_global_to_shared(
-                kv_ring.index(s).slice(c * _ROWS, _ROWS, dim=0),
-                kv_ptr + rows_c[:, None] + offs_d1[None, :],
-                mask=valid_c[:, None],
-            )
+                kv_ring.index(s).slice(c * _CH, _CH, dim=1),
+                src[:, None] + c * _CH + offs_c[None, :], mask=valid[:, None],
+            )  # fmt: skip
+            if CHUNKED:
+                cp.mbarrier_arrive(landed.index(s * _NCH + c), increment_count=False)
+        cp.async_copy_global_to_shared(
+            kpe_ring.index(s), src[:, None] + D1 + offs_d2[None, :], mask=valid[:, None]
+        )
+        if CHUNKED:
+            cp.mbarrier_arrive(landed.index(s * _NCH + D1 // _CH), increment_count=False)
         cp.commit_group()
-        cp.wait_group(0)
-        bad_smem.store(n_bad)
-        fence_async_shared()
-        gl.barrier()  # every producer thread's copies have landed
-        mbarrier.arrive(full.index(s))
+        if not CHUNKED:
+            cp.wait_group(0)
+            fence_async_shared()
+            gl.barrier()  # every producer thread's copies have landed
+            mbarrier.arrive(landed.index(s * _NCH))
+    cp.wait_group(0)
+    bad_smem.store(n_bad)
+    gl.barrier()
+    mbarrier.arrive(done)
 
 
 @gluon.jit
@@ -173,14 +175,16 @@ def _opaque(x):
 
 @gluon.jit
 def _own_tile(
-    acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, full, pready, free, t, lo, hi,
-    row_scale, ROLE: gl.constexpr, HAS_PREV: gl.constexpr,
+    acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free, t, lo,
+    hi, row_scale, ROLE: gl.constexpr, HAS_PREV: gl.constexpr, CHUNKED: gl.constexpr,
 ):  # fmt: skip
-    """This warpgroup's tile ``t`` (slot ``ROLE``): ``S_t`` issued, the other warpgroup's
-    ``P_{t-1} V_{t-1}`` under it (``HAS_PREV``), the softmax, ``P_t`` and the maximum
-    published, ``P_t V_t`` from registers; both slots released once read. Returns
-    ``(acc, l, m)``."""
+    """This warpgroup's tile ``t`` (slot ``ROLE``): the other warpgroup's ``P_{t-1}
+    V_{t-1}`` (``HAS_PREV``; its P is published before tile ``t`` can start landing),
+    ``S_t`` (``CHUNKED``: each 64-feature chunk as soon as it has landed), the softmax,
+    ``P_t`` and the maximum published, ``P_t V_t`` from registers; both slots released
+    once read. Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
+    D1: gl.constexpr = kv_ring.shape[2]
     dtype: gl.constexpr = kv_ring.dtype
     o_layout: gl.constexpr = acc.type.layout
     s_layout: gl.constexpr = row_scale.type.layout.parent
@@ -189,22 +193,37 @@ def _own_tile(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s: gl.constexpr = ROLE  # this warpgroup's tiles use slot ROLE
-    mbarrier.wait(full.index(s), (t // _ST) & 1)
-    fence_async_shared()
+    phase = (t // _ST) & 1
+    if HAS_PREV:
+        acc, l_i, m_i = _pv_other(
+            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
+        )  # fmt: skip
     # The slot as a value the compiler cannot fold: with a constant one, it hoists the
     # 72 wgmma descriptors of S out of the loop and spills them.
     slot = _opaque(t) % _ST
     zero = _opaque(t) - t  # q's descriptors too (q1_smem, q2_smem: [1, 64, D])
+    kv_tile = kv_ring.index(slot)
     sc = gl.zeros([_HEADS, _N], gl.float32, s_layout)
-    sc = warpgroup_mma(q1_smem.index(zero), kv_ring.index(slot).permute((1, 0)), sc,
-                       use_acc=False, is_async=True)  # fmt: skip
+    if CHUNKED:
+        for c in gl.static_range(D1 // _CH):
+            mbarrier.wait(landed.index(s * _NCH + c), phase)
+            fence_async_shared()
+            sc = warpgroup_mma(q1_smem.index(zero).slice(c * _CH, _CH, dim=1),
+                               kv_tile.slice(c * _CH, _CH, dim=1).permute((1, 0)), sc,
+                               use_acc=c > 0, is_async=True)  # fmt: skip
+        mbarrier.wait(landed.index(s * _NCH + D1 // _CH), phase)
+        fence_async_shared()
+    else:
+        mbarrier.wait(landed.index(s * _NCH), phase)
+        fence_async_shared()
+        sc = warpgroup_mma(q1_smem.index(zero), kv_tile.permute((1, 0)), sc, use_acc=False,
+                           is_async=True)  # fmt: skip
     sc = warpgroup_mma(q2_smem.index(zero), kpe_ring.index(slot).permute((1, 0)), sc,
                        is_async=True)  # fmt: skip
-    if HAS_PREV:  # the other warpgroup's tile t - 1, under S_t
-        acc, l_i, m_i = _pv_other(
-            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
-        )  # fmt: skip
-        sc = warpgroup_mma_wait(1, deps=(sc,))
+    if HAS_PREV:  # P_{t-1} V_{t-1} is done too: the other slot is free for tile t + 1
+        sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
+        gl.barrier()
+        mbarrier.arrive(free.index(1 - ROLE))
     else:
         sc = warpgroup_mma_wait(0, deps=(sc,))
     offs_n = gl.arange(0, _N, gl.SliceLayout(0, s_layout))
@@ -217,10 +236,6 @@ def _own_tile(
     fence_async_shared()
     gl.barrier()
     mbarrier.arrive(pready.index(s))
-    if HAS_PREV:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        gl.barrier()
-        mbarrier.arrive(free.index(1 - ROLE))
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     v_half = kv_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
     acc = warpgroup_mma(gl.convert_layout(p16, p_op), v_half, acc, is_async=True)
@@ -232,8 +247,8 @@ def _own_tile(
 
 @gluon.jit
 def _math(
-    q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free, done,
-    lo, hi, n_tiles, score_scale, ROLE: gl.constexpr, D1: gl.constexpr,
+    q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
+    lo, hi, n_tiles, score_scale, ROLE: gl.constexpr, D1: gl.constexpr, CHUNKED: gl.constexpr,
 ):  # fmt: skip
     """Math warpgroup ``ROLE``: its tiles' S and softmax, P V of every tile on its 256
     features. Returns ``(acc [64, 256], m [64], l [64], any bad row)``, ``l`` the sum of
@@ -259,14 +274,14 @@ def _math(
     if ROLE == 0:  # tile 0 has no predecessor: peeled
         if n_own > 0:
             acc, l_i, m_i = _own_tile(
-                acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, full, pready, free,
-                0, lo, hi, row_scale, ROLE, False,
+                acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
+                0, lo, hi, row_scale, ROLE, False, CHUNKED,
             )  # fmt: skip
         first = 1
     for k in range(first, n_own):
         acc, l_i, m_i = _own_tile(
-            acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, full, pready, free,
-            2 * k + ROLE, lo, hi, row_scale, ROLE, True,
+            acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
+            2 * k + ROLE, lo, hi, row_scale, ROLE, True, CHUNKED,
         )  # fmt: skip
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
@@ -277,7 +292,8 @@ def _math(
         gl.barrier()
         mbarrier.arrive(free.index(1 - ROLE))
 
-    # both warpgroups' denominators at the final maximum (which both hold now)
+    # both warpgroups' denominators at the final maximum (which both hold now); the
+    # producer's bad-row flags
     l_smem.slice(ROLE * _HEADS, _HEADS).store(l_i)
     gl.barrier()
     mbarrier.arrive(done)
@@ -326,16 +342,18 @@ def _epilogue(
 
 
 @gluon.jit
-def _math_part(args, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr):
+def _math_part(
+    args, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr, CHUNKED: gl.constexpr
+):
     """A math warpgroup: ``_math`` then ``_epilogue`` for its features (``args``: the
     kernel's shared buffers, barriers, bounds and output pointers, in this order)."""
-    (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free, done,
+    (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
      lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
      n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
      stride_lse_h, out_scale) = args  # fmt: skip
     acc, m_i, l_i, bad = _math(
-        q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free,
-        done, lo, hi, n_tiles, score_scale, ROLE, D1,
+        q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
+        done, lo, hi, n_tiles, score_scale, ROLE, D1, CHUNKED,
     )  # fmt: skip
     _epilogue(
         acc, m_i, l_i, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split, n_splits, lo,
@@ -353,47 +371,37 @@ def gluon_decode_ws_kernel(
     MULTI_SPLIT: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     MATH_REGS: gl.constexpr,
+    CHUNKED: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request), recipe none.
 
     Arguments as ``gluon_decode.gluon_decode_split_kernel``'s (``split``: the split
     kernels' tuple, ``kernels.common.split_program``; ``SHAPE`` with ``BLOCK_H`` 64 and
     ``BLOCK_N`` 64); ``PRODUCER_REGS`` / ``MATH_REGS``: the registers a thread of the
-    producer / the worker math warpgroup asks for (``setmaxnreg``).
+    producer / the worker math warpgroup asks for (``setmaxnreg``); ``CHUNKED``: S starts
+    on each 64-feature chunk of a tile as it lands (one barrier a chunk), else on the
+    whole tile.
     """
     qn_ptr, qp_ptr, _qgs_ptr = split[0]
     (kv_ptr,) = split[1]
-    bt_ptr, seq_lens_ptr = split[2], split[3]
+    bt_ptr = split[2]
     out_ptr, lse_ptr = split[4]
     wacc_ptr, wml_ptr = split[5]
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h = split[6]
     stride_kv_page, stride_kv_row = split[7]
     stride_bt_b, stride_bt_p = split[8]
-    stride_sl = split[9]
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h = split[10]
-    num_heads, capacity, num_blocks = split[11]
+    num_heads, _capacity, num_blocks = split[11]
     score_scale = split[12]  # softmax_scale * log2(e)
     D1: gl.constexpr = SHAPE[0]
     D2: gl.constexpr = SHAPE[1]
     PAGE: gl.constexpr = SHAPE[2]
-    HEAD_GROUPS: gl.constexpr = SHAPE[5]
-    SPLIT_ALIGN_: gl.constexpr = SHAPE[6]
     gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
     gl.static_assert(SHAPE[4] == _N, "BLOCK_N: 64-token tiles")
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
 
-    pid = gl.program_id(0)
-    hg = pid % HEAD_GROUPS
-    n_splits = num_splits if MULTI_SPLIT else 1
-    split = (pid // HEAD_GROUPS) % n_splits
-    b = (pid // HEAD_GROUPS // n_splits).to(gl.int64)
-    raw = gl.load(seq_lens_ptr + b * stride_sl).to(gl.int32)
-    poisoned = (raw < 0) | (raw > capacity)
-    seq_len = gl.minimum(gl.maximum(raw, 0), capacity)
-    per = (seq_len + n_splits - 1) // n_splits
-    chunk = gl.maximum((per + SPLIT_ALIGN_ - 1) // SPLIT_ALIGN_, 1) * SPLIT_ALIGN_
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, seq_len)
+    n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
+    hg, split_i, b, seq_len, poisoned, lo, hi = split_program(split, SHAPE, n_splits)
     n_tiles = gl.maximum(hi - lo + _N - 1, 0) // _N
 
     q1_smem = _q_smem(qn_ptr, b, hg, stride_qn_b, stride_qn_h, num_heads, D1, dtype)
@@ -408,32 +416,33 @@ def gluon_decode_ws_kernel(
         gl.int32, [_N], _VEC, gl.zeros([_N], gl.int32, gl.SliceLayout(1, _LD))
     )
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    full = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
+    landed = gl.allocate_shared_memory(gl.int64, [_ST * _NCH, 1], bar_layout)
     pready = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
     free = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     for i in gl.static_range(_ST):
-        mbarrier.init(full.index(i), count=1)
         mbarrier.init(pready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)  # both math warpgroups
-    mbarrier.init(done, count=2)
+    for i in gl.static_range(_ST * _NCH):  # chunked: every producer thread arrives
+        mbarrier.init(landed.index(i), count=_WARPS * 32 if CHUNKED else 1)
+    mbarrier.init(done, count=3)  # the three partitions
     fence_async_shared()
     gl.barrier()
 
     math_args = (
-        q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, full, pready, free,
-        done, lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
+        q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
+        done, lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split_i,
         n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
         stride_lse_h, out_scale,
     )  # fmt: skip
     gl.warp_specialize(
         [
-            (_math_part, (math_args, 0, D1, MULTI_SPLIT)),
-            (_math_part, (math_args, 1, D1, MULTI_SPLIT)),
+            (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED)),
+            (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED)),
             (_producer, (
-                kv_ring, kpe_ring, full, free, bad_smem, kv_ptr, bt_ptr + b * stride_bt_b, lo,
-                hi, n_tiles, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1, D2,
-                PAGE,
+                kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr, bt_ptr + b * stride_bt_b,
+                lo, hi, n_tiles, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1,
+                D2, PAGE, CHUNKED,
             )),
         ],
         [_WARPS, _WARPS],
