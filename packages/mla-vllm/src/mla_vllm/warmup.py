@@ -232,10 +232,10 @@ def warm_before_capture(layers: Mapping[str, Any], vllm_config: Any) -> int | No
     here in the pool instead, that pass and ``kernel_warmup`` (on the real cache)
     then find them compiled: the split kernels do not specialize the cache's block
     count. Returns the variants added; None when off (``MLA_QUANT_WARMUP=0``, or
-    vLLM's JIT warm-up off: eager), done before for ``vllm_config``, vLLM's JIT
-    monitor on (this would be inference), under Triton's interpreter (nothing
-    compiles there), nothing to plan, or failed (logged; ``kernel_warmup`` then runs
-    as before).
+    vLLM's JIT warm-up off: eager), done before for ``vllm_config``, no KV cache bound
+    yet, during a CUDA-graph capture, with vLLM's JIT monitor on (this would be
+    inference), under Triton's interpreter (nothing compiles there), nothing to plan,
+    or failed (logged; ``kernel_warmup`` then runs as before).
     """
     from vllm.utils import jit_monitor
 
@@ -246,13 +246,19 @@ def warm_before_capture(layers: Mapping[str, Any], vllm_config: Any) -> int | No
         isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and layer.kv_cache.numel()
         for layer in layers.values()
     )  # before the caches are bound there is no decode to plan: wait for them
-    if not bound or jit_monitor.is_active() or not _first_time(vllm_config):
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not bound or capturing or jit_monitor.is_active() or not _first_time(vllm_config):
         return None
     warmup = EngineWarmup()
     plans = warmup.plan(layers, vllm_config)
     if not plans:
         return None
-    return warmup.compile_plans(plans, where=" (first metadata build)")
+    added = warmup.compile_plans(plans, where=" (first metadata build)")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        # the warm-up's small inputs and workspaces go back to the device before vLLM's
+        # profile measures what its CUDA graphs take
+        torch.cuda.empty_cache()
+    return added
 
 
 def _compiles() -> bool:
