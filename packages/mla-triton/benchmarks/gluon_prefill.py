@@ -494,14 +494,16 @@ def _sweep_shape(
     return rows
 
 
-def sweep(result: dict[str, Any], pingpong: bool, rep: int) -> None:
+def sweep(result: dict[str, Any], pingpong: bool, rep: int, out: str) -> None:
     """``--sweep``: every tiling x recipe at ``SWEEP_SHAPES`` with the Triton kernel and
     FA3 (bf16) in the same process; rows ``{shape, recipe, impl, ms, tflops, vs_fa3}``,
-    then ``result["best"]``: the fastest Gluon tiling per shape and recipe."""
+    then ``result["best"]``: the fastest Gluon tiling per shape and recipe. Written to
+    ``out/gluon-prefill-sweep.json`` after each shape (a cut-off run keeps its rows)."""
     tilings = {n: t for n, t in SWEEP_TILINGS.items() if pingpong or not t[4]}
     rows: list[dict[str, Any]] = result["timings"]
     for shape in SWEEP_SHAPES:
         rows += _sweep_shape(shape, tilings, rep)
+        _write(out, result, "gluon-prefill-sweep.json")
         torch.cuda.empty_cache()
     best: list[dict[str, Any]] = []
     for shape in SWEEP_SHAPES:
@@ -564,7 +566,7 @@ def main() -> None:
         _sweep_shape("b1-h16-L16384", tilings, args.rep, (i, n))
         return
     if args.sweep:
-        sweep(result, not args.no_pingpong, args.rep)
+        sweep(result, not args.no_pingpong, args.rep, args.out)
         _write(args.out, result, "gluon-prefill-sweep.json")
         print(f"total {time.time() - t0:.0f}s")
         return
