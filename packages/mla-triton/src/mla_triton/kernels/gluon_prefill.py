@@ -4,7 +4,7 @@ fp16 / bf16 operands, fp32 accumulators; the numbers follow docs/numerics.md as
 ``prefill_kernel.prefill_fwd_kernel`` computes them (the integer running maximum,
 ``l`` summed from the unquantized P, the NaN rule). Q, K and V arrive raw or as
 factored QDQ values from a pass before attention (the launcher's; dynamic global
-scales per token in ``QS`` / ``KS``); P is QDQ'd here between the two MMAs (fp8).
+scales per token in ``QS`` / ``KS``); P is QDQ'd here between the two MMAs (fp8 or nvfp4).
 
 Schedule
 --------
@@ -27,8 +27,15 @@ warpgroup covers 64 of the rows.
   ``S_j = Q K_jᵀ`` (async), then ``acc = acc * alpha_{j-1} + P_{j-1} V_{j-1}`` (async,
   P from registers), waits for ``S_j`` only, and runs tile ``j``'s softmax while the
   P V MMA of tile ``j - 1`` is still on the tensor cores.
+- Ping-pong (``PINGPONG``, warp specialized): the 128 rows go to two consumer
+  warpgroups (64 rows each, their own Q tiles) that take turns on the tensor cores
+  through two mbarriers (FA3's warp-scheduler barriers): a turn issues ``S_j`` and
+  ``P_{j-1} V_{j-1}``, then hands over, so one warpgroup's softmax runs under the
+  other's MMAs (``_attend``). The V tile is shared: warpgroup 0 alone checks a masked
+  one and hands the first bad key to warpgroup 1 (``_sanitize_v``).
 - Softmax per tile: ``-inf`` raw scores become NaN (an infinite operand), the
-  masks of the causal diagonal and of the tail (tiles at or past ``mid``), the
+  masks of the causal diagonal and of the tail (tiles at or past ``mid``), N:M
+  sparsity over the visible scores (``_nm_keep``, as the Triton kernel), the
   running maximum ``m`` of the base-2 scores kept at an integer (``ceil``) so every
   rescale ``2^(m_old - m_new)`` is exact, ``P = 2^(t - m)``, ``l`` summed from P.
 - Masked tiles (NaN rule): keys past the sequence end are zeroed in V's shared
