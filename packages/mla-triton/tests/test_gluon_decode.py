@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_shadow import RECIPES as SHADOW_RECIPES
 
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import DecodeConfig
@@ -67,18 +68,21 @@ assert isinstance(FP8, GluonRecipe)
 SHADOW_FP8 = replace(FP8, kv_fp8=False, shadow_f16=True)
 # decode_shadow with a V̂ section (V_SEP): nvfp4 Q/K/P/V (the open V block from the raw
 # rows), and dynamic fp8 K (per-token scales; rows of 2192 bytes) with fp8 V
-SHADOW_NVFP4 = GluonRecipe(
-    q_scaled=True, p_fmt=2, shadow_f16=True, k_fmt=2, v_sep=True, v_f16=True, v_tail=True
-)
-SHADOW_KDYN = GluonRecipe(
-    q_scaled=True, p_fmt=1, shadow_f16=True, k_fmt=1, v_sep=True, v_f16=True, k_dyn=True
-)
+SHADOW_NVFP4 = GluonRecipe(q_scaled=True, p_fmt=2, shadow_f16=True, k_fmt=2, v_sep=True,
+                           v_f16=True, v_tail=True, q_fmt=2, v_fmt=2)  # fmt: skip
+SHADOW_KDYN = replace(SHADOW_NVFP4, p_fmt=1, k_fmt=1, v_tail=False, k_dyn=True, q_fmt=1, v_fmt=1)
 COMPILED = [(cfg, UNQUANTIZED) for cfg in VARIANTS] + [(VARIANTS[0], FP8), (VARIANTS[2], FP8)]
 COMPILED += [(VARIANTS[0], SHADOW_FP8)]
 COMPILED += [(SEPARATE_V_CONFIG, SHADOW_NVFP4), (SEPARATE_V_CONFIG, SHADOW_KDYN)]
+# nvfp4 on read: V̂ quantized into its own ring, K̂ in place (V_OWN)
+ON_READ_NVFP4 = gluon_recipe(AttentionQuant.uniform("nvfp4"))
+assert isinstance(ON_READ_NVFP4, GluonRecipe) and ON_READ_NVFP4.v_own
+COMPILED += [(SEPARATE_V_CONFIG, ON_READ_NVFP4)]
 
 
 def _label(recipe: GluonRecipe) -> str:
+    if recipe.v_own:
+        return "on-read-nvfp4"
     if recipe.v_sep:
         return "shadow-kdyn" if recipe.k_dyn else "shadow-nvfp4"
     return "shadow-fp8" if recipe.shadow_f16 else "fp8" if recipe.kv_fp8 else "none"
@@ -118,7 +122,7 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
     assert c.num_warps == 8
     assert 0 < c.shared <= max_shared_bytes(), c.shared
     # the ring(s), q and P alone take this much: a smaller figure means a buffer went missing
-    tile = config.block_n * (576 + (512 if recipe.v_sep else 0)) * 2
+    tile = config.block_n * (576 + (512 if recipe.separate_v else 0)) * 2
     p_bufs = 2 if config.overlap else 1
     assert c.shared >= config.stages * tile + 64 * 576 * 2 + p_bufs * 64 * config.block_n * 2
     # S: 512/16 + 64/16 wgmma a tile (twice in the code with overlap: prologue and loop)
@@ -164,7 +168,9 @@ def test_dispatch_takes_the_covered_calls() -> None:
                   AttentionQuant(q="fp8", p="fp8"), AttentionQuant(k="fp8", v="fp8")):  # fmt: skip
         for dtype in (torch.bfloat16, torch.float16):
             assert gluon_unsupported(replace(SM90, quant=quant, dtype=dtype)) is None, quant
-    assert GluonRecipe(q_scaled=True, kv_fp8=True, p_fmt=1, p_gs=FP8.p_gs, k_fmt=1) == FP8
+    want = GluonRecipe(q_scaled=True, kv_fp8=True, p_fmt=1, p_gs=FP8.p_gs, k_fmt=1, q_fmt=1,
+                       v_fmt=1)  # fmt: skip
+    assert want == FP8
     kv8 = gluon_recipe(AttentionQuant(k="fp8", v="fp8"))
     assert FP8.mma_f16 and isinstance(kv8, GluonRecipe) and not kv8.mma_f16
 
@@ -182,12 +188,10 @@ def test_dispatch_takes_the_covered_calls() -> None:
         ({"rope": 32}, "rope 32", True),
         ({"kv_strides": (64 * 584, 584)}, "strides", True),
         ({"kv_aligned": False}, "aligned", True),
-        ({"quant": AttentionQuant(k="fp8")}, "both none or both fp8", False),
-        ({"quant": AttentionQuant(k="nvfp4", v="nvfp4")}, "nvfp4", False),
-        ({"quant": AttentionQuant(p="nvfp4")}, "nvfp4", False),
-        ({"quant": AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="fp8")}, "static", False),
-        ({"quant": AttentionQuant(k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0))},
-         "power-of-two", False),
+        ({"quant": AttentionQuant(k="fp8")}, "K quantized with V not", False),
+        ({"quant": AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="fp8")}, "dynamic", False),
+        ({"quant": AttentionQuant(k=OperandQuant("nvfp4", "dynamic"), v="nvfp4")}, "dynamic",
+         False),
         ({"heads": 32}, "32 heads", False),
         ({"heads": 16}, "16 heads", False),
     ],
@@ -205,6 +209,41 @@ def test_dispatch_refusals(change: dict[str, Any], needle: str, covered: bool) -
         with pytest.raises(ValueError, match=rf"^impl: .*{re.escape(needle)}"):
             choose_impl("gluon", facts)
     assert choose_impl("auto", SM90) == choose_impl("gluon", SM90) == "gluon"
+
+
+GATED = {
+    "nvfp4": AttentionQuant.uniform("nvfp4"),
+    "kv-nvfp4": AttentionQuant(k="nvfp4", v="nvfp4"),
+    "p-nvfp4": AttentionQuant(p="nvfp4"),
+    "q-nvfp4": AttentionQuant(q="nvfp4"),
+    "fp8-scale-3": AttentionQuant(k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0)),
+    "k-fp8-v-nvfp4": AttentionQuant(q="fp8", k="fp8", v="nvfp4", p="fp8"),
+    "k-none-v-fp8": AttentionQuant(v="fp8"),
+}
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_on_read_gated(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvfp4 q or P and V quantized into its own tiles on read: ``"gluon"`` takes them,
+    ``"auto"`` only once ``GLUON_ON_READ_AUTO`` is on (not verified on a GPU yet)."""
+    import mla_triton.gluon_decode as gd
+
+    assert gd.GLUON_ON_READ_AUTO is False
+    facts = replace(SM90, quant=GATED[name])
+    why = gluon_unsupported(facts)
+    assert why is not None and "GLUON_ON_READ_AUTO" in why.reason and not why.covered, why
+    assert gluon_unsupported(facts, forced=True) is None
+    assert choose_impl("auto", facts) == "triton" and choose_impl("gluon", facts) == "gluon"
+    monkeypatch.setattr(gd, "GLUON_ON_READ_AUTO", True)
+    assert gluon_unsupported(facts) is None
+    recipe = gluon_recipe(GATED[name])
+    assert isinstance(recipe, GluonRecipe)
+    # V̂ of its own unless only q or P is nvfp4 (K and V none: the raw rows)
+    assert recipe.v_own == (name not in ("p-nvfp4", "q-nvfp4")) and not recipe.kv_fp8
+    if name == "fp8-scale-3":
+        assert recipe.k_exact and recipe.v_exact and recipe.k_fmt == recipe.v_fmt == 1
+    if name == "nvfp4":
+        assert recipe == replace(ON_READ_NVFP4) and recipe.mma_f16 and recipe.q_fmt == 2
 
 
 def test_fallback_logged_once_per_reason(
@@ -376,6 +415,39 @@ def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
     q128, *_ = _cpu_case(128)
     big = _launched(lambda: decode(q128, cache, table, seq, softmax_scale=SCALE, quant=quant))
     assert [n for n, _, _ in big] == [*names, "gluon_decode_split_kernel"]  # one split
+
+
+def test_on_read_nvfp4_launches(as_sm90: None) -> None:
+    """``decode(impl="gluon")`` with nvfp4 K and V on read launches q̂ and the Gluon
+    kernel with V̂ of its own (``V_OWN``, 32-token tiles, 2 stages, the static scales);
+    ``"auto"`` keeps Triton; another Gluon tiling is a ValueError before any launch."""
+    from mla_triton.decode import _operand, decode
+    from mla_triton.warmup import record_keys
+
+    q, cache, table, seq = _cpu_case(128)
+    nv = AttentionQuant(q="nvfp4", k="nvfp4", v=OperandQuant("nvfp4", 3.0), p="nvfp4")
+
+    def call(impl: str, config: GluonDecodeConfig | None = None) -> Any:
+        return lambda: decode(q, cache, table, seq, softmax_scale=SCALE, quant=nv,
+                              num_splits=2, impl=impl, config=config)  # fmt: skip
+
+    assert [n for n, _, _ in _launched(call("auto"))][1] == "decode_split_kernel"
+    seen = _launched(call("gluon"))
+    assert [n for n, _, _ in seen][1] == "gluon_decode_split_kernel"
+    a = seen[1][1]
+    assert (a["V_OWN"], a["V_SEP"], a["KV_FP8"], a["OVERLAP"]) == (True, False, False, False)
+    assert a["SHAPE"][4] == 32 and a["STAGES"] == 2 and (a["K_FMT"], a["V_FMT"]) == (2, 2)
+    assert not a["K_EXACT"] and a["V_EXACT"]  # the default K scale is 2^k, V's 3 / 2688 not
+    gs_k, gs_v = _operand(nv.k).gs, _operand(nv.v).gs
+    assert a["k_scales"] == pytest.approx((gs_k, 1 / gs_k, 1 / (6 * gs_k)))
+    assert a["v_scales"] == pytest.approx((gs_v, 1 / gs_v, 1 / (6 * gs_v)))
+    assert a["split"][1][0] is cache and a["split"][0][0].dtype == torch.float16
+    same = _launched(call("gluon", SEPARATE_V_CONFIG))[1][1]
+    assert _plain(same) == _plain(a)
+    want = r"^config: V quantized into its own tiles .*bn32-st2"
+    with record_keys() as keys, pytest.raises(ValueError, match=want):
+        call("gluon", VARIANTS[2])()
+    assert not keys
 
 
 SHADOW_TAKEN = {
@@ -662,4 +734,39 @@ def test_matches_reference(
     tri, tlse = decode(
         q, cache, table, seq, softmax_scale=SCALE, quant=quant, num_splits=splits, impl="triton"
     )
+    check(out, lse, tri, tlse, quant)
+
+
+ON_READ_GATED = {
+    "nvfp4": (AttentionQuant.uniform("nvfp4"), SEPARATE_V_CONFIG),
+    # nvfp4 V with a scale that is not a power of two (the exact division), fp8 K (5.0)
+    "calibrated": (SHADOW_RECIPES["calibrated"][0], SEPARATE_V_CONFIG),
+    "v-nvfp4": (AttentionQuant(v="nvfp4", p="fp8"), SEPARATE_V_CONFIG),
+    "qp-nvfp4": (AttentionQuant(q="nvfp4", p="nvfp4"), VARIANTS[0]),
+}
+
+
+@gpu
+@pytest.mark.parametrize("recipe", list(ON_READ_GATED))
+@pytest.mark.parametrize(
+    ("lens", "heads", "page", "splits"),
+    [([1, 15, 64, 65, 1000, 4097], 128, 64, 1), ([0, 17, 300, 2049], 128, 16, 3),
+     ([33, 1000, 8191], 16, 64, 4)],
+)  # fmt: skip
+def test_on_read_gated_matches_reference(
+    recipe: str, lens: list[int], heads: int, page: int, splits: int
+) -> None:
+    """The on-read recipes behind ``GLUON_ON_READ_AUTO`` through ``impl="gluon"`` (nvfp4
+    K̂ in place and V̂ in its own ring, scales that are not powers of two, nvfp4 q and P)
+    against the oracle and ``impl="triton"`` with test_decode_gpu's bounds."""
+    from test_decode_gpu import check, make_inputs, reference
+
+    from mla_triton.decode import decode
+
+    quant, config = ON_READ_GATED[recipe]
+    q, cache, table, seq = make_inputs(lens, heads, page, seed=len(lens) + heads)
+    kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": quant, "num_splits": splits}
+    out, lse = decode(q, cache, table, seq, config=config, **kw)
+    check(out, lse, *reference(q, cache, table, seq, quant), quant)
+    tri, tlse = decode(q, cache, table, seq, impl="triton", **kw)
     check(out, lse, tri, tlse, quant)

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from mla_formats import AttentionQuant
 from mla_triton.decode import DecodeConfig, _OnRead, _operand, _Operands
 
 __all__ = [
+    "GLUON_ON_READ_AUTO",
     "IMPLS",
     "SEPARATE_V_CONFIG",
     "UNQUANTIZED",
@@ -118,6 +119,10 @@ class GluonRecipe:
         v_tail: nvfp4 V: the open 16-token block is quantized from the raw rows.
         v_exact: V's static global scale is not a power of two (the exact division).
         k_dyn: dynamic K: each token's global scale, from the shadow, scales S's columns.
+        v_own: on read, V quantized into a ring of its own (V̂ not K̂: nvfp4, K and V of
+            different recipes), K̂ in place: ``SEPARATE_V_CONFIG`` only.
+        q_fmt, v_fmt: q's and V's format codes; k_exact: K's static scale is not a power
+            of two.
     """
 
     q_scaled: bool = False
@@ -133,37 +138,67 @@ class GluonRecipe:
     v_tail: bool = False
     v_exact: bool = False
     k_dyn: bool = False
+    v_own: bool = False
+    q_fmt: int = 0
+    v_fmt: int = 0
+    k_exact: bool = False
+
+    @property
+    def separate_v(self) -> bool:
+        """V̂ tiles of their own (the shadow's V̂ section, or V quantized on read):
+        ``SEPARATE_V_CONFIG``."""
+        return self.v_sep or self.v_own
 
     @property
     def mma_f16(self) -> bool:
         """The MMAs run on float16 operands (q̂ and K̂ both factored), else the input dtype."""
-        return self.q_scaled and (self.kv_fp8 or self.shadow_f16)
+        return self.q_scaled and (
+            self.kv_fp8 or self.shadow_f16 or (self.v_own and self.k_fmt != 0)
+        )
 
 
 UNQUANTIZED = GluonRecipe()
 
 
-def gluon_recipe(quant: AttentionQuant | None, *, nvfp4_qp: bool = False) -> GluonRecipe | str:
+def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     """The ``GluonRecipe`` of ``quant``, or the reason the Gluon kernel does not take it.
 
-    Implemented: q none or fp8 (static or dynamic); K and V both none, or both fp8 with
-    the same static power-of-two global scale; P none or fp8. ``nvfp4_qp``
-    (``decode_shadow``): q and P nvfp4 too (not verified on a GPU yet, so ``decode``
-    keeps them on Triton).
+    Implemented on read: q none, fp8 or nvfp4 (static or dynamic); K and V both none, or
+    both fp8 with the same static power-of-two global scale (V̂ = K̂, in place); or, with
+    ``GluonRecipe.v_own``, V fp8 or nvfp4 quantized into its own ring beside K none, fp8
+    or nvfp4 in place (static scales, any value); P none, fp8 or nvfp4. nvfp4 q or P and
+    ``v_own`` recipes are not verified on a GPU yet: ``gluon_unsupported`` keeps them off
+    ``"auto"`` while ``GLUON_ON_READ_AUTO`` is False.
     """
     if quant is None:
         return UNQUANTIZED
     qo, ko, vo, po = (_operand(op) for op in (quant.q, quant.k, quant.v, quant.p))
-    if 2 in (ko.code, vo.code) or (not nvfp4_qp and 2 in (qo.code, po.code)):
-        return "nvfp4 is not implemented in the Gluon kernel yet"
-    if (ko.code, vo.code) not in ((0, 0), (1, 1)):
-        return "K and V must be both none or both fp8 in the Gluon kernel"
-    if ko.code == 1 and (ko.dynamic or not ko.pow2 or ko.gs != vo.gs or vo.dynamic):
-        return "fp8 K and V need one static power-of-two global scale in the Gluon kernel"
-    return GluonRecipe(
-        q_scaled=qo.code != 0, kv_fp8=ko.code == 1, p_fmt=po.code, k_gs=ko.gs, v_gs=vo.gs,
-        p_gs=po.gs, k_fmt=ko.code,
+    base = GluonRecipe(
+        q_scaled=qo.code != 0, q_fmt=qo.code, p_fmt=po.code, k_gs=ko.gs, v_gs=vo.gs,
+        p_gs=po.gs, k_fmt=ko.code, v_fmt=vo.code, k_exact=not ko.pow2, v_exact=not vo.pow2,
     )  # fmt: skip
+    if (ko.code, vo.code) == (0, 0):
+        return base
+    shared = (ko.code, vo.code) == (1, 1) and ko.pow2 and ko.gs == vo.gs
+    if shared and not ko.dynamic and not vo.dynamic:
+        return replace(base, kv_fp8=True)
+    if ko.dynamic or vo.dynamic:
+        return "a dynamic K or V scale on read is not implemented in the Gluon kernel"
+    if vo.code == 0:
+        return "K quantized with V not (raw V beside K̂ in place) is not implemented in Gluon"
+    return replace(base, v_own=True)
+
+
+GLUON_ON_READ_AUTO = False
+"""Whether ``decode(impl="auto")`` may run the Gluon recipes not verified on a GPU yet
+(nvfp4 q or P, ``GluonRecipe.v_own``: nvfp4 K/V on read, K and V of different recipes).
+``impl="gluon"`` runs them regardless; flip after ``test_decode_gpu.py -k gluon`` passes
+with them on an H200."""
+
+
+def _gated(recipe: GluonRecipe) -> bool:
+    """An on-read recipe ``"auto"`` leaves to Triton while ``GLUON_ON_READ_AUTO`` is off."""
+    return recipe.v_own or recipe.p_fmt == 2 or recipe.q_fmt == 2
 
 
 def gluon_decode_preferred(num_heads: int) -> bool:
@@ -290,6 +325,10 @@ def gluon_unsupported(
     taken = recipe(f.quant)
     if isinstance(taken, str):
         return Unsupported(taken, False)
+    if not forced and recipe is gluon_recipe and _gated(taken) and not GLUON_ON_READ_AUTO:
+        return Unsupported(
+            "nvfp4 / V̂ of its own on read: not verified on a GPU yet (GLUON_ON_READ_AUTO)", False
+        )
     if not forced and not gluon_decode_preferred(f.heads):
         return Unsupported(f"{f.heads} heads: the Triton kernel is faster up to 32", False)
     return None
@@ -377,14 +416,29 @@ class _GluonFamily(_OnRead):
     def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
         from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
 
-        return DecodeConfig(block_h=BLOCK_H, block_n=self.config.block_n, num_warps=NUM_WARPS,
-                            num_stages=self.config.stages)  # fmt: skip
+        cfg = self.config
+        if self.v_own(recipe):  # two tiles a stage: SEPARATE_V_CONFIG (or the default)
+            if cfg not in (VARIANTS[0], SEPARATE_V_CONFIG):
+                raise ValueError(
+                    f"config: V quantized into its own tiles runs the Gluon kernel as "
+                    f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {cfg.name}"
+                )
+            cfg = SEPARATE_V_CONFIG
+        return DecodeConfig(block_h=BLOCK_H, block_n=cfg.block_n, num_warps=NUM_WARPS,
+                            num_stages=cfg.stages)  # fmt: skip
+
+    def v_own(self, recipe: AttentionQuant | None) -> bool:
+        """Whether the on-read recipe quantizes V into tiles of its own (``V_OWN``)."""
+        taken = gluon_recipe(recipe)
+        return isinstance(taken, GluonRecipe) and taken.v_own
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
-        ko = ops[1]
-        return {"k_inv_gs": 1.0 / ko.gs, "STAGES": cfg.num_stages,
-                "OVERLAP": self.config.overlap, "KV_FP8": ko.code == 1, "V_SEP": False,
-                "V_TAIL": False}  # fmt: skip
+        ko, vo = ops[1], ops[2]
+        own = not self.v_shares_k(ops) and vo.code != 0
+        return {"k_inv_gs": 1.0 / ko.gs, "k_scales": (ko.gs, 1.0 / ko.gs, 1.0 / (6.0 * ko.gs)),
+                "K_EXACT": not ko.pow2, "STAGES": cfg.num_stages,
+                "OVERLAP": self.config.overlap and not own, "KV_FP8": self.v_shares_k(ops),
+                "V_SEP": False, "V_TAIL": False, "V_OWN": own}  # fmt: skip
 
 
 @functools.cache
@@ -462,7 +516,8 @@ def compile_variant(
         "SHAPE": (512, 64, page, BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "STAGES": config.stages, "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled,
         "K_FMT": k_fmt, "KV_FP8": recipe.kv_fp8, "V_SEP": recipe.v_sep,
-        "V_TAIL": recipe.v_tail, "V_EXACT": recipe.v_exact, "K_DYN": recipe.k_dyn,
+        "V_TAIL": recipe.v_tail, "V_EXACT": recipe.v_exact, "V_OWN": recipe.v_own,
+        "K_EXACT": recipe.k_exact, "V_FMT": recipe.v_fmt, "K_DYN": recipe.k_dyn,
         "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
     }  # fmt: skip
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
@@ -476,7 +531,7 @@ def compile_variant(
 
     signature: dict[str, Any] = {"split": types(split, (0,))}
     signature["k_inv_gs"] = "fp32"
-    signature |= dict.fromkeys(("v_scales", "p_scales"), ("fp32", "fp32", "fp32"))
+    signature |= dict.fromkeys(("k_scales", "v_scales", "p_scales"), ("fp32", "fp32", "fp32"))
     signature["out_scale"] = "fp32"
     signature["num_splits"] = "i32"  # not specialized (do_not_specialize)
     signature |= dict.fromkeys(constexprs, "constexpr")

@@ -702,7 +702,7 @@ def gluon_shadow_recipe(
     tile). Refused: packed storage, dynamic V, K quantized with V not.
     """
     qq = quant if quant is not None else AttentionQuant()
-    base = gluon_recipe(AttentionQuant(q=qq.q, p=qq.p), nvfp4_qp=True)
+    base = gluon_recipe(AttentionQuant(q=qq.q, p=qq.p))
     if isinstance(base, str):
         return base
     if qq.k.is_identity and qq.v.is_identity:
@@ -713,7 +713,7 @@ def gluon_shadow_recipe(
     if ko.code and not base.q_scaled and dtype != torch.float16:
         return f"q {dtype} not quantized with a quantized K: K̂ is float16 (no cast in the tile)"
     if layout.v_shared:
-        return replace(base, shadow_f16=True, k_fmt=ko.code, k_gs=ko.gs, v_gs=ko.gs)
+        return replace(base, shadow_f16=True, k_fmt=ko.code, k_gs=ko.gs, v_gs=ko.gs, v_fmt=1)
     if vo.code == 0:
         return (
             "K quantized with V not (raw V tiles beside K̂) is not implemented in the Gluon kernel"
@@ -722,7 +722,7 @@ def gluon_shadow_recipe(
         return "a dynamic V scale is not implemented in the Gluon kernel"
     return replace(
         base, shadow_f16=ko.code != 0, k_fmt=ko.code, k_gs=ko.gs, v_gs=vo.gs, v_sep=True,
-        v_f16=True, v_tail=vo.code == 2, v_exact=not vo.pow2, k_dyn=ko.dynamic,
+        v_f16=True, v_tail=vo.code == 2, v_exact=not vo.pow2, k_dyn=ko.dynamic, v_fmt=vo.code,
     )  # fmt: skip
 
 
@@ -834,9 +834,13 @@ class _GluonShadowFamily(_GluonFamily):
     def v_shares_k(self, ops: _Operands) -> bool:
         return ops[1].code != 0 and not self.v_sep  # the tiles hold K̂ = V̂
 
+    def v_own(self, recipe: AttentionQuant | None) -> bool:
+        return False  # the shadow holds V̂: nothing is quantized on read but nvfp4's open block
+
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
         return super().extra_args(cache, cfg, ops) | {
             "KV_FP8": False, "V_SEP": self.v_sep, "V_TAIL": self.v_sep and ops[2].code == 2,
+            "V_OWN": False, "OVERLAP": self.config.overlap,
         }  # fmt: skip
 
     def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:

@@ -53,6 +53,8 @@ _LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
 _ROWS: gl.constexpr = gl.SliceLayout(1, _LD)
 # The open nvfp4 V block, 128 columns at a time: [16, 128] over the CTA, 8 elements a thread.
 _LD16: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, NUM_WARPS // 4], [1, 0])
+# V̂ on read, [32, 64] pieces: a 16-token block's column lies in 16 lanes of one warp.
+_LDV: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [2, NUM_WARPS // 2], [1, 0])
 
 
 @gluon.jit
@@ -210,6 +212,35 @@ def _qdq_tile_fp8(kv_raw, kpe_raw, kv_mma, kpe_mma, k_inv_gs):
 
 
 @gluon.jit
+def _qdq_tile_kv(kv_raw, kpe_raw, kv_mma, kpe_mma, vh_tile, k_scales, v_scales,
+                 K_FMT: gl.constexpr, K_EXACT: gl.constexpr, V_FMT: gl.constexpr,
+                 V_EXACT: gl.constexpr):  # fmt: skip
+    """On read with V̂ of its own (``V_OWN``): V̂ of the resident raw tile along the tokens
+    (16-token blocks from the tile's start, a multiple of 16; rows past the sequence's
+    end are the copy's zeros) into ``vh_tile``, then K̂ along the features in place (its
+    16-bit MMA type), both by ``common.qdq_latent`` (the Triton kernel's arithmetic:
+    bitwise ``mla_formats``). ``*_scales = (gs, 1 / gs, 1 / (6 gs))``, static. 64 columns
+    a piece; the caller fences and meets at a barrier."""
+    BN: gl.constexpr = kv_raw.shape[0]
+    D1: gl.constexpr = kv_raw.shape[1]
+    W: gl.constexpr = 64
+    for c in gl.static_range(D1 // W):
+        x = kv_raw.slice(c * W, W, dim=1).load(_LDV).to(gl.float32)
+        y = common.qdq_latent(x, v_scales, V_FMT, V_EXACT, True, BN, W, common.AXIS_TOKENS)
+        vh_tile.slice(c * W, W, dim=1).store(y.to(vh_tile.dtype))
+    if K_FMT != 0:
+        gl.barrier()  # every thread has read the raw rows V̂ needs before K̂ overwrites them
+        for c in gl.static_range(D1 // W):
+            x = kv_raw.slice(c * W, W, dim=1).load(_LD).to(gl.float32)
+            y = common.qdq_latent(x, k_scales, K_FMT, K_EXACT, True, BN, W, common.AXIS_FEATURES)
+            kv_mma.slice(c * W, W, dim=1).store(y.to(kv_mma.dtype))
+        x2 = kpe_raw.load(_LD).to(gl.float32)
+        D2: gl.constexpr = kpe_raw.shape[1]
+        y2 = common.qdq_latent(x2, k_scales, K_FMT, K_EXACT, True, BN, D2, common.AXIS_FEATURES)
+        kpe_mma.store(y2.to(kpe_mma.dtype))
+
+
+@gluon.jit
 def _p_hat(p, p_scales, P_FMT: gl.constexpr):
     """P̂ (factored) for the P V MMA, ``common.qdq_p`` on S's layout: fp8 per element,
     nvfp4 in blocks of 16 tokens at multiples of 16 (within a warpgroup's half of the
@@ -236,6 +267,7 @@ def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, d
 def gluon_decode_split_kernel(
     split,
     k_inv_gs,
+    k_scales,  # (gs_k, 1 / gs_k, 1 / (6 gs_k)): K quantized on read with V_OWN
     v_scales,  # (gs_v, 1 / gs_v, 1 / (6 gs_v)): the open nvfp4 V block (V_TAIL)
     p_scales,  # (gs_p, 1 / gs_p, 1 / (6 gs_p))
     out_scale,  # gs_p * gs_v
@@ -249,6 +281,9 @@ def gluon_decode_split_kernel(
     V_SEP: gl.constexpr,
     V_TAIL: gl.constexpr,
     V_EXACT: gl.constexpr,
+    V_OWN: gl.constexpr,
+    K_EXACT: gl.constexpr,
+    V_FMT: gl.constexpr,
     K_DYN: gl.constexpr,
     P_FMT: gl.constexpr,
     MULTI_SPLIT: gl.constexpr,
@@ -273,6 +308,11 @@ def gluon_decode_split_kernel(
     float32, one a token, multiplied into S's columns). ``V_TAIL`` (nvfp4 V): the
     sequence's open 16-token block has no V̂ yet and is quantized here from the raw rows
     (``_tail_v``; ``V_EXACT``: ``gs_v`` not a power of two).
+
+    ``V_OWN`` (``decode`` on read, V quantized and not sharing K̂: nvfp4, K and V of
+    different recipes): once a raw tile has landed, V̂ (``V_FMT``, ``v_scales``) goes to
+    a ring of its own and K̂ (``K_FMT``, ``k_scales``, ``K_EXACT``) replaces the tile in
+    place (``_qdq_tile_kv``), 32-token tiles as ``V_SEP``.
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     ptrs = split[1]  # (kv_ptr,), or with V_SEP (k_ptr, v_ptr, raw_ptr, ks_ptr)
@@ -295,6 +335,7 @@ def gluon_decode_split_kernel(
     SPLIT_ALIGN_: gl.constexpr = SHAPE[6]
     gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
     gl.static_assert(not (V_SEP and (OVERLAP or KV_FP8)), "V_SEP: the plain loop, no QDQ")
+    gl.static_assert(not (V_OWN and (OVERLAP or KV_FP8 or V_SEP)), "V_OWN: the plain loop")
     gl.static_assert((not V_TAIL and not K_DYN) or V_SEP, "V_TAIL, K_DYN: shadow sections")
     gl.static_assert(PAGE % 16 == 0 or not V_TAIL, "PAGE: a multiple of 16 (V blocks)")
     dtype: gl.constexpr = k_ptr.dtype.element_ty  # the K tiles as stored
@@ -344,8 +385,8 @@ def gluon_decode_split_kernel(
     kpe_mma = kpe_ring._reinterpret(mma)
     # V̂ tiles of their own with V_SEP (the P V MMA's B, in their stored type; so is P),
     # else V is the first D1 features of the K tile
-    pv: gl.constexpr = ptrs[1].dtype.element_ty if V_SEP else mma
-    if V_SEP:
+    pv: gl.constexpr = ptrs[1].dtype.element_ty if V_SEP else (gl.float16 if V_OWN else mma)
+    if V_SEP or V_OWN:
         vh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D1], pv)
         vh_ring = gl.allocate_shared_memory(pv, [STAGES, BLOCK_N, D1], vh_layout)
     else:
@@ -448,6 +489,13 @@ def gluon_decode_split_kernel(
                     kpe_mma.index(cur),
                     k_inv_gs,
                 )
+            if V_OWN:
+                gl.barrier()  # every thread's copies have landed
+                _qdq_tile_kv(
+                    kv_ring.index(cur), kpe_ring.index(cur), kv_mma.index(cur),
+                    kpe_mma.index(cur), vh_ring.index(cur), k_scales, v_scales, K_FMT, K_EXACT,
+                    V_FMT, V_EXACT,
+                )  # fmt: skip
             if V_TAIL:  # noqa: SIM102 (a constexpr branch, then the tile holding the block)
                 if (v_hi < hi) & (start <= v_hi) & (v_hi < start + BLOCK_N):
                     gl.barrier()  # every thread's copies (the open block's zero rows) landed
