@@ -8,26 +8,29 @@ Schedule (one CTA per (64 heads, split, request); three partitions of 4 warps)
 ------------------------------------------------------------------------------
 - producer (a warpgroup): block-table lookup and ``cp.async`` of latent tile ``t``
   (``[64, 512]`` + ``[64, 64]``, rows past the split's end zero-filled) into ring slot
-  ``t % 2`` once both math warpgroups released the slot's previous tile (``free``),
-  then arrives on ``full``. One lookup per row: every page size works.
+  ``t % 2`` once both math warpgroups released the slot's previous tile (``free``).
+  ``CHUNKED``: each 64-feature chunk arrives on its own barrier (``landed``) by every
+  copying thread's ``cp.async.mbarrier.arrive``, and the producer moves on to the next
+  tile; else it waits for the tile and arrives once. One lookup per row: any page size.
 - math warpgroup ``r`` (``r`` = 0: the default partition, 1: a worker) owns the
   tiles ``t`` with ``t % 2 == r`` and the output features ``[256 r, 256 r + 256)``.
-  For its tile ``t`` it issues ``S_t = q K_tᵀ`` (``64 x 64``, all 64 tokens: S is
-  computed once, by one warpgroup), then the other warpgroup's ``P_{t-1} V_{t-1}``
-  (its half of the features; P read from shared memory) under it, runs the softmax
-  of ``S_t`` starting from the running maximum after tile ``t - 1`` (the other
-  warpgroup's, from shared memory), publishes ``P_t`` (into the slot's dead rope
-  columns: K's last 64 features are not needed once ``S_t`` is done) and the new
-  maximum (``pready``), and then issues ``P_t V_t`` from registers. So one warpgroup's
-  softmax runs under the other's MMAs (FlashMLA's "seesaw"), the running maxima form
-  one chain through the tiles in order, and every rescale is the exact power of two of
-  the single-partition kernels: the accumulator and the per-warpgroup denominators see
-  the same multiplications in the same order.
+  For its tile ``t`` it issues the other warpgroup's ``P_{t-1} V_{t-1}`` (its half of
+  the features; P read from shared memory, published before tile ``t`` can start
+  landing), then ``S_t = q K_tᵀ`` (``64 x 64``, all 64 tokens, chunk by chunk as they
+  land: S is computed once, by one warpgroup), runs the softmax of ``S_t`` from the
+  running maximum after tile ``t - 1`` (the other warpgroup's, from shared memory),
+  publishes ``P_t`` (into the slot's dead rope columns: K's last 64 features are not
+  needed once ``S_t`` is done) and the new maximum (``pready``), and issues ``P_t V_t``
+  from registers. So one warpgroup's softmax runs under the other's MMAs (FlashMLA's
+  "seesaw"), the running maxima form one chain through the tiles in order, and every
+  rescale is the exact power of two of the single-partition kernels: the accumulator and
+  the per-warpgroup denominators see the same multiplications in the same order.
 - Every wgmma is waited for before a loop's back edge (ptxas serializes the loop's
   wgmma otherwise, warning C7515).
 
 Epilogue: the two warpgroups exchange their denominators (rescaled to the final
-maximum) through shared memory; each writes its 256 features (one split: ``out`` and,
+maximum) through shared memory (``done``: the producer adds the bad-page flags); each
+writes its 256 features (one split: ``out`` and,
 warpgroup 0, ``lse``; several: the float32 accumulator and ``(m, l)`` of the
 workspace that ``decode_kernel.decode_merge_kernel`` combines).
 """
@@ -174,15 +177,25 @@ def _opaque(x):
 
 
 @gluon.jit
+def _release_other(acc, free, ROLE: gl.constexpr):
+    """Wait for ``P_{t-1} V_{t-1}`` (the group before S's first; S stays in flight) and
+    release the other slot: tile ``t + 1`` can start landing under ``S_t``."""
+    acc = warpgroup_mma_wait(1, deps=(acc,))
+    gl.barrier()
+    mbarrier.arrive(free.index(1 - ROLE))
+    return acc
+
+
+@gluon.jit
 def _own_tile(
     acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free, t, lo,
     hi, row_scale, ROLE: gl.constexpr, HAS_PREV: gl.constexpr, CHUNKED: gl.constexpr,
 ):  # fmt: skip
     """This warpgroup's tile ``t`` (slot ``ROLE``): the other warpgroup's ``P_{t-1}
-    V_{t-1}`` (``HAS_PREV``; its P is published before tile ``t`` can start landing),
-    ``S_t`` (``CHUNKED``: each 64-feature chunk as soon as it has landed), the softmax,
-    ``P_t`` and the maximum published, ``P_t V_t`` from registers; both slots released
-    once read. Returns ``(acc, l, m)``."""
+    V_{t-1}`` (``HAS_PREV``; its P is published before tile ``t`` can start landing; the
+    other slot is released once it is done, under ``S_t``), ``S_t`` (``CHUNKED``: each
+    64-feature chunk as soon as it has landed), the softmax, ``P_t`` and the maximum
+    published, ``P_t V_t`` from registers, this slot released. Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
     D1: gl.constexpr = kv_ring.shape[2]
     dtype: gl.constexpr = kv_ring.dtype
@@ -211,6 +224,8 @@ def _own_tile(
             sc = warpgroup_mma(q1_smem.index(zero).slice(c * _CH, _CH, dim=1),
                                kv_tile.slice(c * _CH, _CH, dim=1).permute((1, 0)), sc,
                                use_acc=c > 0, is_async=True)  # fmt: skip
+            if HAS_PREV and c == 0:
+                acc = _release_other(acc, free, ROLE)
         mbarrier.wait(landed.index(s * _NCH + D1 // _CH), phase)
         fence_async_shared()
     else:
@@ -218,14 +233,11 @@ def _own_tile(
         fence_async_shared()
         sc = warpgroup_mma(q1_smem.index(zero), kv_tile.permute((1, 0)), sc, use_acc=False,
                            is_async=True)  # fmt: skip
+        if HAS_PREV:
+            acc = _release_other(acc, free, ROLE)
     sc = warpgroup_mma(q2_smem.index(zero), kpe_ring.index(slot).permute((1, 0)), sc,
                        is_async=True)  # fmt: skip
-    if HAS_PREV:  # P_{t-1} V_{t-1} is done too: the other slot is free for tile t + 1
-        sc, acc = warpgroup_mma_wait(0, deps=(sc, acc))
-        gl.barrier()
-        mbarrier.arrive(free.index(1 - ROLE))
-    else:
-        sc = warpgroup_mma_wait(0, deps=(sc,))
+    sc = warpgroup_mma_wait(0, deps=(sc,))
     offs_n = gl.arange(0, _N, gl.SliceLayout(0, s_layout))
     p, alpha, m_i = _softmax(sc, m_i, (lo + t * _N + offs_n) < hi, row_scale)
     l_i = l_i * alpha + gl.sum(p, axis=1)
