@@ -3,7 +3,8 @@
 Shapes b128 h128 L8192 and b32 h128 L32768 (page 64, every request at full length,
 benchmarks/decode.py's inputs), recipes fp8 and nvfp4 Q/K/P/V through the fp16 shadow
 (fp8: V̂ = K̂, 64-token tiles; nvfp4: a V̂ section, 32-token tiles, the open V block
-quantized in the kernel), plus decode(impl="auto") on read for context, and FlashMLA
+quantized in the kernel), plus decode on read for context (impl="auto"; for nvfp4 also
+impl="gluon", K̂ in place and V̂ in a ring of its own), and FlashMLA
 bf16 on the same cache with each recipe's rows. Median of triton.testing.do_bench;
 TFLOP/s with FlashMLA's count. Checks the Gluon result against the Triton shadow
 kernel (max row error, LSE) before timing.
@@ -72,6 +73,8 @@ def one(shape: str, recipe: str) -> dict[str, Any]:
 
     runs: dict[str, Any] = {f"shadow-{impl}": shadow_run(impl) for impl in ("triton", "gluon")}
     runs["on-read-auto"] = lambda: decode(q, cache, table, lens, impl="auto", **kw)
+    if recipe == "nvfp4":  # auto is Triton here (GLUON_ON_READ_AUTO off): Gluon beside it
+        runs["on-read-gluon"] = lambda: decode(q, cache, table, lens, impl="gluon", **kw)
     tri = [t.clone() for t in runs["shadow-triton"]()]
     glu = [t.clone() for t in runs["shadow-gluon"]()]
     check = {
