@@ -1,4 +1,4 @@
-"""Absorbed-MLA split-K decode for Hopper (sm90) in Gluon: the unquantized recipe.
+"""Absorbed-MLA split-K decode for Hopper (sm90) in Gluon: on read and over the shadow.
 
 Algorithm (one CTA per (head group of 64, split, request); 8 warps = 2 warpgroups)
 ----------------------------------------------------------------------------------
@@ -20,6 +20,12 @@ NaN rules and the partial outputs are those of ``decode_kernel.decode_split_kern
 - Copies run ``STAGES - 1`` tiles ahead of the MMAs; per tile the CTA meets at five
   barriers (buffer reuse, tile landed, the row maximum, P written). The denominators
   are kept per element of ``S`` and summed once at the end.
+- Quantized operands, once a tile has landed and before the MMAs' fence: fp8 K = V
+  rewritten in place (``KV_FP8``); or V̂ in tiles of their own (32-token tiles, two
+  stages: a K and a V̂ ring): copied from a shadow's V̂ section (``V_SEP``; nvfp4's open
+  16-token block quantized here from the raw rows, ``V_TAIL``; dynamic K's per-token
+  scales on S's columns, ``K_DYN``), or quantized on read from the raw tile with K̂ then
+  rewritten in place (``V_OWN``). P̂ between the MMAs (fp8, nvfp4 16-token blocks).
 
 Epilogue: one split writes ``out``/``lse``; several write the unnormalized float32
 accumulator and the base-2 ``(m, l)`` to the workspace of ``mla_triton.decode``,
