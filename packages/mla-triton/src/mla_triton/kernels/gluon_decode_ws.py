@@ -105,11 +105,12 @@ def _producer(
     n_bad = gl.zeros([_N], gl.int32, row_l)
     for t in range(n_tiles):
         s = t % _ST
-        if t >= _ST:
-            mbarrier.wait(free.index(s), ((t // _ST) - 1) & 1)
         tok = lo + t * _N + gl.arange(0, _N, row_l)
         valid = tok < hi
+        # the block-table lookup is issued before the wait: its latency hides under it
         page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
+        if t >= _ST:
+            mbarrier.wait(free.index(s), ((t // _ST) - 1) & 1)
         bad = valid & ((page < 0) | (page >= num_blocks))
         n_bad = n_bad | bad.to(gl.int32)
         page = gl.where(bad, 0, page)
