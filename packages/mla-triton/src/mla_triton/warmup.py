@@ -21,9 +21,11 @@ for a fixed engine (model, dtype, recipe, KV-cache geometry):
 ``warmup_decode``, ``warmup_prefill`` and ``warmup_update_cache`` call the public
 functions once per such variant on small inputs, inside ``compile_only`` (kernels
 are compiled, never launched: nothing is read or written, nothing is captured
-into a CUDA graph). The other key parts (strides, the cache's block count, the
-block table's width) are fixed for an engine's lifetime: pass the engine's own
-KV cache and block-table width so that they key the same. ``record_keys`` computes
+into a CUDA graph). The other key parts (strides, the block table's width) are
+fixed for an engine's lifetime: pass the engine's own KV cache and block-table width
+so that they key the same. The cache's block count is not a key (the split kernels
+take it unspecialized), except for a kernel that reads it from the ``split`` tuple
+(the Gluon split kernel today). ``record_keys`` computes
 the keys (for ``GPUTarget("cuda", 90, 32)``) without a GPU or a launch, and
 ``compiled_variants`` counts what was compiled: both for tests.
 """
@@ -290,12 +292,13 @@ def warmup_decode(
     """Compile decode for the split counts ``max_rows`` rows up to ``max_seq_len`` can take.
 
     ``kv_cache`` is the engine's raw latent cache ``[blocks, page, kv_lora_rank +
-    rope]`` (its strides and block count key the kernels); ``shadow`` its uint8
-    shadow bytes (``decode_shadow`` with ``quant`` and ``storage``; None: on-read
-    ``decode``); ``pages_per_row`` the block table's width; ``impl`` as serving passes
-    it to ``decode`` (``auto`` on an sm90 GPU compiles the Gluon split kernel where the
-    dispatch takes it: it reads only the engine's fixed geometry, heads, dtype, recipe
-    and cache strides, so serving calls dispatch alike). Call inside ``compile_only``.
+    rope]`` (its strides key the kernels, its block count only the Gluon kernel's);
+    ``shadow`` its uint8 shadow bytes (``decode_shadow`` with ``quant`` and ``storage``;
+    None: on-read ``decode``); ``pages_per_row`` the block table's width; ``impl`` as
+    serving passes it to ``decode`` (``auto`` on an sm90 GPU compiles the Gluon split
+    kernel where the dispatch takes it: it reads only the engine's fixed geometry,
+    heads, dtype, recipe and cache strides, so serving calls dispatch alike). Call
+    inside ``compile_only``.
     The split count is a runtime argument of the kernels, keyed only by one split or
     several (``MULTI_SPLIT``): returns the counts launched, one per class the policy
     reaches (``_split_classes``: 1 and the smallest count above 1).
