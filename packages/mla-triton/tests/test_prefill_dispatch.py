@@ -196,8 +196,10 @@ def test_auto_on_sm90_launches_gluon_with_the_measured_tiling(
 def test_expected_fallbacks_on_sm90_are_silent(
     kernels: dict[str, _Capture], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """N:M sparsity, float32 and a PrefillConfig go to the Triton kernel, unlogged."""
+    """N:M sparsity (``GLUON_NM_AUTO`` off), float32 and a PrefillConfig go to the Triton
+    kernel, unlogged."""
     monkeypatch.setattr(P, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(P, "GLUON_NM_AUTO", False)
     q, k, v, cu = _inputs()
     q32, k32, v32, _ = _inputs(torch.float32)
     with caplog.at_level(logging.INFO, logger="mla_triton"):
