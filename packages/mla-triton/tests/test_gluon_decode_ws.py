@@ -45,12 +45,14 @@ def test_compile_test_in_child() -> None:
         capture_output=True, text=True, check=False, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout, done.stdout[-2000:]
+    assert "1 passed" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled in a child process without the interpreter")
 def test_compiles_for_sm90a() -> None:
-    """The default variant (several splits: the workspace epilogue) compiles to the plan."""
+    """The default variant (several splits: the workspace epilogue) compiles to the plan.
+    (The other variants: compiled by the GPU script's check; one compile here keeps the
+    CPU cost near 10 s.)"""
     cfg = VARIANTS[0]
     c = compile_ws(cfg, num_splits=2)
     assert c.num_warps == 12  # the default partition and two workers of four warps
@@ -134,15 +136,6 @@ def test_launch_arguments() -> None:
     assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel"]
     one = seen[0][1]
     assert not one["MULTI_SPLIT"] and (one["MATH_REGS"], one["CHUNKED"]) == (232, False)
-
-
-@pytest.mark.skipif(INTERPRETED, reason="compiled in a child process without the interpreter")
-def test_compiles_for_sm90a_whole_tile() -> None:
-    """The whole-tile variant (one split): one barrier a slot, no chunk arrivals."""
-    c = compile_ws(VARIANTS[1], num_splits=1, page=16, dtype="fp16")
-    assert c.shared <= max_shared_bytes()
-    assert "cp.async.mbarrier.arrive" not in c.ptx and "cp.async.wait_group" in c.ptx
-    assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
 
 
 # ---------------------------------------------------------------------- GPU
