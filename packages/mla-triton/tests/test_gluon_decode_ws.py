@@ -203,17 +203,25 @@ def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) ->
 
 @gpu
 def test_nan_rule_as_gluon() -> None:
-    """Pages outside the cache, a length outside the table and a non-finite latent row
-    poison exactly the rows the Gluon kernel poisons (one split and several)."""
-    q, cache, table, seq = _inputs(4, 128, 64, [200, 300, 150, 90], torch.bfloat16)
+    """Pages outside the cache, a length outside the table, a non-finite latent row and
+    an accumulator overflowing in one warpgroup's half poison exactly the rows the Gluon
+    kernel poisons (one split and several)."""
+    q, cache, table, seq = _inputs(5, 128, 64, [200, 300, 150, 90, 150], torch.bfloat16)
     table[0, 1] = -1  # request 0: a page outside the cache
     table[1, 2] = cache.shape[0]  # request 1: too
     seq[2] = table.shape[1] * 64 + 1  # request 2: beyond the table's capacity
     cache[table[3, 1], 5, 7] = float("inf")  # request 3: token 69 (seen) is not finite
+    # request 4: q zero (every score 0, every P 1), V feature 300 of its rows 3e38: the
+    # accumulator's feature 300 (warpgroup 1's half) overflows, the whole row is NaN
+    q[4] = 0.0
+    cache[table[4, :3].long(), :, 300] = 3e38
     for splits in (1, 3):
         o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
         o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
                           impl="gluon")  # fmt: skip
-        assert bool(torch.isnan(o_g[:4]).all())  # every request here is poisoned
+        assert bool(torch.isnan(o_g[:4]).all())  # requests 0 to 3 are poisoned
+        if splits == 1:  # one split: the kernel's rule (several: the merge's)
+            assert bool(torch.isnan(o_g[4]).all())
         assert torch.equal(torch.isnan(o_w), torch.isnan(o_g))
+        assert torch.equal(torch.isinf(o_w), torch.isinf(o_g))
         assert torch.equal(torch.isnan(l_w), torch.isnan(l_g))

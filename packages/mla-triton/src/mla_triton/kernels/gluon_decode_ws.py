@@ -264,8 +264,9 @@ def _math(
     lo, hi, n_tiles, score_scale, ROLE: gl.constexpr, D1: gl.constexpr, CHUNKED: gl.constexpr,
 ):  # fmt: skip
     """Math warpgroup ``ROLE``: its tiles' S and softmax, P V of every tile on its 256
-    features. Returns ``(acc [64, 256], m [64], l [64], any bad row)``, ``l`` the sum of
-    both warpgroups' denominators at the final maximum ``m``."""
+    features. Returns ``(acc [64, 256], m [64], l [64], nonfinite [64], any bad row)``,
+    ``l`` the sum of both warpgroups' denominators at the final maximum ``m``,
+    ``nonfinite`` 0 or NaN (a row with a non-finite feature in either half)."""
     HALF: gl.constexpr = D1 // 2
     dtype: gl.constexpr = kv_ring.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -276,7 +277,7 @@ def _math(
     )
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, _N], dtype)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_o_: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_scale = gl.full([_HEADS], score_scale, gl.float32, row_s)
     m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([_HEADS], gl.float32, row_s)
@@ -299,28 +300,34 @@ def _math(
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
         acc, l_i, m_i = _pv_other(
-            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, last, ROLE, row_s, row_o, p_sl,
+            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, last, ROLE, row_s, row_o_, p_sl,
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.barrier()
         mbarrier.arrive(free.index(1 - ROLE))
 
-    # both warpgroups' denominators at the final maximum (which both hold now); the
-    # producer's bad-row flags
+    # both warpgroups' denominators at the final maximum (which both hold now), their
+    # rows' non-finite flags (0, or NaN where a feature of the half is not finite) and
+    # the producer's bad-row flags
     l_smem.slice(ROLE * _HEADS, _HEADS).store(l_i)
+    row_sum = gl.sum(acc, axis=1)
+    l_smem.slice((2 + ROLE) * _HEADS, _HEADS).store(row_sum - row_sum)
     gl.barrier()
     mbarrier.arrive(done)
     mbarrier.wait(done, 0)
     l_i = l_smem.slice(0, _HEADS).load(row_s) + l_smem.slice(_HEADS, _HEADS).load(row_s)
+    nonfinite = l_smem.slice(2 * _HEADS, _HEADS).load(row_o_) + l_smem.slice(
+        3 * _HEADS, _HEADS
+    ).load(row_o_)
     bad = gl.max(bad_smem.load(gl.SliceLayout(1, _LD)), axis=0) > 0
-    return acc, m_i, l_i, bad
+    return acc, m_i, l_i, nonfinite, bad
 
 
 @gluon.jit
 def _epilogue(
-    acc, m_i, l_i, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split, n_splits, lo,
-    seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-    out_scale, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr,
+    acc, m_i, l_i, nonfinite, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
+    n_splits, lo, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
+    stride_lse_h, out_scale, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr,
 ):  # fmt: skip
     """Write this warpgroup's 256 features (and, warpgroup 0, the LSE or ``(m, l)``)."""
     o_layout: gl.constexpr = acc.type.layout
@@ -338,8 +345,7 @@ def _epilogue(
         keep = (seq_len > 0) | poisoned
         inv_l = gl.where(keep, out_scale / l_safe, 0.0)
         o = acc * inv_l[:, None]
-        row_sum = gl.sum(acc, axis=1)
-        o = o + (row_sum - row_sum)[:, None]  # a non-finite row is NaN in every feature
+        o = o + nonfinite[:, None]  # a non-finite row is NaN in every feature (both halves)
         o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
         gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
         if ROLE == 0:
@@ -364,14 +370,14 @@ def _math_part(
      lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
      n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
      stride_lse_h, out_scale) = args  # fmt: skip
-    acc, m_i, l_i, bad = _math(
+    acc, m_i, l_i, nonfinite, bad = _math(
         q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
         done, lo, hi, n_tiles, score_scale, ROLE, D1, CHUNKED,
     )  # fmt: skip
     _epilogue(
-        acc, m_i, l_i, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split, n_splits, lo,
-        seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-        out_scale, ROLE, D1, MULTI_SPLIT,
+        acc, m_i, l_i, nonfinite, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
+        n_splits, lo, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
+        stride_lse_h, out_scale, ROLE, D1, MULTI_SPLIT,
     )  # fmt: skip
 
 
@@ -424,7 +430,7 @@ def gluon_decode_ws_kernel(
     kv_ring = gl.allocate_shared_memory(dtype, [_ST, _N, D1], kv_layout)
     kpe_ring = gl.allocate_shared_memory(dtype, [_ST, _N, D2], kpe_layout)
     m_smem = gl.allocate_shared_memory(gl.float32, [_ST * _HEADS], _VEC)
-    l_smem = gl.allocate_shared_memory(gl.float32, [2 * _HEADS], _VEC)
+    l_smem = gl.allocate_shared_memory(gl.float32, [4 * _HEADS], _VEC)
     bad_smem = gl.allocate_shared_memory(
         gl.int32, [_N], _VEC, gl.zeros([_N], gl.int32, gl.SliceLayout(1, _LD))
     )
