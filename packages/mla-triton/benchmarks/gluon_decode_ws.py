@@ -36,6 +36,9 @@ from mla_triton.decode import decode, decode_num_splits
 from mla_triton.gluon_decode_ws import VARIANTS, decode_ws
 
 SCALE = 576**-0.5
+SKIP = {n for n in os.environ.get("WS_SKIP", "").split(",") if n}
+"""Variants not to run (``WS_SKIP``, names comma-separated: the GPU script's, after a
+tiny case failed or hung)."""
 CHECKS = [  # batch, heads, page, lengths (ragged; 0 = empty), splits
     (1, 128, 64, [64], 1),
     (3, 128, 64, [1, 0, 130], 1),
@@ -55,21 +58,31 @@ def _inputs(batch: int, heads: int, page: int, lens: list[int]) -> tuple[torch.T
     return q, cache, table.to("cuda", torch.int32), torch.tensor(lens, dtype=torch.int32).cuda()
 
 
-def check() -> tuple[bool, list[dict[str, Any]]]:
-    """``decode_ws`` against the Gluon decode and the float64 oracle on ``CHECKS``."""
+def check() -> tuple[set[str], list[dict[str, Any]]]:
+    """``decode_ws`` against the Gluon decode and the float64 oracle on ``CHECKS``: the
+    names of the variants that failed a case, and the rows."""
     import mla_reference
 
     rows: list[dict[str, Any]] = []
-    ok = True
+    failed: set[str] = set(SKIP)
     for batch, heads, page, lens, splits in CHECKS:
         q, cache, table, seq = _inputs(batch, heads, page, lens)
         o_g, _ = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
                           impl="gluon")  # fmt: skip
         # the default on every case, the whole-tile barrier variant on the page-64 ones
         for cfg in VARIANTS[:2] if page == 64 else VARIANTS[:1]:
-            o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
-                                 config=cfg)  # fmt: skip
-            torch.cuda.synchronize()
+            if cfg.name in failed:
+                continue
+            try:
+                o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE,
+                                     num_splits=splits, config=cfg)  # fmt: skip
+                torch.cuda.synchronize()
+            except Exception as exc:  # recorded; the other variants go on
+                failed.add(cfg.name)
+                rows.append({"case": [batch, heads, page, lens, splits], "config": cfg.name,
+                             "error": repr(exc), "ok": False})  # fmt: skip
+                print(f"check {cfg.name}: FAIL {exc!r}", flush=True)
+                continue
             o_r, l_r = mla_reference.decode(
                 q.double().cpu(), cache.double().cpu(), table.cpu(), seq.cpu(),
                 softmax_scale=SCALE,
@@ -83,31 +96,36 @@ def check() -> tuple[bool, list[dict[str, Any]]]:
             lse_inf = bool((l_w.cpu()[~lse_fin] == float("-inf")).all())
             good = err_ref < 1.5e-2 and err_gl < 1.5e-2 and lse_err < 2e-5 and lse_inf
             good &= bool(torch.isfinite(o_w).all())
-            ok &= good
+            if not good:
+                failed.add(cfg.name)
             rows.append({"case": [batch, heads, page, lens, splits], "config": cfg.name,
                          "err_vs_ref": err_ref, "err_vs_gluon": err_gl, "lse_err": lse_err,
                          "ok": good})  # fmt: skip
             print(f"check B{batch} H{heads} page{page} lens{lens} splits{splits} {cfg.name}: "
                   f"vs ref {err_ref:.2e} vs gluon {err_gl:.2e} lse {lse_err:.1e} "
                   f"{'ok' if good else 'FAIL'}", flush=True)  # fmt: skip
-    return ok, rows
+    return failed, rows
 
 
 def _runs(
     q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, splits: int,
-    seq_len: int, out: torch.Tensor, lse: torch.Tensor, ws: torch.Tensor,
+    seq_len: int, out: torch.Tensor, lse: torch.Tensor, ws: torch.Tensor, skip: set[str],
 ) -> dict[str, Any]:  # fmt: skip
-    """The timed closures of one shape: ``decode(impl="gluon")`` and each ws variant."""
+    """The timed closures of one shape: ``decode(impl="gluon")`` and each ws variant not
+    in ``skip``."""
     kw: dict[str, Any] = {"softmax_scale": 0.1, "num_splits": splits, "out": out, "lse": lse,
                           "workspace": ws, "max_seq_len": seq_len}  # fmt: skip
     runs: dict[str, Any] = {"gluon": lambda: decode(q, cache, table, lens, impl="gluon", **kw)}
     for cfg in VARIANTS:
+        if cfg.name in skip:
+            continue
         runs[cfg.name] = functools.partial(decode_ws, q, cache, table, lens, config=cfg, **kw)
     return runs
 
 
-def bench(warmup: int, rep: int) -> list[dict[str, Any]]:
-    """Median times at the two long-context shapes: ws variants, gluon, FlashMLA."""
+def bench(warmup: int, rep: int, skip: set[str]) -> list[dict[str, Any]]:
+    """Median times at the two long-context shapes: ws variants (but ``skip``), gluon,
+    FlashMLA."""
     import triton.testing
 
     rows: list[dict[str, Any]] = []
@@ -118,7 +136,7 @@ def bench(warmup: int, rep: int) -> list[dict[str, Any]]:
         out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(batch, heads, device="cuda", dtype=torch.float32)
         ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-        runs = _runs(q, cache, table, lens, splits, seq_len, out, lse, ws)
+        runs = _runs(q, cache, table, lens, splits, seq_len, out, lse, ws, skip)
         try:
             runs["flashmla"] = flashmla_run(q, cache, table, lens, 0.1)
         except Exception as exc:  # recorded, the run goes on
@@ -162,11 +180,25 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.plan == "check":
-        ok, rows = check()
-        result: dict[str, Any] = {"info": info, "ok": ok, "rows": rows}
-        code = 0 if ok else 1
+        failed, rows = check()
+        # the third variant is the default's code with another register split: it stands
+        # or falls with it
+        if VARIANTS[0].name in failed:
+            failed.add(VARIANTS[2].name)
+        result: dict[str, Any] = {"info": info, "failed": sorted(failed), "rows": rows}
+        print("failed variants:", sorted(failed) or "none")
+        code = 0 if len(failed) < len(VARIANTS) else 1  # time what passed
     else:
-        result = {"info": info, "rows": bench(args.warmup_ms, args.rep_ms)}
+        skip = set(SKIP)
+        done = os.path.join(args.out, "ws-check.json")
+        if os.path.exists(done):
+            with open(done) as f:
+                skip |= set(json.load(f)["failed"])
+        result = {
+            "info": info,
+            "skipped": sorted(skip),
+            "rows": bench(args.warmup_ms, args.rep_ms, skip),
+        }
         code = 0
     with open(os.path.join(args.out, f"ws-{args.plan}.json"), "w") as f:
         json.dump(result, f, indent=1)
