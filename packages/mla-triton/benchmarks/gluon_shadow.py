@@ -116,39 +116,44 @@ def one(shape: str, recipe: str) -> dict[str, Any]:
 
 
 def main(out_dir: str, recipes: list[str]) -> None:
-    rows = []
-    for recipe in recipes:
-        for shape in ("b128-h128-L8192", "b32-h128-L32768"):
-            rows.append(one(shape, recipe))
-            torch.cuda.empty_cache()
+    """Every recipe and shape; the JSON is rewritten after each row (a time limit that
+    stops the run keeps the rows done)."""
     info = {
         "torch": torch.__version__,
         "triton": triton.__version__,
         "device": torch.cuda.get_device_name(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    with open(f"{out_dir}/shadow_gluon_bench.json", "w") as f:
-        json.dump(
-            {"info": info, "recipes": "uniform, fp16 shadow", "rows": rows},
-            f,
-            indent=1,
-        )
-    for r in rows:
-        print(
-            r["shape"],
-            r["recipe"],
-            {k: round(v, 3) for k, v in r.get("vs_flashmla", {}).items()},
-            "gluon/triton",
-            round(r.get("gluon_over_triton", float("nan")), 3),
-        )
+    rows = []
+    for recipe in recipes:
+        for shape in ("b128-h128-L8192", "b32-h128-L32768"):
+            rows.append(one(shape, recipe))
+            torch.cuda.empty_cache()
+            with open(f"{out_dir}/shadow_gluon_bench.json", "w") as f:
+                json.dump({"info": info, "recipes": "uniform, fp16 shadow", "rows": rows}, f,
+                          indent=1)  # fmt: skip
+            r = rows[-1]
+            print(
+                r["shape"],
+                r["recipe"],
+                {k: round(v, 3) for k, v in r.get("vs_flashmla", {}).items()},
+                "gluon/triton",
+                round(r.get("gluon_over_triton", float("nan")), 3),
+                flush=True,
+            )
 
 
 def compile_stats() -> None:
     """Each recipe's Gluon shadow variant (bf16, page 64, two splits) for sm_90a, printed."""
     import re
 
-    from mla_triton.gluon_decode import GluonRecipe, compile_variant, gluon_decode_config
-    from mla_triton.shadow import SEPARATE_V_CONFIG, gluon_shadow_recipe, shadow_layout
+    from mla_triton.gluon_decode import (
+        SEPARATE_V_CONFIG,
+        GluonRecipe,
+        compile_variant,
+        gluon_decode_config,
+    )
+    from mla_triton.shadow import gluon_shadow_recipe, shadow_layout
 
     for name, quant in RECIPES.items():
         recipe = gluon_shadow_recipe(quant, shadow_layout(quant), torch.bfloat16)
