@@ -402,7 +402,8 @@ def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
     assert args["num_splits"] == 3 and args["MULTI_SPLIT"]
     assert (args["STAGES"], args["OVERLAP"]) == (4, True)
     split = args["split"]  # kernels.common.split_program's tuple
-    assert len(split) == 13 and split[1][0] is cache and split[11] == (20, 128, 7)
+    assert len(split) == 13 and split[1][0] is cache and split[11] == (20, 128)
+    assert args["num_blocks"] == 7  # its own unspecialized argument, not in the tuple
     assert args["Q_SCALED"] == args["KV_FP8"] == (quant is not None)
     assert args["P_FMT"] == (1 if quant is not None else 0)
     assert split[12] == pytest.approx(SCALE * 1.4426950408889634)
@@ -599,7 +600,8 @@ def test_shadow_dispatch_launches(as_sm90: None) -> None:
     tiles = split[1][0]  # the shadow's K̂ section: float16 [7, 64, 576] in the shadow's bytes
     assert tiles.dtype == torch.float16 and tuple(tiles.shape) == (7, 64, 576)
     assert tiles.data_ptr() == shadow.data_ptr() and split[7] == (64 * 576, 576)
-    assert split[0][0].dtype == torch.float16 and split[11] == (128, 128, 7)
+    assert split[0][0].dtype == torch.float16 and split[11] == (128, 128)
+    assert args["num_blocks"] == 7
     assert split[12] == pytest.approx(SCALE * 1.4426950408889634 * FP8.k_gs)
     assert args["out_scale"] == pytest.approx(FP8.p_gs * FP8.v_gs)
     implied = _launched(call("auto", VARIANTS[2]))[1][1]  # a Gluon config implies "gluon"

@@ -366,11 +366,6 @@ def test_block_count_is_not_a_compile_key(name: str) -> None:
     assert all(k == keys[0] for k in keys), [len(k - keys[0]) for k in keys]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Gluon split kernel (kernels/gluon_decode.py) still reads the block count as "
-    "split[11][2], where the JIT specializes it; it needs its own unspecialized num_blocks",
-)
 def test_block_count_is_not_a_gluon_compile_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an sm90 engine (dispatch as on an H200, ``test_gluon_decode.as_sm90``) the Gluon
     split kernel's keys do not depend on the cache's block count either (37 and 64)."""

@@ -509,7 +509,7 @@ def compile_variant(
         (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), cache, ptr(index_dtype),
         ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
         (div, div, div, div), strides, (i32, i32), i32, (div, div, i32, i32),
-        (i32, i32, i32), ("fp32", False),
+        (i32, i32), ("fp32", False),
     )  # fmt: skip
     k_fmt = 1 if recipe.kv_fp8 or (recipe.shadow_f16 and not recipe.k_fmt) else recipe.k_fmt
     constexprs: dict[str, Any] = {
@@ -534,6 +534,7 @@ def compile_variant(
     signature |= dict.fromkeys(("k_scales", "v_scales", "p_scales"), ("fp32", "fp32", "fp32"))
     signature["out_scale"] = "fp32"
     signature["num_splits"] = "i32"  # not specialized (do_not_specialize)
+    signature["num_blocks"] = "i32"  # not specialized either
     signature |= dict.fromkeys(constexprs, "constexpr")
     assert list(signature) == list(fn.arg_names), fn.arg_names
     source = GluonASTSource(fn, signature, constexprs, attrs)

@@ -174,7 +174,7 @@ def compile_ws(
         (ptr(dtype), ptr(dtype), ptr("fp32")), (ptr(dtype),), ptr(index_dtype),
         ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
         (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
-        (i32, i32, i32), ("fp32", False),
+        (i32, i32), ("fp32", False),
     )  # fmt: skip
     constexprs: dict[str, Any] = {
         "SHAPE": (512, 64, page, k.BLOCK_H, k.BLOCK_N, 2, SPLIT_ALIGN),
@@ -192,6 +192,7 @@ def compile_ws(
 
     signature: dict[str, Any] = {"split": types(split, (0,)), "out_scale": "fp32"}
     signature["num_splits"] = "i32"
+    signature["num_blocks"] = "i32"
     signature |= dict.fromkeys(constexprs, "constexpr")
     assert list(signature) == list(fn.arg_names), fn.arg_names
     source = GluonASTSource(fn, signature, constexprs, attrs)

@@ -269,7 +269,7 @@ def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, d
     return gl.allocate_shared_memory(dtype, [_HEADS, D], layout, rows)
 
 
-@gluon.jit(do_not_specialize=["num_splits"])
+@gluon.jit(do_not_specialize=["num_splits", "num_blocks"])
 def gluon_decode_split_kernel(
     split,
     k_inv_gs,
@@ -278,6 +278,7 @@ def gluon_decode_split_kernel(
     p_scales,  # (gs_p, 1 / gs_p, 1 / (6 gs_p))
     out_scale,  # gs_p * gs_v
     num_splits,
+    num_blocks,
     SHAPE: gl.constexpr,
     STAGES: gl.constexpr,
     OVERLAP: gl.constexpr,
@@ -331,7 +332,7 @@ def gluon_decode_split_kernel(
     stride_bt_b, stride_bt_p = split[8]
     stride_sl = split[9]
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h = split[10]
-    num_heads, capacity, num_blocks = split[11]
+    num_heads, capacity = split[11]
     score_scale = split[12]  # softmax_scale * log2(e), times K's static global scale
     D1: gl.constexpr = SHAPE[0]
     D2: gl.constexpr = SHAPE[1]

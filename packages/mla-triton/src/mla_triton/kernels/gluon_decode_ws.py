@@ -381,11 +381,12 @@ def _math_part(
     )  # fmt: skip
 
 
-@gluon.jit(do_not_specialize=["num_splits"])
+@gluon.jit(do_not_specialize=["num_splits", "num_blocks"])
 def gluon_decode_ws_kernel(
     split,
     out_scale,
     num_splits,
+    num_blocks,
     SHAPE: gl.constexpr,
     MULTI_SPLIT: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -410,7 +411,7 @@ def gluon_decode_ws_kernel(
     stride_kv_page, stride_kv_row = split[7]
     stride_bt_b, stride_bt_p = split[8]
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h = split[10]
-    num_heads, _capacity, num_blocks = split[11]
+    num_heads, _capacity = split[11]
     score_scale = split[12]  # softmax_scale * log2(e)
     D1: gl.constexpr = SHAPE[0]
     D2: gl.constexpr = SHAPE[1]
