@@ -999,7 +999,10 @@ def split_kernel_args(
 def takes_num_blocks(kernel: Any) -> bool:
     """Whether a split kernel (a ``@triton.jit`` function, or a wrapper of one in its
     ``kernel`` attribute) takes the cache's block count as its own ``num_blocks``."""
-    return "num_blocks" in getattr(kernel, "kernel", kernel).arg_names
+    # a compiled-mode JITFunction has a ``kernel`` attribute too (None until launched):
+    # the function's own ``arg_names`` come first
+    fn = kernel if hasattr(kernel, "arg_names") else kernel.kernel
+    return "num_blocks" in fn.arg_names
 
 
 def _scales(gs: float) -> tuple[float, float, float]:
