@@ -252,12 +252,18 @@ def check_decode(
     splits: int = 2,
     same_tiles: bool = True,
     cfg: DecodeConfig | None = None,
-) -> None:
-    """decode_shadow against decode: bit-identical with equal tiles, else within bounds."""
+    want: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_shadow against decode: bit-identical with equal tiles, else within bounds.
+
+    ``want``: on-read decode's ``(out, lse)`` for these arguments, from an earlier
+    call (computed here when None); returned for the next call on the same pool.
+    """
     seq = pool.seq_lens()
     kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": pool.quant, "num_splits": splits}
     cfg = cfg or DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2)
-    want = decode(q, pool.cache, pool.table, seq, config=cfg, **kw)
+    if want is None:
+        want = decode(q, pool.cache, pool.table, seq, config=cfg, **kw)
     if same_tiles:
         got = decode_shadow(
             q,
@@ -278,25 +284,59 @@ def check_decode(
         full = ~torch.isinf(want[1])
         assert (got[1][full] - want[1][full]).abs().max().item() <= 1e-6
         assert row_errors(got[0][full], want[0][full]).max().item() <= 1e-3
+    return want
+
+
+def set_tail_form(monkeypatch: Any, tail_loop: bool) -> list[bool]:
+    """Make ``decode_shadow`` run its tail tile as a loop (True) or peeled (False).
+
+    Returns a list that gets one entry per time the policy is asked: a check that
+    the launch really took the form under test.
+    """
+    asked: list[bool] = []
+
+    def form(block_h: int, v_tail: bool) -> bool:
+        asked.append(tail_loop)
+        return tail_loop
+
+    monkeypatch.setattr(shadow_module, "_tail_loop", form)
+    return asked
 
 
 NVFP4 = AttentionQuant.uniform("nvfp4")
+STORAGES = ("fp16", "packed")
 
 
-@pytest.mark.parametrize("storage", ["fp16", "packed"])
-def test_growth_across_block_bounds_one_token_at_a_time(storage: str) -> None:
+def same_raw_cache(a: Pool, b: Pool) -> bool:
+    """Whether two pools hold the same raw rows (NaN where unwritten) and table."""
+    return torch.equal(a.cache.nan_to_num(7.0), b.cache.nan_to_num(7.0)) and torch.equal(
+        a.table, b.table
+    )
+
+
+def test_growth_across_block_bounds_one_token_at_a_time() -> None:
     """Ragged sequences (14, 30, 0, 47 tokens) grow one token a step across 16-token
     block bounds (which are 16-slot page bounds too); decode matches on-read after
-    every step: a block one short of full, just full, and the next one opened."""
-    pool = Pool(NVFP4, storage, page=16, max_len=64, batch=4, seed=1)
-    pool.append([14, 30, 0, 47])
-    check_contents(pool)
-    q = q_for(pool)
+    every step: a block one short of full, just full, and the next one opened.
+
+    Both storages, grown from one seed: the same raw rows, so one on-read decode
+    a step serves both."""
+    pools = [Pool(NVFP4, storage, page=16, max_len=64, batch=4, seed=1) for storage in STORAGES]
+    for pool in pools:
+        pool.append([14, 30, 0, 47])
+        check_contents(pool)
+    qs = [q_for(pool) for pool in pools]
+    assert torch.equal(qs[0], qs[1])
     for _ in range(3):
-        pool.append([1, 1, 1, 1], pad=1)
-        check_decode(pool, q)
-    check_contents(pool)
-    assert pool.lens == [17, 33, 3, 50]
+        want = None
+        for pool in pools:
+            pool.append([1, 1, 1, 1], pad=1)
+        assert same_raw_cache(*pools)
+        for pool in pools:
+            want = check_decode(pool, qs[0], want=want)
+    for pool in pools:
+        check_contents(pool)
+        assert pool.lens == [17, 33, 3, 50]
 
 
 RECIPES = {
@@ -322,35 +362,41 @@ RECIPES = {
 
 
 @pytest.mark.parametrize(
-    ("recipe", "storage"),
+    ("recipe", "storages"),
     [
-        ("nvfp4-page64", "fp16"),
-        ("nvfp4-page64", "packed"),
-        ("fp8-shared", "fp16"),
-        ("fp8-shared", "packed"),
-        ("kdyn-nvfp4-vfp8", "packed"),
-        ("kdyn-fp8-vnvfp4", "fp16"),
-        ("calibrated", "packed"),
-        ("k-only", "fp16"),
-        ("v-only", "packed"),
+        ("nvfp4-page64", STORAGES),
+        ("fp8-shared", STORAGES),
+        ("kdyn-nvfp4-vfp8", ("packed",)),
+        ("kdyn-fp8-vnvfp4", ("fp16",)),
+        ("calibrated", ("packed",)),
+        ("k-only", ("fp16",)),
+        ("v-only", ("packed",)),
     ],
+    ids=lambda v: v if isinstance(v, str) else "+".join(v),
 )
-def test_recipes_prefill_then_decode_steps(recipe: str, storage: str) -> None:
-    """Chunked prefill, then two decode steps: contents bitwise, decode bit-identical."""
+def test_recipes_prefill_then_decode_steps(recipe: str, storages: tuple[str, ...]) -> None:
+    """Chunked prefill, then two decode steps: contents bitwise, decode bit-identical.
+
+    Storages of a recipe grown from one seed hold the same raw rows: one on-read
+    decode serves them all."""
     quant, page = RECIPES[recipe]
-    pool = Pool(quant, storage, page=page, max_len=96, batch=3, seed=2)
-    pool.append([20, 0, 33])
-    pool.append([14, 31, 0])
-    pool.append([1, 1, 1])
-    pool.append([1, 0, 1])
-    check_contents(pool)
-    check_decode(pool, q_for(pool), splits=2)
+    want = None
+    pools: list[Pool] = []
+    for storage in storages:
+        pool = Pool(quant, storage, page=page, max_len=96, batch=3, seed=2)
+        pool.append([20, 0, 33])
+        pool.append([14, 31, 0])
+        pool.append([1, 1, 1])
+        pool.append([1, 0, 1])
+        pools.append(pool)
+        assert same_raw_cache(pools[0], pool)
+        check_contents(pool)
+        want = check_decode(pool, q_for(pool), splits=2, want=want)
 
 
 TAIL_LENGTHS = [*range(1, 18), 31, 32, 48, 64, 65, 79, 96, 127, 128, 143, 150, 192]
 
 
-@pytest.mark.parametrize("tail_loop", [False, True])
 @pytest.mark.parametrize(
     ("recipe", "page", "block_n", "splits"),
     [
@@ -360,16 +406,16 @@ TAIL_LENGTHS = [*range(1, 18), 31, 32, 48, 64, 65, 79, 96, 127, 128, 143, 150, 1
     ],
 )
 def test_tail_tile_lengths(
-    recipe: str, page: int, block_n: int, splits: int, tail_loop: bool, monkeypatch: Any
+    recipe: str, page: int, block_n: int, splits: int, monkeypatch: Any
 ) -> None:
     """Every tail shape, in both forms of the tail tile (peeled, or a loop of 0 or 1).
 
     Lengths 1 to 17 (an open block alone, a full block, one token past it),
     multiples of 16 and of the tile (no open block, or no tail tile at all), and
     tails behind split bounds (64-token multiples) with 2 and 3 active splits; pages of
-    16 (a tile over several pages) and 64. Bit-identical to on-read decode.
+    16 (a tile over several pages) and 64. Both forms against one on-read decode of
+    one pool (the form only changes ``decode_shadow``): bit-identical.
     """
-    monkeypatch.setattr(shadow_module, "_tail_loop", lambda block_h, v_tail: tail_loop)
     quant, _ = RECIPES[recipe]
     lens = TAIL_LENGTHS
     pool = Pool(quant, "fp16", page=page, max_len=max(lens), batch=len(lens), seed=7)
@@ -377,29 +423,45 @@ def test_tail_tile_lengths(
     pool.append([1] * len(lens), pad=1)
     assert pool.lens == lens
     cfg = DecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=2)
-    check_decode(pool, q_for(pool), splits=splits, cfg=cfg)
+    q = q_for(pool)
+    want = None
+    for tail_loop in (False, True):
+        asked = set_tail_form(monkeypatch, tail_loop)
+        want = check_decode(pool, q, splits=splits, cfg=cfg, want=want)
+        assert asked, "decode_shadow did not ask for the tail form"
 
 
-@pytest.mark.parametrize("tail_loop", [False, True])
-def test_tail_tile_wide_head_group(tail_loop: bool, monkeypatch: Any) -> None:
-    """64 heads a program (the H = 128 tiles), ragged tails, both tail forms."""
-    monkeypatch.setattr(shadow_module, "_tail_loop", lambda block_h, v_tail: tail_loop)
+def test_tail_tile_wide_head_group(monkeypatch: Any) -> None:
+    """64 heads a program (the H = 128 tiles), ragged tails, both tail forms (against
+    one on-read decode)."""
     pool = Pool(NVFP4, "fp16", page=64, max_len=140, batch=3, seed=8)
     pool.append([63, 139, 15])
     pool.append([1, 1, 1], pad=0)
     cfg = DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
-    check_decode(pool, q_for(pool, heads=40), splits=2, cfg=cfg)
+    q = q_for(pool, heads=40)
+    want = None
+    for tail_loop in (False, True):
+        asked = set_tail_form(monkeypatch, tail_loop)
+        want = check_decode(pool, q, splits=2, cfg=cfg, want=want)
+        assert asked, "decode_shadow did not ask for the tail form"
 
 
-@pytest.mark.parametrize("storage", ["fp16", "packed"])
-def test_default_tiles_are_on_read_bits(storage: str) -> None:
-    """decode_shadow's default tiles, given to on-read decode too: bit-identical."""
+def test_default_tiles_are_on_read_bits() -> None:
+    """decode_shadow's default tiles, given to on-read decode too: bit-identical.
+
+    Both storages of a recipe from one seed hold the same raw rows: one on-read
+    decode serves both where their default tiles agree (nvfp4)."""
     for quant in (AttentionQuant.uniform("fp8"), NVFP4):
-        pool = Pool(quant, storage, page=64, max_len=100, batch=2, seed=9)
-        pool.append([70, 99])
-        pool.append([1, 1])
-        cfg = shadow_decode_config(4, quant, storage)
-        check_decode(pool, q_for(pool), splits=2, cfg=cfg)
+        wants: dict[DecodeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
+        pools: list[Pool] = []
+        for storage in STORAGES:
+            pool = Pool(quant, storage, page=64, max_len=100, batch=2, seed=9)
+            pool.append([70, 99])
+            pool.append([1, 1])
+            pools.append(pool)
+            assert same_raw_cache(pools[0], pool)
+            cfg = shadow_decode_config(4, quant, storage)
+            wants[cfg] = check_decode(pool, q_for(pool), splits=2, cfg=cfg, want=wants.get(cfg))
 
 
 HOPPER_SMEM = 232448  # bytes of shared memory one Hopper program may use (227 KiB)
@@ -458,6 +520,7 @@ def test_wrong_shadow_is_detected() -> None:
     pool.append([40, 45])
     check_contents(pool)
     q = q_for(pool)
+    want = check_decode(pool, q)  # the good shadow passes; on-read decode reads no shadow
     good = pool.shadow.clone()
     _, _, vh = pool.layout.views(pool.shadow)
     assert vh is not None
@@ -466,7 +529,7 @@ def test_wrong_shadow_is_detected() -> None:
     with pytest.raises(AssertionError, match="V̂"):
         check_contents(pool)
     with pytest.raises(AssertionError, match="out differs"):
-        check_decode(pool, q)
+        check_decode(pool, q, want=want)
     # V̂ of sequence 1 quantized with blocks starting at position 8
     pool.shadow.copy_(good)
     slots = pool.slots_of(1)
@@ -476,9 +539,9 @@ def test_wrong_shadow_is_detected() -> None:
     with pytest.raises(AssertionError, match="V̂ of sequence 1"):
         check_contents(pool)
     with pytest.raises(AssertionError, match="out differs"):
-        check_decode(pool, q)
+        check_decode(pool, q, want=want)
     pool.shadow.copy_(good)
-    check_decode(pool, q)
+    check_contents(pool)
 
 
 def test_shadow_in_a_combined_allocation() -> None:
