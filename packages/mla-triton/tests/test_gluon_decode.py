@@ -476,29 +476,41 @@ SHADOW_TAKEN = {
 }
 
 
+# the shadow recipes whose Gluon variant passed test_shadow_gpu.py on an H200
+SHADOW_VERIFIED = ("fp8", "fp8-scale-3", "nvfp4")
+
+
 def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``gluon_shadow_unsupported``: ``"gluon"`` takes the fp16 shadows with V̂ = K̂ (any
-    static scale) and K/V none; ``"auto"`` none of them while ``GLUON_SHADOW_AUTO`` is
-    False (the shipped value), then those above 32 heads."""
+    """``gluon_shadow_unsupported``: ``"gluon"`` takes every fp16 shadow of
+    ``gluon_shadow_recipe`` (V̂ = K̂, a V̂ section) and K/V none; ``"auto"`` (above 32
+    heads) the GPU-verified ones only (``gluon_shadow_verified``), the others with a
+    reason; nothing while ``GLUON_SHADOW_AUTO`` is off."""
     from functools import partial
 
     import mla_triton.shadow as sh
 
-    assert sh.GLUON_SHADOW_AUTO is False
+    assert sh.GLUON_SHADOW_AUTO is True  # the shipped value, since the H200 suites
     for name, (quant, storage, dtype) in SHADOW_TAKEN.items():
         lay = sh.shadow_layout(quant, storage=storage)
         f = replace(SM90, quant=quant, dtype=dtype)
         assert sh.gluon_shadow_unsupported(f, layout=lay, forced=True) is None, name
         why = sh.gluon_shadow_unsupported(f, layout=lay)
-        assert why is not None and "not verified on a GPU" in why.reason and not why.covered
         rule = partial(sh.gluon_shadow_unsupported, layout=lay)
-        assert choose_impl("auto", f, rule) == "triton" and choose_impl("gluon", f, rule) == "gluon"
-    monkeypatch.setattr(sh, "GLUON_SHADOW_AUTO", True)  # the switch the lead flips
-    fp8_lay = sh.shadow_layout(SHADOW_TAKEN["fp8"][0])
-    f128 = replace(SM90, quant=SHADOW_TAKEN["fp8"][0])
-    assert sh.gluon_shadow_unsupported(f128, layout=fp8_lay) is None
-    why16 = sh.gluon_shadow_unsupported(replace(f128, heads=16), layout=fp8_lay)
-    assert why16 is not None and "16 heads" in why16.reason
+        assert choose_impl("gluon", f, rule) == "gluon"
+        if name in SHADOW_VERIFIED:
+            assert why is None and choose_impl("auto", f, rule) == "gluon", (name, why)
+            why16 = sh.gluon_shadow_unsupported(replace(f, heads=16), layout=lay)
+            assert why16 is not None and "16 heads" in why16.reason, name
+        else:
+            assert why is not None and "not verified on a GPU" in why.reason, (name, why)
+            assert not why.covered and choose_impl("auto", f, rule) == "triton", name
+    monkeypatch.setattr(sh, "GLUON_SHADOW_AUTO", False)  # the switch off: auto never
+    for name, (quant, storage, dtype) in SHADOW_TAKEN.items():
+        lay = sh.shadow_layout(quant, storage=storage)
+        f = replace(SM90, quant=quant, dtype=dtype)
+        off = sh.gluon_shadow_unsupported(f, layout=lay)
+        assert off is not None and "not verified on a GPU" in off.reason, name
+        assert sh.gluon_shadow_unsupported(f, layout=lay, forced=True) is None, name
     fp8 = AttentionQuant.uniform("fp8")
     assert sh.gluon_shadow_recipe(fp8, sh.shadow_layout(fp8), torch.bfloat16) == SHADOW_FP8
     scaled, lay3 = SHADOW_TAKEN["fp8-scale-3"][0], sh.shadow_layout(SHADOW_TAKEN["fp8-scale-3"][0])
@@ -549,8 +561,8 @@ def test_shadow_dispatch_refusals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What ``decode_shadow``'s Gluon path refuses, with the reason; ``"gluon"`` there is
-    a ValueError naming ``impl``, ``"auto"`` the Triton kernel (for the same reason once
-    ``GLUON_SHADOW_AUTO`` is on)."""
+    a ValueError naming ``impl``, ``"auto"`` the Triton kernel (for the same reason with
+    ``GLUON_SHADOW_AUTO`` on, the shipped value)."""
     from functools import partial
 
     import mla_triton.shadow as sh
@@ -564,7 +576,7 @@ def test_shadow_dispatch_refusals(
     assert choose_impl("auto", facts, rule) == "triton"
     with pytest.raises(ValueError, match=rf"^impl: .*{re.escape(needle)}"):
         choose_impl("gluon", facts, rule)
-    monkeypatch.setattr(sh, "GLUON_SHADOW_AUTO", True)  # the flipped switch: same reasons
+    assert sh.GLUON_SHADOW_AUTO is True  # on: auto refuses for the same reasons
     auto = gluon_shadow_unsupported(facts, layout=lay)
     assert auto is not None and needle in auto.reason, auto
 
@@ -572,8 +584,9 @@ def test_shadow_dispatch_refusals(
 def test_shadow_dispatch_launches(as_sm90: None) -> None:
     """On sm90 ``decode_shadow(impl="gluon")`` launches q̂, the Gluon kernel on the
     shadow's float16 K̂ section (no QDQ in the kernel, K's scale in the scores, P's and
-    V's on the output) and the merge; ``"auto"`` the Triton shadow kernel; a refused
-    shadow launches nothing."""
+    V's on the output) and the merge, as ``"auto"`` does for this GPU-verified recipe
+    (and the Triton shadow kernel for one not verified); a refused shadow launches
+    nothing."""
     import mla_triton.shadow as sh_mod
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.decode import _operand
@@ -589,9 +602,11 @@ def test_shadow_dispatch_launches(as_sm90: None) -> None:
                                      num_splits=3, impl=impl, config=config)  # fmt: skip
 
     names = ["decode_q_kernel", "shadow_decode_split_kernel", "decode_merge_kernel"]
-    assert [n for n, _, _ in _launched(call("auto"))] == names
     seen = _launched(call("gluon"))
     assert [n for n, _, _ in seen] == [names[0], "gluon_decode_split_kernel", names[2]]
+    assert [(n, _plain(a)) for n, a, _ in _launched(call("auto"))] == [
+        (n, _plain(a)) for n, a, _ in seen
+    ]
     _, args, grid = seen[1]
     assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
     assert grid == (2 * 3 * 3,) and args["SHAPE"] == (512, 64, 64, 64, 64, 2, 64)
@@ -635,6 +650,7 @@ def test_shadow_dispatch_launches(as_sm90: None) -> None:
     _, ks, _ = sh_mod.shadow_layout(kdyn).views(kd_shadow)
     assert ks is not None
     kd = _launched(call("gluon", quant=kdyn, sh=kd_shadow))[1][1]
+    assert [n for n, _, _ in _launched(call("auto", quant=kdyn, sh=kd_shadow))] == names
     assert kd["K_DYN"] and kd["V_SEP"] and not kd["V_TAIL"]
     assert (
         kd["split"][1][3].data_ptr() == ks.data_ptr() and kd["split"][1][3].dtype == torch.float32

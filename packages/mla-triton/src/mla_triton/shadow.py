@@ -79,6 +79,7 @@ __all__ = [
     "decode_shadow",
     "gluon_shadow_recipe",
     "gluon_shadow_unsupported",
+    "gluon_shadow_verified",
     "shadow_decode_config",
     "shadow_layout",
     "update_cache",
@@ -656,9 +657,9 @@ def decode_shadow(
     ``impl``: as ``decode``'s, the rule ``gluon_shadow_unsupported`` (docs/gluon.md):
     ``"gluon"`` runs the Gluon sm90 kernel on the shadows it reads (``fp16`` storage:
     V̂ shared with K̂, or a V̂ section (nvfp4, dynamic K, K and V of different recipes);
-    or K and V not quantized; not verified on a GPU yet) and is a ValueError naming
-    ``impl`` elsewhere; ``"auto"`` runs the Triton kernel while ``GLUON_SHADOW_AUTO``
-    is False. ``config``: a ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
+    or K and V not quantized) and is a ValueError naming ``impl`` elsewhere; ``"auto"``
+    runs it above 32 heads for the GPU-verified recipes (``gluon_shadow_verified``: fp8
+    with V̂ = K̂, nvfp4 Q/K/P/V), the Triton kernel otherwise. ``config``: a ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
     (implies ``"gluon"``; with a V̂ section only ``SEPARATE_V_CONFIG``).
     """
     chosen = check_impl(impl)
@@ -679,10 +680,45 @@ def decode_shadow(
     )  # fmt: skip
 
 
-GLUON_SHADOW_AUTO = False
+GLUON_SHADOW_AUTO = True
 """Whether ``decode_shadow(impl="auto")`` may pick the Gluon kernel (then above 32 heads,
-as ``decode``). False until the GPU suites pass with ``impl="gluon"``
-(tests/test_shadow_gpu.py): the lead flips this line."""
+as ``decode``, and for the recipes ``gluon_shadow_verified`` names). On since the GPU
+suites passed on an H200 (``benchmarks/results/gluon-shadow-nvfp4-h200``,
+``gpu-suites-3d447a2``)."""
+
+
+def _verified_kind(recipe: GluonRecipe) -> GluonRecipe:
+    """``recipe`` without its global scales (the kernel variant it compiles to)."""
+    return replace(recipe, k_gs=1.0, v_gs=1.0, p_gs=1.0)
+
+
+_GPU_VERIFIED = frozenset(
+    {
+        # V̂ = K̂: fp8 Q/K/P/V under one static scale (any: scale 1 and 3 ran)
+        GluonRecipe(q_scaled=True, p_fmt=1, shadow_f16=True, k_fmt=1, q_fmt=1, v_fmt=1),
+        # a V̂ section: nvfp4 Q/K/P/V, power-of-two static scales, the open V block
+        GluonRecipe(
+            q_scaled=True,
+            p_fmt=2,
+            shadow_f16=True,
+            k_fmt=2,
+            v_sep=True,
+            v_f16=True,
+            v_tail=True,
+            q_fmt=2,
+            v_fmt=2,
+        ),
+    }
+)
+
+
+def gluon_shadow_verified(recipe: GluonRecipe) -> bool:
+    """Whether ``impl="auto"`` may run ``recipe`` through the Gluon kernel: its variant
+    passed ``tests/test_shadow_gpu.py::test_gluon_shadow_bf16`` on an H200 (fp8 with V̂ =
+    K̂, nvfp4 Q/K/P/V). The other recipes ``gluon_shadow_recipe`` takes (an exact V scale,
+    dynamic K, K none with V quantized, K and V of different recipes, q not quantized)
+    run with ``impl="gluon"`` only, until their cases pass there too."""
+    return _verified_kind(recipe) in _GPU_VERIFIED
 
 
 def gluon_shadow_recipe(
@@ -736,10 +772,14 @@ def gluon_shadow_unsupported(
     logged). A pure function of its arguments and that switch."""
     if not forced and not GLUON_SHADOW_AUTO:
         return Unsupported("decode_shadow's Gluon kernel is not verified on a GPU yet", False)
-    return gluon_unsupported(
-        f, forced=forced, recipe=lambda quant: gluon_shadow_recipe(quant, layout, f.dtype),
-        stride_align=8,
-    )  # fmt: skip
+
+    def recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
+        taken = gluon_shadow_recipe(quant, layout, f.dtype)
+        if forced or isinstance(taken, str) or gluon_shadow_verified(taken):
+            return taken
+        return "this shadow recipe is not verified on a GPU yet in the Gluon kernel"
+
+    return gluon_unsupported(f, forced=forced, recipe=recipe, stride_align=8)
 
 
 def _gluon_tiles(
