@@ -8,10 +8,11 @@ Run on an H200 from the repository root (vLLM 0.33 bundle for FlashMLA)::
     ... --plan bench OUTDIR
 
 ``check``: ``decode_ws`` (``VARIANTS[0]``, and ``[1]`` at page 64) against
-``decode(impl="gluon")`` and ``mla_reference.decode`` (float64) on small shapes
+``gluon_decode``'s kernel (``decode(config=gluon_decode.VARIANTS[0])``: the same
+whatever ``gluon_decode_ws.WS_AUTO`` says) and ``mla_reference.decode`` (float64) on small shapes
 (ragged lengths, an empty request, 1 to 4 splits, pages 16 and 64, H 20 and 128);
 exit status 1 on a mismatch. ``bench``: the median of
-``do_bench`` of ``decode_ws`` (every ``VARIANTS`` entry), ``decode(impl="gluon")`` and
+``do_bench`` of ``decode_ws`` (every ``VARIANTS`` entry), ``gluon_decode``'s kernel and
 FlashMLA bf16 at b128 h128 L8192 and b32 h128 L32768 (page 64, every request at full
 length; TFLOP/s counted as FlashMLA does: ``2 H L (576 + 512)`` a request). Writes
 ``OUTDIR/ws-<plan>.json`` and prints a summary.
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import SHAPES, flashmla_run, flops, make_inputs
 
 from mla_triton.decode import decode, decode_num_splits
+from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
 from mla_triton.gluon_decode_ws import VARIANTS, decode_ws
 
 SCALE = 576**-0.5
@@ -68,8 +70,8 @@ def check() -> tuple[set[str], list[dict[str, Any]]]:
     for batch, heads, page, lens, splits in CHECKS:
         q, cache, table, seq = _inputs(batch, heads, page, lens)
         o_g, _ = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
-                          impl="gluon")  # fmt: skip
-        # the default on every case, the whole-tile barrier variant on the page-64 ones
+                        config=GLUON_VARIANTS[0])  # fmt: skip
+        # the default (whole tile) on every case, the chunked variant on the page-64 ones
         for cfg in VARIANTS[:2] if page == 64 else VARIANTS[:1]:
             if cfg.name in failed:
                 continue
@@ -111,11 +113,12 @@ def _runs(
     q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, splits: int,
     seq_len: int, out: torch.Tensor, lse: torch.Tensor, ws: torch.Tensor, skip: set[str],
 ) -> dict[str, Any]:  # fmt: skip
-    """The timed closures of one shape: ``decode(impl="gluon")`` and each ws variant not
-    in ``skip``."""
+    """The timed closures of one shape: ``gluon_decode``'s kernel (its default config) and
+    each ws variant not in ``skip``."""
     kw: dict[str, Any] = {"softmax_scale": 0.1, "num_splits": splits, "out": out, "lse": lse,
                           "workspace": ws, "max_seq_len": seq_len}  # fmt: skip
-    runs: dict[str, Any] = {"gluon": lambda: decode(q, cache, table, lens, impl="gluon", **kw)}
+    gluon = GLUON_VARIANTS[0]
+    runs: dict[str, Any] = {"gluon": lambda: decode(q, cache, table, lens, config=gluon, **kw)}
     for cfg in VARIANTS:
         if cfg.name in skip:
             continue
@@ -142,7 +145,7 @@ def bench(warmup: int, rep: int, skip: set[str]) -> list[dict[str, Any]]:
         except Exception as exc:  # recorded, the run goes on
             rows.append({"shape": shape, "impl": "flashmla", "error": repr(exc)})
         base = decode(q, cache, table, lens, softmax_scale=0.1, num_splits=splits,
-                      impl="gluon")[0].clone()  # fmt: skip
+                      config=GLUON_VARIANTS[0])[0].clone()  # fmt: skip
         for name, run in runs.items():
             t0 = time.time()
             try:
@@ -181,9 +184,9 @@ def main() -> int:
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.plan == "check":
         failed, rows = check()
-        # the third variant is the default's code with another register split: it stands
-        # or falls with it
-        if VARIANTS[0].name in failed:
+        # the third variant is the chunked one's code with another register split: it
+        # stands or falls with it
+        if VARIANTS[1].name in failed:
             failed.add(VARIANTS[2].name)
         result: dict[str, Any] = {"info": info, "failed": sorted(failed), "rows": rows}
         print("failed variants:", sorted(failed) or "none")

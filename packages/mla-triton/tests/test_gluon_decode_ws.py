@@ -7,7 +7,8 @@ split, S once per tile (36 wgmma ``64 x 64`` per instance), P V on 256 features
 memory within the limit; the launcher's refusals (before any launch) and the launch
 arguments it passes through the decode core.
 
-GPU (skipped without an sm90 GPU): against ``decode(impl="gluon")`` and
+GPU (skipped without an sm90 GPU): against ``gluon_decode``'s kernel (``decode`` with
+its ``GluonDecodeConfig``, whatever ``WS_AUTO`` says) and
 ``mla_reference.decode`` (float64) with test_gluon_decode.py's bounds (rows 1.5e-2,
 LSE 2e-5) on ragged lengths, empty requests, pages 16/64/128, 1 to 4 splits, H 20 and
 128, bf16 and fp16; the NaN rule (pages outside the cache, lengths outside the table,
@@ -24,12 +25,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_gluon_decode import _cpu_case, as_sm90  # noqa: F401  (a fixture)
+from test_gluon_decode import _cpu_case, _launched, _plain, as_sm90  # noqa: F401  (a fixture)
 
+import mla_triton.gluon_decode_ws as ws
 from mla_formats import AttentionQuant
 from mla_triton.decode import decode
+from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
 from mla_triton.gluon_decode import max_shared_bytes
-from mla_triton.gluon_decode_ws import VARIANTS, WsConfig, compile_ws, decode_ws
+from mla_triton.gluon_decode_ws import VARIANTS, WsConfig, WsFamily, compile_ws, decode_ws
 
 SCALE = 576**-0.5
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -50,10 +53,11 @@ def test_compile_test_in_child() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled in a child process without the interpreter")
 def test_compiles_for_sm90a() -> None:
-    """The default variant (several splits: the workspace epilogue) compiles to the plan.
-    (The other variants: compiled by the GPU script's check; one compile here keeps the
-    CPU cost near 10 s.)"""
+    """The default variant (whole-tile barriers; several splits: the workspace epilogue)
+    compiles to the plan. (The chunked variants: compiled by the GPU script's check; one
+    compile here keeps the CPU cost near 10 s.)"""
     cfg = VARIANTS[0]
+    assert not cfg.chunked
     c = compile_ws(cfg, num_splits=2)
     assert c.num_warps == 12  # the default partition and two workers of four warps
     # q [64, 576] and two 64-token slots of 576 features (P lives in the slots' rope part)
@@ -71,8 +75,9 @@ def test_compiles_for_sm90a() -> None:
     assert {cfg.math_regs, cfg.producer_regs, 504 - cfg.math_regs - cfg.producer_regs} <= asked
     assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
     assert "mbarrier.try_wait" in c.ptx and "mbarrier.arrive" in c.ptx
-    # chunked: every copying thread arrives on a chunk's barrier (8 kv_c chunks + k_pe)
-    assert c.ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == 9
+    # chunked: every copying thread arrives on a chunk's barrier (8 kv_c chunks + k_pe);
+    # whole tile: the producer waits for its copies and arrives on the tile's barrier
+    assert c.ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == (9 if cfg.chunked else 0)
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
     assert "ttg.warp_specialize" in c.ttgir
     assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
@@ -80,7 +85,8 @@ def test_compiles_for_sm90a() -> None:
 
 
 def test_config_checks() -> None:
-    assert [c.name for c in VARIANTS] == ["ws-r232-p40", "ws-r232-p40-tile", "ws-r224-p56"]
+    assert [c.name for c in VARIANTS] == ["ws-r232-p40-tile", "ws-r232-p40", "ws-r224-p56"]
+    assert WsConfig() == VARIANTS[0]  # the default: whole-tile barriers (fastest measured)
     with pytest.raises(ValueError, match=r"^config\.math_regs"):
         WsConfig(math_regs=260)
     with pytest.raises(ValueError, match=r"^config\.producer_regs"):
@@ -132,10 +138,80 @@ def test_launch_arguments() -> None:
     assert args["split"][12] == pytest.approx(SCALE * 1.4426950408889634)
     seen.clear()
     with _intercept(action):
-        decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=VARIANTS[1])
+        decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=1)  # the default
     assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel"]
     one = seen[0][1]
-    assert not one["MULTI_SPLIT"] and (one["MATH_REGS"], one["CHUNKED"]) == (232, False)
+    assert not one["MULTI_SPLIT"]
+    assert (one["MATH_REGS"], one["PRODUCER_REGS"], one["CHUNKED"]) == (232, 40, False)
+
+
+def _split(call: Any) -> str:
+    """The split kernel ``call()`` launches (none run)."""
+    names = [n for n, _, _ in _launched(call) if n != "decode_q_kernel"]
+    assert len(names) == 2 and names[1] == "decode_merge_kernel", names  # two splits
+    return names[0]
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm90, ``WS_AUTO`` off (shipped): ``decode`` launches ``gluon_decode``'s kernel as
+    before. On: recipe none under ``"auto"`` (above 32 heads) and ``"gluon"`` (any heads)
+    launches the warp-specialized kernel (``WsFamily``, ``VARIANTS[0]``) with the very
+    arguments of ``decode_ws``; a ``GluonDecodeConfig``, fp8 and the shadow keep theirs."""
+    from mla_triton import allocate_shadow, decode_shadow
+    from mla_triton.decode import _check, _dispatch
+
+    assert ws.WS_AUTO is False
+    q, cache, table, seq = _cpu_case(128)
+    q20, *_ = _cpu_case(20)
+    fp8 = AttentionQuant.uniform("fp8")
+    shadow = allocate_shadow(7, 64, fp8)
+
+    def call(q: torch.Tensor = q, **kw: Any) -> Any:
+        return lambda: decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2, **kw)
+
+    def family(impl: str, quant: AttentionQuant | None = None) -> object:
+        c = _check(q, cache, table, seq, SCALE, 512, quant, None)
+        return _dispatch(c, cache, quant, 512, impl, None)[0]
+
+    plain = {"auto": call(), "gluon": call(impl="gluon"), "none": call(quant=AttentionQuant()),
+             "h20": call(q20, impl="gluon")}  # fmt: skip
+    kept = {"config": call(config=GLUON_VARIANTS[0]), "fp8": call(quant=fp8),
+            "h20-auto": call(q20),
+            "shadow": lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
+                                            quant=fp8, num_splits=2, impl="gluon")}  # fmt: skip
+    before = {name: _split(c) for name, c in (plain | kept).items()}
+    assert set(before.values()) == {"gluon_decode_split_kernel", "decode_split_kernel"}
+    assert not isinstance(family("auto"), WsFamily)
+    monkeypatch.setattr(ws, "WS_AUTO", True)
+    for name, c in plain.items():
+        assert _split(c) == "gluon_decode_ws_kernel", name
+    assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
+    assert family("auto") is family("gluon") is ws.ws_family(VARIANTS[0])
+    assert isinstance(family("auto"), WsFamily) and not isinstance(family("auto", fp8), WsFamily)
+    direct = _launched(lambda: decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=2))
+    assert [(n, _plain(a), g) for n, a, g in _launched(plain["auto"])] == [
+        (n, _plain(a), g) for n, a, g in direct
+    ]
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``WS_AUTO`` on, an sm90 engine of recipe none: ``warmup_decode`` records the
+    warp-specialized kernel's keys (one split and several) and exactly the keys a serving
+    sweep of batches and lengths launches (record_keys, sm_90)."""
+    from test_warmup import decode_keys
+
+    from mla_triton.kernels import gluon_decode, gluon_decode_ws
+
+    # warmup_decode's split policy for impl="gluon" reads the CTA's heads: the same
+    assert gluon_decode_ws.BLOCK_H == gluon_decode.BLOCK_H
+    monkeypatch.setattr(ws, "WS_AUTO", True)
+    warmed, served = decode_keys(None)
+    launched = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
+    assert launched == {"gluon_decode_ws_kernel", "decode_merge_kernel"}, launched
+    assert len({key for kernel, key in warmed if kernel.endswith("gluon_decode_ws_kernel")}) == 2
+    assert warmed == served, (sorted(served - warmed)[:3], sorted(warmed - served)[:3])
 
 
 # ---------------------------------------------------------------------- GPU
@@ -185,7 +261,8 @@ def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) ->
     q, cache, table, seq = _inputs(batch, heads, page, lens, dtype)
     o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
                          config=config)  # fmt: skip
-    o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits, impl="gluon")
+    o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
+                      config=GLUON_VARIANTS[0])  # fmt: skip
     o_r, l_r = mla_reference.decode(q.double().cpu(), cache.double().cpu(), table.cpu(),
                                     seq.cpu(), softmax_scale=SCALE)  # fmt: skip
     assert o_w.dtype == dtype and bool(torch.isfinite(o_w).all())
@@ -218,10 +295,41 @@ def test_nan_rule_as_gluon() -> None:
     for splits in (1, 3):
         o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
         o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
-                          impl="gluon")  # fmt: skip
+                          config=GLUON_VARIANTS[0])  # fmt: skip
         assert bool(torch.isnan(o_g[:4]).all())  # requests 0 to 3 are poisoned
         if splits == 1:  # one split: the kernel's rule (several: the merge's)
             assert bool(torch.isnan(o_g[4]).all())
         assert torch.equal(torch.isnan(o_w), torch.isnan(o_g))
         assert torch.equal(torch.isinf(o_w), torch.isinf(o_g))
         assert torch.equal(torch.isnan(l_w), torch.isnan(l_g))
+
+
+@gpu
+def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``WS_AUTO`` on: ``decode`` (``"auto"``, bf16, 128 heads) is ``decode_ws``'s
+    default bit for bit, one split and several; ``warmup_decode`` under ``compile_only``
+    compiles what a serving sweep then launches (nothing new compiles), the
+    warp-specialized kernel included."""
+    import random
+
+    from test_warmup import make_engine, sweep, warm
+
+    from mla_triton.warmup import compile_only, compiled_variants
+
+    monkeypatch.setattr(ws, "WS_AUTO", True)
+    q, cache, table, seq = _inputs(3, 128, 64, [700, 0, 2500], torch.bfloat16)
+    for splits in (1, 3):
+        o_d, l_d = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+        o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+        assert torch.equal(o_d, o_w) and torch.equal(l_d, l_w)
+    engine = make_engine(None, False, blocks=301, width=35, max_rows=40, max_seq_len=2176,
+                         dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    with compile_only():
+        warm(engine, prefill_too=False)
+    before = compiled_variants()
+    assert before.get("mla_triton.kernels.gluon_decode_ws.gluon_decode_ws_kernel", 0) >= 2
+    sweep(engine, random.Random(0), prefill_too=False)
+    torch.cuda.synchronize()
+    after = compiled_variants()
+    new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert not new, f"compiled during the sweep: {new}"

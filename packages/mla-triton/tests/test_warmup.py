@@ -280,6 +280,15 @@ def _keys(action: Callable[[], None]) -> set[tuple[str, str]]:
     return set(keys)
 
 
+def decode_keys(quant: AttentionQuant | None) -> tuple[set[tuple[str, str]], ...]:
+    """``(warmed, served)``: the keys an on-read engine's decode warm-up records and those
+    a decode sweep launches (37 blocks, width 35, 40 rows, 2176 tokens, float16, CPU)."""
+    engine = make_engine(quant, False, blocks=37, width=35, max_rows=40, max_seq_len=2176,
+                         dtype=torch.float16, device="cpu")  # fmt: skip
+    warmed = _keys(lambda: warm(engine, prefill_too=False))
+    return warmed, _keys(lambda: sweep(engine, random.Random(0), prefill_too=False))
+
+
 CPU_ENGINES = {
     "nvfp4-on-read": (NVFP4, False),
     "nvfp4-shadow": (NVFP4, True),

@@ -708,7 +708,9 @@ def decode(
             heads, widths 512 + 64), else the Triton kernel (an unexpected fallback on
             sm90 is logged once, logger ``mla_triton``); ``"triton"``; ``"gluon"``
             (a ValueError naming ``impl`` where it cannot run). Same contract,
-            workspace and outputs either way.
+            workspace and outputs either way. Recipe none on the Gluon path without a
+            ``GluonDecodeConfig`` runs ``gluon_decode_ws``'s kernel while
+            ``gluon_decode_ws.WS_AUTO`` is on (shipped off).
 
     Returns:
         ``(out [B, H, kv_lora_rank] in q's dtype, lse [B, H] float32)``, the LSE in
@@ -751,7 +753,9 @@ def _dispatch(
     rule: Callable[..., Any] | None = None,
 ) -> tuple[SplitFamily, object]:
     """``decode``'s split family and the config for ``run_decode`` (``impl`` checked):
-    the Gluon family where ``gluon_decode.choose_impl`` picks it, else on-read Triton.
+    the Gluon family where ``gluon_decode.choose_impl`` picks it (without a
+    ``GluonDecodeConfig``, for ``decode``: the warp-specialized one where
+    ``gluon_decode_ws.ws_dispatched`` holds), else on-read Triton.
 
     ``decode_shadow`` passes its own ``families`` (the Triton one, and the Gluon one of
     a config), its ``rule`` (``choose_impl``'s) and as ``kv_cache`` the tiles the Gluon
@@ -776,6 +780,12 @@ def _dispatch(
     if gluon.choose_impl(impl, facts, rule or gluon.gluon_unsupported) == "triton":
         return triton, None
     gcfg = config if isinstance(config, gluon.GluonDecodeConfig) else None
+    if families is None and gcfg is None:
+        # decode's default Gluon kernel: the warp-specialized one where it is switched on
+        from mla_triton import gluon_decode_ws as ws
+
+        if ws.ws_dispatched(facts):
+            return ws.ws_family(ws.VARIANTS[0]), None
     return make(gcfg or gluon.gluon_decode_config(c.heads)), None
 
 

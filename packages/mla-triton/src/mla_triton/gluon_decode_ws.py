@@ -5,8 +5,9 @@ checks, split policy, workspace, ``split_kernel_args`` and the Triton merge kern
 ``decode``'s, only the split kernel differs, so its outputs (one split: ``out`` and
 ``lse``; several: the workspace partials the merge combines) follow the same contract.
 Recipe none only (bf16/fp16, widths 512 + 64, an sm90 GPU with Triton 3.8: the
-conditions of ``gluon_decode.gluon_unsupported``). Not wired into ``decode``'s
-dispatch: ``WsFamily`` is the split family a dispatch would use.
+conditions of ``gluon_decode.gluon_unsupported``). ``decode`` runs it, with
+``VARIANTS[0]``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
+recipe none while ``WS_AUTO`` is True (shipped False).
 
 ``compile_ws`` compiles the kernel for sm_90a on any machine (Gluon has no
 interpreter): the CPU test and the GPU script's report use it.
@@ -25,7 +26,16 @@ from mla_formats import AttentionQuant
 from mla_triton import gluon_decode as gd
 from mla_triton.decode import DecodeConfig, _check, _OnRead, _Operands, run_decode
 
-__all__ = ["VARIANTS", "WsConfig", "WsFamily", "compile_ws", "decode_ws", "ws_family"]
+__all__ = [
+    "VARIANTS",
+    "WS_AUTO",
+    "WsConfig",
+    "WsFamily",
+    "compile_ws",
+    "decode_ws",
+    "ws_dispatched",
+    "ws_family",
+]
 
 
 @dataclass(frozen=True)
@@ -38,12 +48,13 @@ class WsConfig:
             the 504 a thread of each of the three warpgroups has: 232 by default).
         producer_regs: registers a thread of the copy warpgroup asks for.
         chunked: ``S`` of a tile starts on each of its 64-feature chunks as that lands
-            (nine barriers a slot), else once the whole tile has landed.
+            (nine barriers a slot), else (the default: measured faster on an H200,
+            docs/gluon.md) once the whole tile has landed.
     """
 
     math_regs: int = 232
     producer_regs: int = 40
-    chunked: bool = True
+    chunked: bool = False
 
     def __post_init__(self) -> None:
         for name in ("math_regs", "producer_regs"):
@@ -59,10 +70,18 @@ class WsConfig:
 
 VARIANTS: tuple[WsConfig, ...] = (
     WsConfig(),
-    WsConfig(chunked=False),
-    WsConfig(math_regs=224, producer_regs=56),
+    WsConfig(chunked=True),
+    WsConfig(math_regs=224, producer_regs=56, chunked=True),
 )
-"""The configurations the CPU test compiles and the GPU script times."""
+"""The configurations the benchmark times; ``VARIANTS[0]`` (``ws-r232-p40-tile``, the
+fastest of the three on an H200 at b128 L8192 and b32 L32768, docs/gluon.md) is the
+default of ``decode_ws``, ``compile_ws`` and the dispatch."""
+
+WS_AUTO = False
+"""Whether ``decode`` (``impl="auto"`` and ``"gluon"``, no ``GluonDecodeConfig``) runs
+recipe none through this kernel (``ws_family(VARIANTS[0])``) instead of
+``gluon_decode``'s; ``warmup_decode`` then compiles it, as it calls ``decode``. Flip
+after ``tests/test_gluon_decode_ws.py`` passes on an H200 with ``MLA_REQUIRE_GPU=1``."""
 
 
 def _kernel() -> Any:
@@ -94,6 +113,13 @@ class WsFamily(_OnRead):
 def ws_family(config: WsConfig) -> WsFamily:
     """The split family of ``config`` (one per configuration)."""
     return WsFamily(config)
+
+
+def ws_dispatched(facts: gd.GluonFacts) -> bool:
+    """Whether ``decode``'s dispatch, having picked the Gluon kernel for a call (``facts``:
+    ``gluon_decode.choose_impl`` said ``"gluon"``, no ``GluonDecodeConfig`` given), runs it
+    through this kernel: ``WS_AUTO`` is on and the recipe is none."""
+    return WS_AUTO and _recipe_none(facts.quant) == gd.UNQUANTIZED
 
 
 def _recipe_none(quant: AttentionQuant | None) -> gd.GluonRecipe | str:

@@ -23,9 +23,8 @@ functions once per such variant on small inputs, inside ``compile_only`` (kernel
 are compiled, never launched: nothing is read or written, nothing is captured
 into a CUDA graph). The other key parts (strides, the block table's width) are
 fixed for an engine's lifetime: pass the engine's own KV cache and block-table width
-so that they key the same. The cache's block count is not a key (the split kernels
-take it unspecialized), except for a kernel that reads it from the ``split`` tuple
-(the Gluon split kernel today). ``record_keys`` computes
+so that they key the same. The cache's block count is not a key (every split kernel,
+Triton and Gluon, takes it as an unspecialized ``num_blocks``). ``record_keys`` computes
 the keys (for ``GPUTarget("cuda", 90, 32)``) without a GPU or a launch, and
 ``compiled_variants`` counts what was compiled: both for tests.
 """
@@ -292,13 +291,14 @@ def warmup_decode(
     """Compile decode for the split counts ``max_rows`` rows up to ``max_seq_len`` can take.
 
     ``kv_cache`` is the engine's raw latent cache ``[blocks, page, kv_lora_rank +
-    rope]`` (its strides key the kernels, its block count only the Gluon kernel's);
+    rope]`` (its strides key the kernels, its block count none);
     ``shadow`` its uint8 shadow bytes (``decode_shadow`` with ``quant`` and ``storage``;
     None: on-read ``decode``); ``pages_per_row`` the block table's width; ``impl`` as
     serving passes it to ``decode`` (``auto`` on an sm90 GPU compiles the Gluon split
     kernel where the dispatch takes it: it reads only the engine's fixed geometry,
-    heads, dtype, recipe and cache strides, so serving calls dispatch alike). Call
-    inside ``compile_only``.
+    heads, dtype, recipe and cache strides, so serving calls dispatch alike; recipe
+    none with ``gluon_decode_ws.WS_AUTO`` on: the warp-specialized kernel, as the
+    dispatch). Call inside ``compile_only``.
     The split count is a runtime argument of the kernels, keyed only by one split or
     several (``MULTI_SPLIT``): returns the counts launched, one per class the policy
     reaches (``_split_classes``: 1 and the smallest count above 1).
@@ -317,7 +317,7 @@ def warmup_decode(
     if shadow is not None:
         assert quant is not None
         block_h = shadow_decode_config(heads, quant, storage).block_h
-    elif impl == "gluon":
+    elif impl == "gluon":  # 64 heads a CTA (both Gluon kernels: gluon_decode's, _ws's)
         from mla_triton.kernels.gluon_decode import BLOCK_H as GLUON_BLOCK_H
 
         block_h = GLUON_BLOCK_H
