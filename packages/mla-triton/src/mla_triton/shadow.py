@@ -659,7 +659,8 @@ def decode_shadow(
     V̂ shared with K̂, or a V̂ section (nvfp4, dynamic K, K and V of different recipes);
     or K and V not quantized) and is a ValueError naming ``impl`` elsewhere; ``"auto"``
     runs it above 32 heads for the GPU-verified recipes (``gluon_shadow_verified``: fp8
-    with V̂ = K̂, nvfp4 Q/K/P/V), the Triton kernel otherwise. ``config``: a ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
+    with V̂ = K̂, nvfp4 Q/K/P/V), the Triton kernel otherwise. ``config``: a
+    ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
     (implies ``"gluon"``; with a V̂ section only ``SEPARATE_V_CONFIG``).
     """
     chosen = check_impl(impl)
