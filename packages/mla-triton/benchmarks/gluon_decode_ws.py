@@ -7,12 +7,12 @@ Run on an H200 from the repository root (vLLM 0.33 bundle for FlashMLA)::
     python packages/mla-triton/benchmarks/gluon_decode_ws.py --plan check OUTDIR
     ... --plan bench OUTDIR
 
-``check``: ``decode_ws`` (``VARIANTS[0]``, and ``[1]`` at page 64) against
+``check``: ``decode(config=VARIANTS[0])`` (and ``[1]`` at page 64) against
 ``gluon_decode``'s kernel (``decode(config=gluon_decode.VARIANTS[0])``: the same
 whatever ``gluon_decode_ws.WS_AUTO`` says) and ``mla_reference.decode`` (float64) on small shapes
 (ragged lengths, an empty request, 1 to 4 splits, pages 16 and 64, H 20 and 128);
 exit status 1 on a mismatch. ``bench``: the median of
-``do_bench`` of ``decode_ws`` (every ``VARIANTS`` entry), ``gluon_decode``'s kernel and
+``do_bench`` of ``decode(config=)`` of every ``VARIANTS`` entry, ``gluon_decode``'s kernel and
 FlashMLA bf16 at b128 h128 L8192 and b32 h128 L32768 (page 64, every request at full
 length; TFLOP/s counted as FlashMLA does: ``2 H L (576 + 512)`` a request). Writes
 ``OUTDIR/ws-<plan>.json`` and prints a summary.
@@ -35,7 +35,7 @@ from decode import SHAPES, flashmla_run, flops, make_inputs
 
 from mla_triton.decode import decode, decode_num_splits
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
-from mla_triton.gluon_decode_ws import VARIANTS, decode_ws
+from mla_triton.gluon_decode_ws import VARIANTS
 
 SCALE = 576**-0.5
 SKIP = {n for n in os.environ.get("WS_SKIP", "").split(",") if n}
@@ -61,8 +61,8 @@ def _inputs(batch: int, heads: int, page: int, lens: list[int]) -> tuple[torch.T
 
 
 def check() -> tuple[set[str], list[dict[str, Any]]]:
-    """``decode_ws`` against the Gluon decode and the float64 oracle on ``CHECKS``: the
-    names of the variants that failed a case, and the rows."""
+    """``decode(config=)`` of the ws variants against the Gluon decode and the float64
+    oracle on ``CHECKS``: the names of the variants that failed a case, and the rows."""
     import mla_reference
 
     rows: list[dict[str, Any]] = []
@@ -76,8 +76,8 @@ def check() -> tuple[set[str], list[dict[str, Any]]]:
             if cfg.name in failed:
                 continue
             try:
-                o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE,
-                                     num_splits=splits, config=cfg)  # fmt: skip
+                o_w, l_w = decode(q, cache, table, seq, softmax_scale=SCALE,
+                                  num_splits=splits, config=cfg)  # fmt: skip
                 torch.cuda.synchronize()
             except Exception as exc:  # recorded; the other variants go on
                 failed.add(cfg.name)
@@ -122,7 +122,7 @@ def _runs(
     for cfg in VARIANTS:
         if cfg.name in skip:
             continue
-        runs[cfg.name] = functools.partial(decode_ws, q, cache, table, lens, config=cfg, **kw)
+        runs[cfg.name] = functools.partial(decode, q, cache, table, lens, config=cfg, **kw)
     return runs
 
 

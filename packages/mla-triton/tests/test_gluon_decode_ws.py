@@ -4,8 +4,8 @@ CPU (CI): compiled for sm_90a (in a child process without Triton's interpreter, 
 test_gluon_decode.py does): three partitions of four warps with the planned register
 split, S once per tile (36 wgmma ``64 x 64`` per instance), P V on 256 features
 (``64 x 256``), ``cp.async`` and mbarriers, no spills, no serialized wgmma, shared
-memory within the limit; the launcher's refusals (before any launch) and the launch
-arguments it passes through the decode core.
+memory within the limit; ``decode(config=WsConfig(...))``'s refusals (before any launch)
+and the launch arguments it passes through the decode core.
 
 GPU (skipped without an sm90 GPU): against ``gluon_decode``'s kernel (``decode`` with
 its ``GluonDecodeConfig``, whatever ``WS_AUTO`` says) and
@@ -32,7 +32,7 @@ from mla_formats import AttentionQuant
 from mla_triton.decode import decode
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
 from mla_triton.gluon_decode import max_shared_bytes
-from mla_triton.gluon_decode_ws import VARIANTS, WsConfig, WsFamily, compile_ws, decode_ws
+from mla_triton.gluon_decode_ws import VARIANTS, WsConfig, WsFamily, compile_ws
 
 SCALE = 576**-0.5
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -94,21 +94,32 @@ def test_config_checks() -> None:
 
 
 def test_refusals_before_any_launch() -> None:
-    """A quantized recipe, a wrong config, CPU tensors (no sm90 GPU) and bad input are a
-    ValueError naming the argument, and nothing launches."""
+    """``decode(config=WsConfig())``: a quantized recipe, ``impl="triton"``, CPU tensors
+    (no sm90 GPU) and bad input are a ValueError naming the argument; another config type
+    names WsConfig; ``decode_shadow`` takes no WsConfig; nothing launches."""
+    from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.warmup import record_keys
 
     q, cache, table, seq = _cpu_case(128)
+    fp8 = AttentionQuant.uniform("fp8")
+    ws_cfg = WsConfig()
     with record_keys() as keys:
         with pytest.raises(ValueError, match=r"^quant: the warp-specialized .* recipe none"):
-            decode_ws(q, cache, table, seq, softmax_scale=SCALE,
-                      quant=AttentionQuant.uniform("fp8"))  # fmt: skip
-        with pytest.raises(ValueError, match=r"^config: expected None or WsConfig"):
-            decode_ws(q, cache, table, seq, softmax_scale=SCALE, config=1)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
-            decode_ws(q, cache, table, seq, softmax_scale=SCALE)
+            decode(q, cache, table, seq, softmax_scale=SCALE, quant=fp8, config=ws_cfg)
+        with pytest.raises(ValueError, match=r"^config: a WsConfig configures impl='gluon'"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, config=ws_cfg, impl="triton")
+        with pytest.raises(ValueError, match=r"^config: expected .*GluonDecodeConfig .*WsConfig"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, config=1)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^impl: the warp-specialized .*tensors on cpu"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, config=ws_cfg)
+        with pytest.raises(ValueError, match=r"^impl: the warp-specialized .*tensors on cpu"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, config=ws_cfg, impl="gluon")
         with pytest.raises(ValueError, match=r"^softmax_scale"):
-            decode_ws(q, cache, table, seq, softmax_scale=float("nan"))
+            decode(q, cache, table, seq, softmax_scale=float("nan"), config=ws_cfg)
+        shadow = allocate_shadow(7, 64, fp8)
+        with pytest.raises(ValueError, match=r"^config: expected .*DecodeConfig, got WsConfig"):
+            decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, quant=fp8,
+                          config=ws_cfg)  # type: ignore[arg-type]  # fmt: skip
     assert not keys
 
 
@@ -126,7 +137,7 @@ def test_launch_arguments() -> None:
 
     q, cache, table, seq = _cpu_case(128)
     with _intercept(action):
-        decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=3, config=VARIANTS[2])
+        decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=3, config=VARIANTS[2])
     assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel", "decode_merge_kernel"]
     _, args, grid = seen[0]
     assert set(args) == set(gluon_decode_ws_kernel.arg_names) | {"num_warps"}
@@ -138,7 +149,7 @@ def test_launch_arguments() -> None:
     assert args["split"][12] == pytest.approx(SCALE * 1.4426950408889634)
     seen.clear()
     with _intercept(action):
-        decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=1)  # the default
+        decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=WsConfig())
     assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel"]
     one = seen[0][1]
     assert not one["MULTI_SPLIT"]
@@ -157,7 +168,8 @@ def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm90, ``WS_AUTO`` off (shipped): ``decode`` launches ``gluon_decode``'s kernel as
     before. On: recipe none under ``"auto"`` (above 32 heads) and ``"gluon"`` (any heads)
     launches the warp-specialized kernel (``WsFamily``, ``VARIANTS[0]``) with the very
-    arguments of ``decode_ws``; a ``GluonDecodeConfig``, fp8 and the shadow keep theirs."""
+    arguments of ``decode(config=VARIANTS[0])``; a ``GluonDecodeConfig``, fp8 and the
+    shadow keep theirs."""
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.decode import _check, _dispatch
 
@@ -189,7 +201,7 @@ def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
     assert family("auto") is family("gluon") is ws.ws_family(VARIANTS[0])
     assert isinstance(family("auto"), WsFamily) and not isinstance(family("auto", fp8), WsFamily)
-    direct = _launched(lambda: decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=2))
+    direct = _launched(call(config=VARIANTS[0]))
     assert [(n, _plain(a), g) for n, a, g in _launched(plain["auto"])] == [
         (n, _plain(a), g) for n, a, g in direct
     ]
@@ -259,8 +271,8 @@ def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) ->
 
     batch, heads, page, lens, splits, dtype = case
     q, cache, table, seq = _inputs(batch, heads, page, lens, dtype)
-    o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
-                         config=config)  # fmt: skip
+    o_w, l_w = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
+                      config=config)  # fmt: skip
     o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
                       config=GLUON_VARIANTS[0])  # fmt: skip
     o_r, l_r = mla_reference.decode(q.double().cpu(), cache.double().cpu(), table.cpu(),
@@ -274,7 +286,7 @@ def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) ->
     assert torch.allclose(l_w.double().cpu()[fin], l_r[fin], atol=2e-5, rtol=0)
     assert torch.allclose(l_w[~empty.cuda()], l_g[~empty.cuda()], atol=2e-5, rtol=0)
     # split invariance: one split against this split count
-    o_1, _ = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=config)
+    o_1, _ = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=config)
     assert _row_err(o_1, o_w) < 1.5e-2
 
 
@@ -293,7 +305,8 @@ def test_nan_rule_as_gluon() -> None:
     q[4] = 0.0
     cache[table[4, :3].long(), :, 300] = 3e38
     for splits in (1, 3):
-        o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+        o_w, l_w = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
+                          config=VARIANTS[0])  # fmt: skip
         o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
                           config=GLUON_VARIANTS[0])  # fmt: skip
         assert bool(torch.isnan(o_g[:4]).all())  # requests 0 to 3 are poisoned
@@ -306,10 +319,10 @@ def test_nan_rule_as_gluon() -> None:
 
 @gpu
 def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``WS_AUTO`` on: ``decode`` (``"auto"``, bf16, 128 heads) is ``decode_ws``'s
-    default bit for bit, one split and several; ``warmup_decode`` under ``compile_only``
-    compiles what a serving sweep then launches (nothing new compiles), the
-    warp-specialized kernel included."""
+    """With ``WS_AUTO`` on: ``decode`` (``"auto"``, bf16, 128 heads) is
+    ``decode(config=VARIANTS[0])`` bit for bit, one split and several; ``warmup_decode``
+    under ``compile_only`` compiles what a serving sweep then launches (nothing new
+    compiles), the warp-specialized kernel included."""
     import random
 
     from test_warmup import make_engine, sweep, warm
@@ -320,7 +333,8 @@ def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     q, cache, table, seq = _inputs(3, 128, 64, [700, 0, 2500], torch.bfloat16)
     for splits in (1, 3):
         o_d, l_d = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
-        o_w, l_w = decode_ws(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
+        o_w, l_w = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
+                          config=VARIANTS[0])  # fmt: skip
         assert torch.equal(o_d, o_w) and torch.equal(l_d, l_w)
     engine = make_engine(None, False, blocks=301, width=35, max_rows=40, max_seq_len=2176,
                          dtype=torch.bfloat16, device="cuda")  # fmt: skip

@@ -16,7 +16,7 @@ timeout -k 5 45 python3 - "$1" > "$OUT/1-tiny-$1.txt" 2>&1 <<'PY'
 import sys
 import torch
 from mla_triton.decode import decode
-from mla_triton.gluon_decode_ws import VARIANTS, decode_ws
+from mla_triton.gluon_decode_ws import VARIANTS
 cfg = VARIANTS[int(sys.argv[1])]
 print("variant", cfg.name)
 g = torch.Generator().manual_seed(0)
@@ -24,7 +24,7 @@ q = torch.randn(2, 128, 576, generator=g).cuda().bfloat16()
 cache = torch.randn(8, 64, 576, generator=g).cuda().bfloat16()
 table = torch.arange(8, dtype=torch.int32).view(2, 4).cuda()
 lens = torch.tensor([200, 0], dtype=torch.int32).cuda()
-o, l = decode_ws(q, cache, table, lens, softmax_scale=0.05, config=cfg)
+o, l = decode(q, cache, table, lens, softmax_scale=0.05, config=cfg)
 torch.cuda.synchronize()
 o2, l2 = decode(q, cache, table, lens, softmax_scale=0.05, impl="gluon")
 d = (o.float() - o2.float()).abs().max().item()

@@ -14,7 +14,7 @@ start=$(date +%s)
 case "${1:-1}" in
 1)
   # every variant x every case vs gluon_decode's kernel and the oracle, the NaN rule, and
-  # (WS_AUTO monkeypatched on) decode == decode_ws bit for bit + nothing compiles after warmup
+  # (WS_AUTO monkeypatched on) decode == decode(config=VARIANTS[0]) bit for bit + nothing compiles after warmup
   timeout -k 10 560 python3 -m pytest -q -p no:cacheprovider $T/test_gluon_decode_ws.py \
     --durations=10 > "$OUT/1-ws-tests.txt" 2>&1
   rc=$?

@@ -29,6 +29,7 @@ from mla_triton.qdq_device import FORMAT_CODES
 
 if TYPE_CHECKING:
     from mla_triton.gluon_decode import GluonDecodeConfig
+    from mla_triton.gluon_decode_ws import WsConfig
 
 __all__ = [
     "DecodeConfig",
@@ -659,7 +660,7 @@ def decode(
     lse: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     check_values: bool | None = None,
-    config: DecodeConfig | GluonDecodeConfig | None = None,
+    config: DecodeConfig | GluonDecodeConfig | WsConfig | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantized absorbed-MLA decode: split-K over a paged latent cache (SPEC 3 to 6).
@@ -700,8 +701,10 @@ def decode(
             tensors. bfloat16 under Triton's interpreter runs in float32 inside
             (``interpreted_bf16``).
         config: tile configuration override (benchmarks): a ``DecodeConfig`` for the
-            Triton kernel, a ``gluon_decode.GluonDecodeConfig`` for the Gluon one (it
-            implies ``impl="gluon"``); None: the chosen kernel's default.
+            Triton kernel, a ``gluon_decode.GluonDecodeConfig`` for the Gluon one, a
+            ``gluon_decode_ws.WsConfig`` for the warp-specialized Gluon one (recipe none
+            only; either Gluon config implies ``impl="gluon"``); None: the chosen
+            kernel's default.
         impl: which split kernel runs (docs/gluon.md): ``"auto"`` the Gluon sm90 kernel
             where ``gluon_decode.gluon_unsupported`` is None (an sm90 GPU with the
             Triton release it is written for, a recipe it implements, more than 32
@@ -755,7 +758,9 @@ def _dispatch(
     """``decode``'s split family and the config for ``run_decode`` (``impl`` checked):
     the Gluon family where ``gluon_decode.choose_impl`` picks it (without a
     ``GluonDecodeConfig``, for ``decode``: the warp-specialized one where
-    ``gluon_decode_ws.ws_dispatched`` holds), else on-read Triton.
+    ``gluon_decode_ws.ws_dispatched`` holds), else on-read Triton. For ``decode``, a
+    ``WsConfig`` selects the warp-specialized family (``gluon_decode_ws.ws_config_family``:
+    its refusals).
 
     ``decode_shadow`` passes its own ``families`` (the Triton one, and the Gluon one of
     a config), its ``rule`` (``choose_impl``'s) and as ``kv_cache`` the tiles the Gluon
@@ -769,8 +774,15 @@ def _dispatch(
             raise ValueError("config: a GluonDecodeConfig configures impl='gluon', not 'triton'")
         impl = "gluon"
     elif config is not None and not isinstance(config, DecodeConfig):
+        from mla_triton import gluon_decode_ws as ws
+
+        if families is None and isinstance(config, ws.WsConfig):
+            facts = gluon.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
+            return ws.ws_config_family(config, facts, impl), None
+        also = "" if families is not None else " (decode: or WsConfig)"
         raise ValueError(
-            f"config: expected None, DecodeConfig or GluonDecodeConfig, got {type(config).__name__}"
+            f"config: expected None, DecodeConfig or GluonDecodeConfig{also}, "
+            f"got {type(config).__name__}"
         )
     elif config is not None:
         if impl == "gluon":

@@ -1,11 +1,12 @@
 """The warp-specialized Gluon sm90 decode (``kernels.gluon_decode_ws``): launcher and CPU compile.
 
-``decode_ws`` runs the kernel through the decode core (``decode.run_decode``): the
-checks, split policy, workspace, ``split_kernel_args`` and the Triton merge kernel are
-``decode``'s, only the split kernel differs, so its outputs (one split: ``out`` and
-``lse``; several: the workspace partials the merge combines) follow the same contract.
-Recipe none only (bf16/fp16, widths 512 + 64, an sm90 GPU with Triton 3.8: the
-conditions of ``gluon_decode.gluon_unsupported``). ``decode`` runs it, with
+``mla_triton.decode(..., config=WsConfig(...))`` runs the kernel through the decode
+core (``decode.run_decode``): the checks, split policy, workspace, ``split_kernel_args``
+and the Triton merge kernel are ``decode``'s, only the split kernel differs, so its
+outputs (one split: ``out`` and ``lse``; several: the workspace partials the merge
+combines) follow the same contract. Recipe none only (bf16/fp16, widths 512 + 64, an
+sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
+``ws_config_family`` refuses the rest). ``decode`` without a config runs it, with
 ``VARIANTS[0]``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
 recipe none while ``WS_AUTO`` is True (shipped False).
 
@@ -16,7 +17,6 @@ interpreter): the CPU test and the GPU script's report use it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 
 from mla_formats import AttentionQuant
 from mla_triton import gluon_decode as gd
-from mla_triton.decode import DecodeConfig, _check, _OnRead, _Operands, run_decode
+from mla_triton.decode import DecodeConfig, _OnRead, _Operands
 
 __all__ = [
     "VARIANTS",
@@ -32,7 +32,7 @@ __all__ = [
     "WsConfig",
     "WsFamily",
     "compile_ws",
-    "decode_ws",
+    "ws_config_family",
     "ws_dispatched",
     "ws_family",
 ]
@@ -75,7 +75,7 @@ VARIANTS: tuple[WsConfig, ...] = (
 )
 """The configurations the benchmark times; ``VARIANTS[0]`` (``ws-r232-p40-tile``, the
 fastest of the three on an H200 at b128 L8192 and b32 L32768, docs/gluon.md) is the
-default of ``decode_ws``, ``compile_ws`` and the dispatch."""
+default of ``compile_ws`` and the dispatch."""
 
 WS_AUTO = False
 """Whether ``decode`` (``impl="auto"`` and ``"gluon"``, no ``GluonDecodeConfig``) runs
@@ -131,46 +131,21 @@ def _recipe_none(quant: AttentionQuant | None) -> gd.GluonRecipe | str:
     return taken
 
 
-def decode_ws(
-    q: torch.Tensor | Sequence[torch.Tensor],
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    kv_lora_rank: int = 512,
-    quant: AttentionQuant | None = None,
-    num_splits: int | None = None,
-    workspace: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    max_seq_len: int | None = None,
-    check_values: bool | None = None,
-    config: WsConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mla_triton.decode`` (same arguments, shapes and outputs: ``out [B, H, 512]`` in
-    q's dtype, ``lse [B, H]`` float32) through the warp-specialized Gluon split kernel.
-
-    Raises ValueError (naming the argument) before any launch for what ``decode``
-    refuses, for a quantized recipe (``quant``) and where the Gluon kernels cannot run
-    (``impl``: not an sm90 GPU, another Triton release, widths other than 512 + 64).
-    """
-    if config is not None and not isinstance(config, WsConfig):
-        raise ValueError(f"config: expected None or WsConfig, got {type(config).__name__}")
-    c = _check(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant, max_seq_len)
-    if isinstance(_recipe_none(quant), str):
-        raise ValueError(f"quant: {_recipe_none(quant)}")
-    facts = gd.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
+def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFamily:
+    """``decode``'s split family for ``config=WsConfig(...)`` (``facts``: the checked call's,
+    ``impl``: ``check_impl``'s). Raises ValueError before any launch: ``config`` under
+    ``impl="triton"``, ``quant`` for a quantized recipe, ``impl`` where the Gluon kernels
+    cannot run (not an sm90 GPU, another Triton release, widths other than 512 + 64)."""
+    if impl == "triton":
+        raise ValueError("config: a WsConfig configures impl='gluon', not 'triton'")
+    taken = _recipe_none(facts.quant)
+    if isinstance(taken, str):
+        raise ValueError(f"quant: {taken}")
     why = gd.gluon_unsupported(facts, forced=True, recipe=_recipe_none)
     if why is not None:
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
                          f"{why.reason}")  # fmt: skip
-    return run_decode(
-        c, kv_cache, block_table, seq_lens, quant or AttentionQuant(),
-        ws_family(config or VARIANTS[0]), out=out, lse=lse, num_splits=num_splits,
-        workspace=workspace, max_seq_len=max_seq_len, check_values=check_values, config=None,
-        kv_lora_rank=kv_lora_rank,
-    )  # fmt: skip
+    return ws_family(config)
 
 
 def compile_ws(
