@@ -48,12 +48,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla_triton.kernels.common import split_program
+from mla_triton.kernels.gluon_decode import BLOCK_H as BLOCK_H  # 64 heads a CTA (wgmma M)
+from mla_triton.kernels.gluon_decode import LN2
 
-LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 NUM_WARPS = 4
 """Warps of each partition (the default one is the kernel's ``num_warps``)."""
-BLOCK_H = 64
-"""Query heads per CTA (the wgmma M)."""
 BLOCK_N = 64
 """Tokens per tile."""
 STAGES = 2
