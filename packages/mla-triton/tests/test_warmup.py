@@ -451,23 +451,3 @@ def test_nothing_compiles_after_warmup_gpu() -> None:
     decode(q, engine.raw, table, lens, softmax_scale=SCALE, quant=NVFP4, num_splits=40)
     torch.cuda.synchronize()
     assert _total() == sum(after.values()), compiled_variants()
-
-
-def test_takes_num_blocks_on_compiled_mode_functions() -> None:
-    """``decode.takes_num_blocks`` reads the function's own argument names: a compiled-mode
-    ``JITFunction`` (what a GPU run launches, not the interpreter's wrapper) also has a
-    ``kernel`` attribute, None before its first launch (read first, it broke every split
-    launch on the H200)."""
-    from triton.runtime.jit import JITFunction
-
-    from mla_triton.decode import takes_num_blocks
-
-    def with_count(split: object, num_splits: int, num_blocks: int) -> None:
-        pass
-
-    def without(split: object, num_splits: int) -> None:
-        pass
-
-    compiled_mode = JITFunction(with_count)
-    assert compiled_mode.kernel is None  # the attribute that misled the first version
-    assert takes_num_blocks(compiled_mode) and not takes_num_blocks(JITFunction(without))

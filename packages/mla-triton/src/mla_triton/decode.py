@@ -925,7 +925,6 @@ def _launch_splits(
     args = split_kernel_args(
         c, kv_cache, block_table, seq_lens, out_t, lse_t, (wacc, wml), (q_nope, q_pe, q_scale),
         ops, cfg, splits, kv_lora_rank, pv_f16, family.cache_args(kv_cache),
-        own_num_blocks=takes_num_blocks(family.kernel),
     )  # fmt: skip
     grid = (-(-c.heads // cfg.block_h) * splits * c.batch,)
     family.kernel[grid](**args, **family.extra_args(kv_cache, cfg, ops))
@@ -968,8 +967,6 @@ def split_kernel_args(
     kv_lora_rank: int,
     pv_f16: bool,
     cache: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None,
-    *,
-    own_num_blocks: bool = True,
 ) -> dict[str, Any]:
     """The keyword arguments the split kernels share, by name.
 
@@ -979,9 +976,7 @@ def split_kernel_args(
     row) strides (``SplitFamily.cache_args``; None: the raw cache alone).
     ``num_blocks`` (the cache's page count) is its own argument, which the kernels
     do not specialize, so that caches of every size share the compiled variants (vLLM
-    profiles on a minimal cache, then serves on the real one); with
-    ``own_num_blocks`` False (a kernel without that argument: ``takes_num_blocks``)
-    it is also the split tuple's ``sizes[2]``, where the JIT specializes it.
+    profiles on a minimal cache, then serves on the real one).
     """
     q_nope, q_pe, q_scale = queries
     qo, ko, vo, po = operands
@@ -991,7 +986,7 @@ def split_kernel_args(
         (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1)), strides,
         (block_table.stride(0), block_table.stride(1)), seq_lens.stride(0),
         (out_t.stride(0), out_t.stride(1), lse_t.stride(0), lse_t.stride(1)),
-        (c.heads, c.capacity) + (() if own_num_blocks else (kv_cache.shape[0],)),
+        (c.heads, c.capacity),
         c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
     )  # fmt: skip
     shape = (kv_lora_rank, c.rope, c.page_size, cfg.block_h, cfg.block_n,
@@ -1016,15 +1011,6 @@ def split_kernel_args(
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
-
-
-def takes_num_blocks(kernel: Any) -> bool:
-    """Whether a split kernel (a ``@triton.jit`` function, or a wrapper of one in its
-    ``kernel`` attribute) takes the cache's block count as its own ``num_blocks``."""
-    # a compiled-mode JITFunction has a ``kernel`` attribute too (None until launched):
-    # the function's own ``arg_names`` come first
-    fn = kernel if hasattr(kernel, "arg_names") else kernel.kernel
-    return "num_blocks" in fn.arg_names
 
 
 def _scales(gs: float) -> tuple[float, float, float]:

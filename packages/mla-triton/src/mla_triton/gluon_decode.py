@@ -37,6 +37,7 @@ __all__ = [
     "Unsupported",
     "check_impl",
     "choose_impl",
+    "compile_split_sm90",
     "compile_variant",
     "gluon_api_missing",
     "gluon_decode_config",
@@ -479,10 +480,6 @@ def compile_variant(
     pass; integer strides and sizes are marked divisible by 16 as the JIT marks a
     multiple of 16 (a 576-wide row and a 64-row page are).
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
     from mla_triton.kernels.gluon_decode import BLOCK_H, NUM_WARPS
 
@@ -520,6 +517,22 @@ def compile_variant(
         "K_EXACT": recipe.k_exact, "V_FMT": recipe.v_fmt, "K_DYN": recipe.k_dyn,
         "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
     }  # fmt: skip
+    scalars: dict[str, Any] = {"k_inv_gs": "fp32"}
+    scalars |= dict.fromkeys(("k_scales", "v_scales", "p_scales"), ("fp32", "fp32", "fp32"))
+    scalars["out_scale"] = "fp32"
+    return compile_split_sm90(fn, split, scalars, constexprs, NUM_WARPS)
+
+
+def compile_split_sm90(
+    fn: Any, split: Any, scalars: dict[str, Any], constexprs: dict[str, Any], num_warps: int
+) -> CompiledVariant:
+    """Compile a Gluon split kernel for sm_90a on any machine: its arguments are ``split``
+    (the split tuple, leaves ``(type, divisible by 16)``), then ``scalars`` (name: type),
+    ``num_splits`` and ``num_blocks`` (i32, not specialized), then ``constexprs``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
 
     def types(node: Any, path: tuple[int, ...]) -> Any:
@@ -529,17 +542,14 @@ def compile_variant(
             return node[0]
         return tuple(types(child, (*path, k)) for k, child in enumerate(node))
 
-    signature: dict[str, Any] = {"split": types(split, (0,))}
-    signature["k_inv_gs"] = "fp32"
-    signature |= dict.fromkeys(("k_scales", "v_scales", "p_scales"), ("fp32", "fp32", "fp32"))
-    signature["out_scale"] = "fp32"
+    signature: dict[str, Any] = {"split": types(split, (0,)), **scalars}
     signature["num_splits"] = "i32"  # not specialized (do_not_specialize)
     signature["num_blocks"] = "i32"  # not specialized either
     signature |= dict.fromkeys(constexprs, "constexpr")
     assert list(signature) == list(fn.arg_names), fn.arg_names
     source = GluonASTSource(fn, signature, constexprs, attrs)
     compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS}
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
     )
     ptx = compiled.asm["ptx"]
     return CompiledVariant(

@@ -158,10 +158,6 @@ def compile_ws(
     what the launch would pass; strides and sizes marked divisible by 16 as the JIT
     marks a multiple of 16 (``gluon_decode.compile_variant``'s convention).
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from mla_triton.kernels import gluon_decode_ws as k
     from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
 
@@ -182,26 +178,4 @@ def compile_ws(
         "MULTI_SPLIT": num_splits > 1, "PRODUCER_REGS": config.producer_regs,
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked,
     }  # fmt: skip
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-
-    def types(node: Any, path: tuple[int, ...]) -> Any:
-        if isinstance(node[0], str):
-            if node[1]:
-                attrs[path] = [["tt.divisibility", 16]]
-            return node[0]
-        return tuple(types(child, (*path, i)) for i, child in enumerate(node))
-
-    signature: dict[str, Any] = {"split": types(split, (0,)), "out_scale": "fp32"}
-    signature["num_splits"] = "i32"
-    signature["num_blocks"] = "i32"
-    signature |= dict.fromkeys(constexprs, "constexpr")
-    assert list(signature) == list(fn.arg_names), fn.arg_names
-    source = GluonASTSource(fn, signature, constexprs, attrs)
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": k.NUM_WARPS}
-    )
-    ptx = compiled.asm["ptx"]
-    return gd.CompiledVariant(
-        ptx=ptx, ttgir=compiled.asm["ttgir"], shared=int(compiled.metadata.shared),
-        num_warps=int(compiled.metadata.num_warps), ptxas_info=gd._ptxas_info(ptx),
-    )  # fmt: skip
+    return gd.compile_split_sm90(fn, split, {"out_scale": "fp32"}, constexprs, k.NUM_WARPS)
