@@ -38,6 +38,11 @@ SCALE = 576**-0.5
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+COMPILED = (VARIANTS[0], *VARIANTS[3:])
+"""The variants the CPU test compiles: the default and the new loads and rings (the
+chunked ones, ``[1:3]``: compiled by the GPU script's check; each compile is 3 to 5 s)."""
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the compile test runs in this process")
 def test_compile_test_in_child() -> None:
     """The compile test passes in a child pytest with TRITON_INTERPRET=0 (Gluon cannot
@@ -48,36 +53,46 @@ def test_compile_test_in_child() -> None:
         capture_output=True, text=True, check=False, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert "1 passed" in done.stdout, done.stdout[-2000:]
+    assert f"{len(COMPILED)} passed" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled in a child process without the interpreter")
-def test_compiles_for_sm90a() -> None:
-    """The default variant (whole-tile barriers; several splits: the workspace epilogue)
-    compiles to the plan. (The chunked variants: compiled by the GPU script's check; one
-    compile here keeps the CPU cost near 10 s.)"""
-    cfg = VARIANTS[0]
+@pytest.mark.parametrize("cfg", COMPILED, ids=[c.name for c in COMPILED])
+def test_compiles_for_sm90a(cfg: WsConfig) -> None:
+    """Each compiled variant (several splits: the workspace epilogue; page 64) compiles to
+    the plan: S once a tile in 64 x BLOCK_N wgmma, P V on 256 features, its loads (TMA:
+    nine boxes a tile on one expect-tx barrier, no ``cp.async``), no spills, no serialized
+    wgmma, the ring within the shared-memory limit."""
     assert not cfg.chunked
     c = compile_ws(cfg, num_splits=2)
     assert c.num_warps == 12  # the default partition and two workers of four warps
-    # q [64, 576] and two 64-token slots of 576 features (P lives in the slots' rope part)
-    assert 3 * 64 * 576 * 2 <= c.shared <= max_shared_bytes(), c.shared
+    # q [64, 576] and the ring's slots of 576 features (P lives in the slots' rope part)
+    ring = cfg.stages * cfg.block_n * 576 * 2
+    assert 64 * 576 * 2 + ring <= c.shared <= max_shared_bytes(), c.shared
+    assert ring == 2 * 64 * 576 * 2  # every ring holds 144 KiB
     shapes: dict[str, int] = {}
     for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k16)\.f32\.bf16", c.ptx):
         shapes[m] = shapes.get(m, 0) + 1
     # S: 512/16 + 64/16 wgmma, in three copies (warpgroup 0's peeled tile 0, its loop,
-    # warpgroup 1's loop); P V: 64/16 a tile in seven (own tile x3, the other's x4)
-    assert shapes == {"m64n64k16": 3 * 36, "m64n256k16": 7 * 4}, shapes
+    # warpgroup 1's loop); P V: BLOCK_N/16 a tile in seven (own tile x3, the other's x4)
+    assert shapes == {f"m64n{cfg.block_n}k16": 3 * 36, "m64n256k16": 7 * cfg.block_n // 16}
     # the other's P V waited for with S's first chunk in flight (then its slot is free)
     assert "wgmma.wait_group.sync.aligned 1;" in c.ptx
     regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", c.ptx)
     asked = {int(n) for _, n in regs}
     assert {cfg.math_regs, cfg.producer_regs, 504 - cfg.math_regs - cfg.producer_regs} <= asked
-    assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
+    cp_async = "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
+    boxes = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.mbarrier", c.ptx)
+    expects = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);",
+                         c.ptx)  # fmt: skip
+    if cfg.tma:  # 8 kv_c boxes and k_pe's, the tile's bytes expected on one barrier
+        assert len(boxes) == 9 and not cp_async
+        assert expects == [str(9 * cfg.block_n * 64 * 2)], expects
+    else:
+        assert cp_async and not boxes and not expects
     assert "mbarrier.try_wait" in c.ptx and "mbarrier.arrive" in c.ptx
-    # chunked: every copying thread arrives on a chunk's barrier (8 kv_c chunks + k_pe);
     # whole tile: the producer waits for its copies and arrives on the tile's barrier
-    assert c.ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == (9 if cfg.chunked else 0)
+    assert "cp.async.mbarrier.arrive.noinc.shared.b64" not in c.ptx
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
     assert "ttg.warp_specialize" in c.ttgir
     assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
@@ -85,8 +100,18 @@ def test_compiles_for_sm90a() -> None:
 
 
 def test_config_checks() -> None:
-    assert [c.name for c in VARIANTS] == ["ws-r232-p40-tile", "ws-r232-p40", "ws-r224-p56"]
+    assert [c.name for c in VARIANTS] == [
+        "ws-r232-p40-tile", "ws-r232-p40", "ws-r224-p56", "ws-r232-p40-tile-tma",
+        "ws-r232-p40-tile-n32s4", "ws-r232-p40-tile-tma-n32s4",
+    ]  # fmt: skip
     assert WsConfig() == VARIANTS[0]  # the default: whole-tile barriers (fastest measured)
+    assert (WsConfig().tma, WsConfig().block_n, WsConfig().stages) == (False, 64, 2)
+    with pytest.raises(ValueError, match=r"^config\.block_n: expected 32 or 64, got 16"):
+        WsConfig(block_n=16)
+    with pytest.raises(ValueError, match=r"^config\.stages: .* got 4 with block_n 64"):
+        WsConfig(stages=4)
+    with pytest.raises(ValueError, match=r"^config\.stages: .* got 3 with block_n 32"):
+        WsConfig(block_n=32, stages=3)
     with pytest.raises(ValueError, match=r"^config\.math_regs"):
         WsConfig(math_regs=260)
     with pytest.raises(ValueError, match=r"^config\.producer_regs"):
@@ -154,6 +179,48 @@ def test_launch_arguments() -> None:
     one = seen[0][1]
     assert not one["MULTI_SPLIT"]
     assert (one["MATH_REGS"], one["PRODUCER_REGS"], one["CHUNKED"]) == (232, 40, False)
+    assert (one["STAGES"], one["TMA"], one["kv_desc"]) == (2, False, None)
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_tma_and_ring_arguments() -> None:
+    """``tma``: a descriptor of the cache's ``[blocks * page, 576]`` rows in ``[block_n,
+    64]`` boxes where a page holds whole tiles and pages lie back to back, else
+    ``cp.async`` (``TMA`` off, no descriptor); ``block_n`` and ``stages`` reach ``SHAPE``
+    and ``STAGES``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from mla_triton.warmup import _intercept
+
+    seen: list[dict[str, Any]] = []
+
+    def action(run: Any, kernel: Any, args: Any, kwargs: dict[str, Any], grid: Any) -> None:
+        if kernel.fn.__name__ == "gluon_decode_ws_kernel":
+            seen.append(kwargs)
+
+    q, cache, table, seq = _cpu_case(128)  # 7 pages of 64 tokens
+    wide = torch.zeros(7, 64, 640, dtype=cache.dtype)[..., :576]  # rows of 640: still TMA
+    gapped = torch.zeros(7, 65, 576, dtype=cache.dtype)[:, :64]  # a row between pages: not
+    page16 = torch.zeros(28, 16, 576, dtype=cache.dtype)
+    cases = [(VARIANTS[3], cache, table), (VARIANTS[5], cache, table), (VARIANTS[3], wide, table),
+             (VARIANTS[3], gapped, table), (VARIANTS[5], page16, table.repeat(1, 4)),
+             (VARIANTS[4], cache, table)]  # fmt: skip
+    with _intercept(action):
+        for cfg, kv, tab in cases:
+            decode(q, kv, tab, seq, softmax_scale=SCALE, num_splits=2, config=cfg)
+    descs = [a["kv_desc"] for a in seen]
+    assert [a["TMA"] for a in seen] == [True, True, True, False, False, False]
+    assert descs[3] is None and descs[4] is None and descs[5] is None
+    for d, kv, n in zip(descs[:3], (cache, cache, wide), (64, 32, 64), strict=True):
+        assert isinstance(d, TensorDescriptor) and d.base is kv
+        assert (list(d.shape), list(d.strides), list(d.block_shape)) == (
+            [7 * 64, 576],
+            [kv.stride(1), 1],
+            [n, 64],
+        )
+    rings = [(64, 2), (32, 4), (64, 2), (64, 2), (32, 4), (32, 4)]
+    assert [(a["SHAPE"][4], a["STAGES"]) for a in seen] == rings
+    assert seen[4]["SHAPE"][2] == 16  # page 16: cp.async
 
 
 def _split(call: Any) -> str:

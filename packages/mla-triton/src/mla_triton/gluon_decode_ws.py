@@ -32,6 +32,7 @@ __all__ = [
     "WsConfig",
     "WsFamily",
     "compile_ws",
+    "tma_descriptor",
     "ws_config_family",
     "ws_dispatched",
     "ws_family",
@@ -40,7 +41,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class WsConfig:
-    """Register split of the warp-specialized kernel (three warpgroups, 65536 registers).
+    """Register split, loads and ring of the warp-specialized kernel (three warpgroups,
+    65536 registers).
 
     Attributes:
         math_regs: registers a thread of the worker math warpgroup asks for
@@ -50,32 +52,57 @@ class WsConfig:
         chunked: ``S`` of a tile starts on each of its 64-feature chunks as that lands
             (nine barriers a slot), else (the default: measured faster on an H200,
             docs/gluon.md) once the whole tile has landed.
+        tma: tiles arrive by TMA (nine ``[block_n, 64]`` boxes a tile, expect-tx
+            barriers; the tail tile's rows past the split zeroed in shared memory) where
+            a page holds whole tiles (page a multiple of ``block_n``) and the cache's
+            pages are back to back (``stride(0) == page * stride(1)``, 16-byte aligned);
+            ``cp.async`` elsewhere (the default: always).
+        block_n: tokens a tile, 64 (default) or 32.
+        stages: ring slots, 2 (default) or, with 32-token tiles, 4 (the same 144 KiB:
+            three tiles can be landing while one is computed on, against one of two).
     """
 
     math_regs: int = 232
     producer_regs: int = 40
     chunked: bool = False
+    tma: bool = False
+    block_n: int = 64
+    stages: int = 2
 
     def __post_init__(self) -> None:
         for name in ("math_regs", "producer_regs"):
             v = getattr(self, name)
             if not 24 <= v <= 256 or v % 8:
                 raise ValueError(f"config.{name}: expected a multiple of 8 in [24, 256], got {v}")
+        if self.block_n not in (32, 64):
+            raise ValueError(f"config.block_n: expected 32 or 64, got {self.block_n}")
+        if self.stages not in (2, 4) or self.stages * self.block_n > 128:
+            raise ValueError(
+                f"config.stages: expected 2 (or 4 with block_n 32: the ring is 144 KiB at "
+                f"most), got {self.stages} with block_n {self.block_n}"
+            )
 
     @property
     def name(self) -> str:
-        """A short label: ``ws-r232-p40`` (``-tile`` when not chunked)."""
-        return f"ws-r{self.math_regs}-p{self.producer_regs}" + ("" if self.chunked else "-tile")
+        """A short label: ``ws-r232-p40`` (``-tile`` when not chunked, ``-tma`` with TMA
+        loads, ``-n32s4`` for tiles and slots other than 64 and 2)."""
+        ring = "" if (self.block_n, self.stages) == (64, 2) else f"-n{self.block_n}s{self.stages}"
+        return (f"ws-r{self.math_regs}-p{self.producer_regs}" + ("" if self.chunked else "-tile")
+                + ("-tma" if self.tma else "") + ring)  # fmt: skip
 
 
 VARIANTS: tuple[WsConfig, ...] = (
     WsConfig(),
     WsConfig(chunked=True),
     WsConfig(math_regs=224, producer_regs=56, chunked=True),
+    WsConfig(tma=True),
+    WsConfig(block_n=32, stages=4),
+    WsConfig(block_n=32, stages=4, tma=True),
 )
 """The configurations the benchmark times; ``VARIANTS[0]`` (``ws-r232-p40-tile``, the
-fastest of the three on an H200 at b128 L8192 and b32 L32768, docs/gluon.md) is the
-default of ``compile_ws`` and the dispatch."""
+fastest of the first three on an H200 at b128 L8192 and b32 L32768, docs/gluon.md) is the
+default of ``compile_ws`` and the dispatch. ``[3:]``: the TMA loads and the 4-slot ring
+of 32-token tiles (compiled for sm_90a, not yet timed)."""
 
 WS_AUTO = False
 """Whether ``decode`` (``impl="auto"`` and ``"gluon"``, no ``GluonDecodeConfig``) runs
@@ -101,12 +128,45 @@ class WsFamily(_OnRead):
     def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
         from mla_triton.kernels import gluon_decode_ws as k
 
-        return DecodeConfig(block_h=k.BLOCK_H, block_n=k.BLOCK_N, num_warps=k.NUM_WARPS,
-                            num_stages=k.STAGES)  # fmt: skip
+        c = self.config
+        return DecodeConfig(block_h=k.BLOCK_H, block_n=c.block_n, num_warps=k.NUM_WARPS,
+                            num_stages=c.stages)  # fmt: skip
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
         c = self.config
-        return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked}
+        desc = tma_descriptor(cache, c.block_n) if c.tma else None
+        return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
+                "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc}  # fmt: skip
+
+
+def tma_descriptor(cache: torch.Tensor, block_n: int) -> Any:
+    """The TMA descriptor of ``cache [num_blocks, page, 576]`` as its ``[num_blocks * page,
+    576]`` rows in ``[block_n, 64]`` boxes (so no box reaches past the cache), or None where
+    the kernel copies with ``cp.async`` instead: a page that does not hold whole tiles, pages
+    not back to back, a base or row stride not 16-byte aligned, a 16-bit float dtype
+    missing, more rows than int32 coordinates reach."""
+    blocks, page, width = cache.shape
+    if page % block_n or cache.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    row = cache.stride(1)
+    if cache.stride(2) != 1 or cache.stride(0) != page * row or (row * cache.element_size()) % 16:
+        return None
+    if cache.data_ptr() % 16 or blocks * page >= 2**31:
+        return None
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [block_n, 64]
+    return TensorDescriptor(
+        cache, [blocks * page, width], [row, 1], block, _box_layout(block, cache.dtype)
+    )
+
+
+def _box_layout(block: list[int], dtype: torch.dtype) -> Any:
+    """The shared layout of a TMA box (NVMMA, 128-byte swizzle for 64 16-bit features)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16
+                                                else gl.float16)  # fmt: skip
 
 
 @functools.cache
@@ -155,8 +215,10 @@ def compile_ws(
     """Compile the warp-specialized kernel for sm_90a on any machine (no GPU needed).
 
     ``dtype``: ``"bf16"`` or ``"fp16"`` (q, cache and output); ``num_splits``, ``page``:
-    what the launch would pass; strides and sizes marked divisible by 16 as the JIT
-    marks a multiple of 16 (``gluon_decode.compile_variant``'s convention).
+    what the launch would pass (``config.tma``: TMA loads where ``page`` holds whole
+    tiles, as ``tma_descriptor`` decides for a contiguous cache); strides and sizes marked
+    divisible by 16 as the JIT marks a multiple of 16 (``gluon_decode.compile_variant``'s
+    convention).
     """
     from mla_triton.kernels import gluon_decode_ws as k
     from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
@@ -173,9 +235,16 @@ def compile_ws(
         (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
         (i32, i32), ("fp32", False),
     )  # fmt: skip
-    constexprs: dict[str, Any] = {
-        "SHAPE": (512, 64, page, k.BLOCK_H, k.BLOCK_N, 2, SPLIT_ALIGN),
+    tma = config.tma and page % config.block_n == 0
+    block = [config.block_n, 64]
+    layout = _box_layout(block, torch.bfloat16 if dtype == "bf16" else torch.float16)
+    desc = f"tensordesc<{dtype}[{block[0]},{block[1]}],{layout!r}>"
+    scalars = {"out_scale": "fp32", "kv_desc": desc if tma else "constexpr"}
+    constexprs: dict[str, Any] = {} if tma else {"kv_desc": None}
+    constexprs |= {
+        "SHAPE": (512, 64, page, k.BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "MULTI_SPLIT": num_splits > 1, "PRODUCER_REGS": config.producer_regs,
-        "MATH_REGS": config.math_regs, "CHUNKED": config.chunked,
+        "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
+        "TMA": tma,
     }  # fmt: skip
-    return gd.compile_split_sm90(fn, split, {"out_scale": "fp32"}, constexprs, k.NUM_WARPS)
+    return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -54,13 +55,12 @@ from mla_triton.kernels.gluon_decode import LN2
 NUM_WARPS = 4
 """Warps of each partition (the default one is the kernel's ``num_warps``)."""
 BLOCK_N = 64
-"""Tokens per tile."""
+"""Tokens per tile (by default; ``WsConfig.block_n``: 32 or 64)."""
 STAGES = 2
-"""Ring slots (a 64-token tile is 72 KiB; q takes another 72 KiB)."""
+"""Ring slots (by default; a 64-token tile is 72 KiB, q takes another 72 KiB;
+``WsConfig.stages``: 4 slots of 32-token tiles hold as many bytes as 2 of 64)."""
 _WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
 _HEADS: gl.constexpr = gl.constexpr(BLOCK_H)
-_N: gl.constexpr = gl.constexpr(BLOCK_N)
-_ST: gl.constexpr = gl.constexpr(STAGES)
 # copies: 16 bytes a thread, 8 threads along a 128-byte row segment, 4 rows a warp
 _LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
 _CH: gl.constexpr = gl.constexpr(64)  # features a chunk (128 bytes: one swizzle atom)
@@ -98,18 +98,20 @@ def _producer(
     At the end ``bad_smem [BLOCK_N]`` says, per row slot, whether a row used a
     block-table entry outside ``[0, num_blocks)`` (read from page 0 instead); then
     ``done``."""
+    ST: gl.constexpr = kv_ring.shape[0]
+    N: gl.constexpr = kv_ring.shape[1]
     row_l: gl.constexpr = gl.SliceLayout(1, _LD)
     offs_c = gl.arange(0, _CH, gl.SliceLayout(0, _LD))
     offs_d2 = gl.arange(0, D2, gl.SliceLayout(0, _LD))
-    n_bad = gl.zeros([_N], gl.int32, row_l)
+    n_bad = gl.zeros([N], gl.int32, row_l)
     for t in range(n_tiles):
-        s = t % _ST
-        tok = lo + t * _N + gl.arange(0, _N, row_l)
+        s = t % ST
+        tok = lo + t * N + gl.arange(0, N, row_l)
         valid = tok < hi
         # the block-table lookup is issued before the wait: its latency hides under it
         page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
-        if t >= _ST:
-            mbarrier.wait(free.index(s), ((t // _ST) - 1) & 1)
+        if t >= ST:
+            mbarrier.wait(free.index(s), ((t // ST) - 1) & 1)
         bad = valid & ((page < 0) | (page >= num_blocks))
         n_bad = n_bad | bad.to(gl.int32)
         page = gl.where(bad, 0, page)
@@ -139,6 +141,67 @@ def _producer(
 
 
 @gluon.jit
+def _producer_tma(
+    kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc, bt_row, lo, n_tiles, stride_bt_p,
+    num_blocks, D1: gl.constexpr, PAGE: gl.constexpr, CHUNKED: gl.constexpr,
+):  # fmt: skip
+    """TMA variant of ``_producer`` (a page holds whole tiles: one block-table entry a
+    tile): tile ``t`` is nine ``[BLOCK_N, 64]`` boxes of ``kv_desc`` (the cache as its
+    ``[num_blocks * PAGE, 576]`` rows, so no box leaves it) at row ``page * PAGE + (start
+    % PAGE)``, on the slot's first barrier (one expect-tx for the tile) or, ``CHUNKED``,
+    each box on its chunk's barrier. Rows past ``hi`` are the page's real rows: the math
+    warpgroup that owns the tile zeroes them (``_zero_tail``) before V is read. A page
+    outside ``[0, num_blocks)`` is read as page 0 and flagged in ``bad_smem`` (every row
+    slot: the flag is the tile's); then ``done``."""
+    ST: gl.constexpr = kv_ring.shape[0]
+    N: gl.constexpr = kv_ring.shape[1]
+    BOX: gl.constexpr = kv_desc.block_type.nbytes
+    n_bad = lo - lo  # an int32 0
+    for t in range(n_tiles):
+        s = t % ST
+        start = lo + t * N  # < hi <= capacity * PAGE: the table holds the tile's entry
+        page = gl.load(bt_row + (start // PAGE) * stride_bt_p).to(gl.int32)
+        if t >= ST:
+            mbarrier.wait(free.index(s), ((t // ST) - 1) & 1)
+        bad = (page < 0) | (page >= num_blocks)
+        n_bad = n_bad | bad.to(gl.int32)
+        row = gl.where(bad, 0, page) * PAGE + start % PAGE
+        if CHUNKED:
+            for c in gl.static_range(D1 // _CH + 1):
+                bar = landed.index(s * _NCH + c)
+                mbarrier.expect(bar, BOX)
+                if c < D1 // _CH:
+                    dst = kv_ring.index(s).slice(c * _CH, _CH, dim=1)
+                else:
+                    dst = kpe_ring.index(s)
+                tma.async_copy_global_to_shared(kv_desc, [row, c * _CH], bar, dst)
+        else:
+            bar = landed.index(s * _NCH)
+            mbarrier.expect(bar, (D1 // _CH + 1) * BOX)
+            for c in gl.static_range(D1 // _CH):
+                tma.async_copy_global_to_shared(
+                    kv_desc, [row, c * _CH], bar, kv_ring.index(s).slice(c * _CH, _CH, dim=1)
+                )
+            tma.async_copy_global_to_shared(kv_desc, [row, D1], bar, kpe_ring.index(s))
+    bad_smem.store(gl.full([N], n_bad, gl.int32, gl.SliceLayout(1, _LD)))
+    gl.barrier()
+    mbarrier.arrive(done)
+
+
+@gluon.jit
+def _zero_tail(kv_tile, n_valid):
+    """Zero rows ``[n_valid, BLOCK_N)`` of a TMA-loaded tile's 512 V features (``kv_tile
+    [BLOCK_N, 512]`` shared; their P is 0, but 0 times a non-finite row past the split's
+    end would be NaN), one 64-feature chunk at a time."""
+    N: gl.constexpr = kv_tile.shape[0]
+    keep = (gl.arange(0, N, gl.SliceLayout(1, _LD)) < n_valid)[:, None]
+    for c in gl.static_range(kv_tile.shape[1] // _CH):
+        chunk = kv_tile.slice(c * _CH, _CH, dim=1)
+        x = chunk.load(_LD)
+        chunk.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
 def _softmax(s, m_prev, valid, row_scale):
     """One tile of the base-2 online softmax with an integer running maximum, from the
     maximum after the previous tile: ``(P, alpha, m_new)``. An infinite score is NaN
@@ -150,19 +213,30 @@ def _softmax(s, m_prev, valid, row_scale):
 
 
 @gluon.jit
+def _slot(t, ST: gl.constexpr, ROLE: gl.constexpr):
+    """The ring slot of tile ``t`` (of warpgroup ``ROLE``'s parity): ``ROLE`` itself, a
+    constant, with two slots; else ``t % ST``."""
+    if ST == 2:
+        return ROLE
+    else:  # noqa: RET505  (a static branch: one return each)
+        return t % ST
+
+
+@gluon.jit
 def _pv_other(
     acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t, ROLE: gl.constexpr,
     row_s: gl.constexpr, row_o: gl.constexpr, p_sl: gl.constexpr,
 ):  # fmt: skip
     """Wait for the other warpgroup's P of tile ``t`` and its maximum, rescale, issue
     ``acc += P_t V_t`` (this warpgroup's features; async): ``(acc, l, m)``."""
-    s: gl.constexpr = 1 - ROLE  # the other warpgroup's tiles use the other slot
-    mbarrier.wait(pready.index(s), (t // _ST) & 1)
+    N: gl.constexpr = kv_ring.shape[1]
+    s = _slot(t, kv_ring.shape[0], 1 - ROLE)  # the other warpgroup's tile
+    mbarrier.wait(pready.index(1 - ROLE), (t // 2) & 1)
     fence_async_shared()
-    m_new = m_smem.slice(s * _HEADS, _HEADS).load(row_s)
+    m_new = m_smem.slice((1 - ROLE) * _HEADS, _HEADS).load(row_s)
     alpha = gl.exp2(m_i - m_new)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    p_tile = kpe_ring.index(s)._reinterpret(kpe_ring.dtype, [_HEADS, _N], p_sl)
+    p_tile = kpe_ring.index(s)._reinterpret(kpe_ring.dtype, [_HEADS, N], p_sl)
     v_half = kv_ring.index(s).slice(ROLE * (acc.shape[1]), acc.shape[1], dim=1)
     acc = warpgroup_mma(p_tile, v_half, acc, is_async=True)
     return acc, l_i * alpha, m_new
@@ -177,12 +251,12 @@ def _opaque(x):
 
 
 @gluon.jit
-def _release_other(acc, free, ROLE: gl.constexpr):
+def _release_other(acc, free, t, ST: gl.constexpr, ROLE: gl.constexpr):
     """Wait for ``P_{t-1} V_{t-1}`` (the group before S's first; S stays in flight) and
-    release the other slot: tile ``t + 1`` can start landing under ``S_t``."""
+    release tile ``t - 1``'s slot: tile ``t + ST - 1`` can start landing under ``S_t``."""
     acc = warpgroup_mma_wait(1, deps=(acc,))
     gl.barrier()
-    mbarrier.arrive(free.index(1 - ROLE))
+    mbarrier.arrive(free.index(_slot(t - 1, ST, 1 - ROLE)))
     return acc
 
 
@@ -190,33 +264,37 @@ def _release_other(acc, free, ROLE: gl.constexpr):
 def _own_tile(
     acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free, t, lo,
     hi, row_scale, ROLE: gl.constexpr, HAS_PREV: gl.constexpr, CHUNKED: gl.constexpr,
+    TMA: gl.constexpr,
 ):  # fmt: skip
-    """This warpgroup's tile ``t`` (slot ``ROLE``): the other warpgroup's ``P_{t-1}
-    V_{t-1}`` (``HAS_PREV``; its P is published before tile ``t`` can start landing; the
-    other slot is released once it is done, under ``S_t``), ``S_t`` (``CHUNKED``: each
-    64-feature chunk as soon as it has landed), the softmax, ``P_t`` and the maximum
-    published, ``P_t V_t`` from registers, this slot released. Returns ``(acc, l, m)``."""
+    """This warpgroup's tile ``t``: the other warpgroup's ``P_{t-1} V_{t-1}``
+    (``HAS_PREV``; its P is published before tile ``t`` can start landing; that slot is
+    released once it is done, under ``S_t``), ``S_t`` (``CHUNKED``: each 64-feature chunk
+    as soon as it has landed), the softmax, (``TMA``: the tail rows zeroed,
+    ``_zero_tail``) ``P_t`` and the maximum published, ``P_t V_t`` from registers, the
+    slot released. Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
+    ST: gl.constexpr = kv_ring.shape[0]
+    N: gl.constexpr = kv_ring.shape[1]
     D1: gl.constexpr = kv_ring.shape[2]
     dtype: gl.constexpr = kv_ring.dtype
     o_layout: gl.constexpr = acc.type.layout
     s_layout: gl.constexpr = row_scale.type.layout.parent
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, _N], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, N], dtype)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s: gl.constexpr = ROLE  # this warpgroup's tiles use slot ROLE
-    phase = (t // _ST) & 1
+    s = _slot(t, ST, ROLE)
+    phase = (t // ST) & 1
     if HAS_PREV:
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
         )  # fmt: skip
     # The slot as a value the compiler cannot fold: with a constant one, it hoists the
     # 72 wgmma descriptors of S out of the loop and spills them.
-    slot = _opaque(t) % _ST
+    slot = _opaque(t) % ST
     zero = _opaque(t) - t  # q's descriptors too (q1_smem, q2_smem: [1, 64, D])
     kv_tile = kv_ring.index(slot)
-    sc = gl.zeros([_HEADS, _N], gl.float32, s_layout)
+    sc = gl.zeros([_HEADS, N], gl.float32, s_layout)
     if CHUNKED:
         for c in gl.static_range(D1 // _CH):
             mbarrier.wait(landed.index(s * _NCH + c), phase)
@@ -225,7 +303,7 @@ def _own_tile(
                                kv_tile.slice(c * _CH, _CH, dim=1).permute((1, 0)), sc,
                                use_acc=c > 0, is_async=True)  # fmt: skip
             if HAS_PREV and c == 0:
-                acc = _release_other(acc, free, ROLE)
+                acc = _release_other(acc, free, t, ST, ROLE)
         mbarrier.wait(landed.index(s * _NCH + D1 // _CH), phase)
         fence_async_shared()
     else:
@@ -234,20 +312,23 @@ def _own_tile(
         sc = warpgroup_mma(q1_smem.index(zero), kv_tile.permute((1, 0)), sc, use_acc=False,
                            is_async=True)  # fmt: skip
         if HAS_PREV:
-            acc = _release_other(acc, free, ROLE)
+            acc = _release_other(acc, free, t, ST, ROLE)
     sc = warpgroup_mma(q2_smem.index(zero), kpe_ring.index(slot).permute((1, 0)), sc,
                        is_async=True)  # fmt: skip
     sc = warpgroup_mma_wait(0, deps=(sc,))
-    offs_n = gl.arange(0, _N, gl.SliceLayout(0, s_layout))
-    p, alpha, m_i = _softmax(sc, m_i, (lo + t * _N + offs_n) < hi, row_scale)
+    offs_n = gl.arange(0, N, gl.SliceLayout(0, s_layout))
+    p, alpha, m_i = _softmax(sc, m_i, (lo + t * N + offs_n) < hi, row_scale)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p16 = p.to(dtype)
+    if TMA:  # noqa: SIM102  (static: the tail tile's rows past the split are real rows)
+        if lo + t * N + N > hi:
+            _zero_tail(kv_ring.index(s), hi - lo - t * N)
     # publish P_t (into the slot's rope columns, read by S_t only) and the maximum
-    kpe_ring.index(s)._reinterpret(dtype, [_HEADS, _N], p_sl).store(p16)
-    m_smem.slice(s * _HEADS, _HEADS).store(m_i)
+    kpe_ring.index(s)._reinterpret(dtype, [_HEADS, N], p_sl).store(p16)
+    m_smem.slice(ROLE * _HEADS, _HEADS).store(m_i)
     fence_async_shared()
     gl.barrier()
-    mbarrier.arrive(pready.index(s))
+    mbarrier.arrive(pready.index(ROLE))
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     v_half = kv_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
     acc = warpgroup_mma(gl.convert_layout(p16, p_op), v_half, acc, is_async=True)
@@ -261,20 +342,23 @@ def _own_tile(
 def _math(
     q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
     lo, hi, n_tiles, score_scale, ROLE: gl.constexpr, D1: gl.constexpr, CHUNKED: gl.constexpr,
+    TMA: gl.constexpr,
 ):  # fmt: skip
     """Math warpgroup ``ROLE``: its tiles' S and softmax, P V of every tile on its 256
     features. Returns ``(acc [64, 256], m [64], l [64], nonfinite [64], any bad row)``,
     ``l`` the sum of both warpgroups' denominators at the final maximum ``m``,
     ``nonfinite`` 0 or NaN (a row with a non-finite feature in either half)."""
     HALF: gl.constexpr = D1 // 2
+    ST: gl.constexpr = kv_ring.shape[0]
+    N: gl.constexpr = kv_ring.shape[1]
     dtype: gl.constexpr = kv_ring.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _N, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
     )
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, _N], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, N], dtype)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o_: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_scale = gl.full([_HEADS], score_scale, gl.float32, row_s)
@@ -288,13 +372,13 @@ def _math(
         if n_own > 0:
             acc, l_i, m_i = _own_tile(
                 acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
-                0, lo, hi, row_scale, ROLE, False, CHUNKED,
+                0, lo, hi, row_scale, ROLE, False, CHUNKED, TMA,
             )  # fmt: skip
         first = 1
     for k in range(first, n_own):
         acc, l_i, m_i = _own_tile(
             acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
-            2 * k + ROLE, lo, hi, row_scale, ROLE, True, CHUNKED,
+            2 * k + ROLE, lo, hi, row_scale, ROLE, True, CHUNKED, TMA,
         )  # fmt: skip
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
@@ -303,7 +387,7 @@ def _math(
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.barrier()
-        mbarrier.arrive(free.index(1 - ROLE))
+        mbarrier.arrive(free.index(_slot(last, ST, 1 - ROLE)))
 
     # both warpgroups' denominators at the final maximum (which both hold now), their
     # rows' non-finite flags (0, or NaN where a feature of the half is not finite) and
@@ -361,8 +445,9 @@ def _epilogue(
 
 @gluon.jit
 def _math_part(
-    args, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr, CHUNKED: gl.constexpr
-):
+    args, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr,
+    CHUNKED: gl.constexpr, TMA: gl.constexpr,
+):  # fmt: skip
     """A math warpgroup: ``_math`` then ``_epilogue`` for its features (``args``: the
     kernel's shared buffers, barriers, bounds and output pointers, in this order)."""
     (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
@@ -371,7 +456,7 @@ def _math_part(
      stride_lse_h, out_scale) = args  # fmt: skip
     acc, m_i, l_i, nonfinite, bad = _math(
         q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
-        done, lo, hi, n_tiles, score_scale, ROLE, D1, CHUNKED,
+        done, lo, hi, n_tiles, score_scale, ROLE, D1, CHUNKED, TMA,
     )  # fmt: skip
     _epilogue(
         acc, m_i, l_i, nonfinite, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
@@ -384,6 +469,7 @@ def _math_part(
 def gluon_decode_ws_kernel(
     split,
     out_scale,
+    kv_desc,
     num_splits,
     num_blocks,
     SHAPE: gl.constexpr,
@@ -391,15 +477,20 @@ def gluon_decode_ws_kernel(
     PRODUCER_REGS: gl.constexpr,
     MATH_REGS: gl.constexpr,
     CHUNKED: gl.constexpr,
+    STAGES: gl.constexpr,
+    TMA: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request), recipe none.
 
     Arguments as ``gluon_decode.gluon_decode_split_kernel``'s (``split``: the split
     kernels' tuple, ``kernels.common.split_program``; ``SHAPE`` with ``BLOCK_H`` 64 and
-    ``BLOCK_N`` 64); ``PRODUCER_REGS`` / ``MATH_REGS``: the registers a thread of the
+    ``BLOCK_N`` 32 or 64); ``PRODUCER_REGS`` / ``MATH_REGS``: the registers a thread of the
     producer / the worker math warpgroup asks for (``setmaxnreg``); ``CHUNKED``: S starts
     on each 64-feature chunk of a tile as it lands (one barrier a chunk), else on the
-    whole tile.
+    whole tile; ``STAGES``: ring slots (even: a slot's tiles belong to one warpgroup);
+    ``TMA``: tiles arrive by TMA through ``kv_desc`` (the cache's rows ``[num_blocks *
+    PAGE, 576]`` in ``[BLOCK_N, 64]`` boxes; ``PAGE`` a multiple of ``BLOCK_N``), else by
+    ``cp.async`` (``kv_desc`` None).
     """
     qn_ptr, qp_ptr, _qgs_ptr = split[0]
     (kv_ptr,) = split[1]
@@ -415,35 +506,39 @@ def gluon_decode_ws_kernel(
     D1: gl.constexpr = SHAPE[0]
     D2: gl.constexpr = SHAPE[1]
     PAGE: gl.constexpr = SHAPE[2]
+    N: gl.constexpr = SHAPE[4]
     gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
-    gl.static_assert(SHAPE[4] == _N, "BLOCK_N: 64-token tiles")
+    gl.static_assert((N == 32) | (N == 64), "BLOCK_N: 32- or 64-token tiles")
+    gl.static_assert(STAGES % 2 == 0, "STAGES: even (a slot's tiles are one warpgroup's)")
+    gl.static_assert((not TMA) or (PAGE % N == 0), "TMA: a page holds whole tiles")
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
 
     n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
     hg, split_i, b, seq_len, poisoned, lo, hi = split_program(split, SHAPE, n_splits)
-    n_tiles = gl.maximum(hi - lo + _N - 1, 0) // _N
+    n_tiles = gl.maximum(hi - lo + N - 1, 0) // N
 
     q1_smem = _q_smem(qn_ptr, b, hg, stride_qn_b, stride_qn_h, num_heads, D1, dtype)
     q2_smem = _q_smem(qp_ptr, b, hg, stride_qp_b, stride_qp_h, num_heads, D2, dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_N, D1], dtype)
-    kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_N, D2], dtype)
-    kv_ring = gl.allocate_shared_memory(dtype, [_ST, _N, D1], kv_layout)
-    kpe_ring = gl.allocate_shared_memory(dtype, [_ST, _N, D2], kpe_layout)
-    m_smem = gl.allocate_shared_memory(gl.float32, [_ST * _HEADS], _VEC)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D1], dtype)
+    kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D2], dtype)
+    kv_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D1], kv_layout)
+    kpe_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D2], kpe_layout)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2 * _HEADS], _VEC)  # a warpgroup's last
     l_smem = gl.allocate_shared_memory(gl.float32, [4 * _HEADS], _VEC)
     bad_smem = gl.allocate_shared_memory(
-        gl.int32, [_N], _VEC, gl.zeros([_N], gl.int32, gl.SliceLayout(1, _LD))
+        gl.int32, [N], _VEC, gl.zeros([N], gl.int32, gl.SliceLayout(1, _LD))
     )
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    landed = gl.allocate_shared_memory(gl.int64, [_ST * _NCH, 1], bar_layout)
-    pready = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
-    free = gl.allocate_shared_memory(gl.int64, [_ST, 1], bar_layout)
+    landed = gl.allocate_shared_memory(gl.int64, [STAGES * _NCH, 1], bar_layout)
+    pready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # a warpgroup's P
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    for i in gl.static_range(_ST):
-        mbarrier.init(pready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        if i < 2:
+            mbarrier.init(pready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)  # both math warpgroups
-    for i in gl.static_range(_ST * _NCH):  # chunked: every producer thread arrives
-        mbarrier.init(landed.index(i), count=_WARPS * 32 if CHUNKED else 1)
+    for i in gl.static_range(STAGES * _NCH):  # chunked cp.async: every producer thread
+        mbarrier.init(landed.index(i), count=_WARPS * 32 if CHUNKED and not TMA else 1)
     mbarrier.init(done, count=3)  # the three partitions
     fence_async_shared()
     gl.barrier()
@@ -454,16 +549,31 @@ def gluon_decode_ws_kernel(
         n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
         stride_lse_h, out_scale,
     )  # fmt: skip
-    gl.warp_specialize(
-        [
-            (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED)),
-            (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED)),
-            (_producer, (
-                kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr, bt_ptr + b * stride_bt_b,
-                lo, hi, n_tiles, stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1,
-                D2, PAGE, CHUNKED,
-            )),
-        ],
-        [_WARPS, _WARPS],
-        [MATH_REGS, PRODUCER_REGS],
-    )  # fmt: skip
+    if TMA:
+        gl.warp_specialize(
+            [
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA)),
+                (_producer_tma, (
+                    kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc,
+                    bt_ptr + b * stride_bt_b, lo, n_tiles, stride_bt_p, num_blocks, D1, PAGE,
+                    CHUNKED,
+                )),
+            ],
+            [_WARPS, _WARPS],
+            [MATH_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA)),
+                (_producer, (
+                    kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr,
+                    bt_ptr + b * stride_bt_b, lo, hi, n_tiles, stride_bt_p, stride_kv_page,
+                    stride_kv_row, num_blocks, D1, D2, PAGE, CHUNKED,
+                )),
+            ],
+            [_WARPS, _WARPS],
+            [MATH_REGS, PRODUCER_REGS],
+        )  # fmt: skip
