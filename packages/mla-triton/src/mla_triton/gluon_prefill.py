@@ -49,26 +49,42 @@ class GluonPrefillConfig:
     the compute warps get the rest) instead of the compute warps; ``pingpong`` (with
     ``warp_specialize`` and ``block_m`` 128): the 128 rows go to two consumer
     warpgroups of 64 rows that take turns on the tensor cores (FA3's ping-pong: one's
-    softmax, P QDQ and N:M under the other's MMAs)."""
+    softmax, P QDQ and N:M under the other's MMAs); ``turns=False`` (with ``pingpong``):
+    the two warpgroups run independently, without the turn barriers (FA3's schedule
+    for head dims above 128, where it drops its warp-scheduler barrier);
+    ``early_k`` (with ``warp_specialize``): a K slot is released to the producer as soon
+    as its ``Q Kᵀ`` MMA is done and the producer loads K one tile ahead of V (FA3's
+    separate K and V pipelines), instead of one release per slot after its ``P V``: with
+    two stages the next K load then has a whole key step to land instead of none;
+    ``row_inf_check``: the NaN rule's check for ``-inf`` raw scores on unmasked tiles
+    by one row minimum a tile (one min a score instead of a compare and a select; the
+    row's ``l`` is made NaN: the same out and LSE)."""
 
     block_m: int = 128
     block_n: int = 64
     num_stages: int = 3
     warp_specialize: bool = False
     pingpong: bool = False
+    turns: bool = True
+    early_k: bool = False
+    row_inf_check: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m: expected 64 or 128, got {self.block_m!r}")
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
-        for name in ("warp_specialize", "pingpong"):
+        for name in ("warp_specialize", "pingpong", "turns", "early_k", "row_inf_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 4:
             raise ValueError(f"config.num_stages: expected 2 to 4, got {self.num_stages!r}")
         if self.pingpong and not (self.warp_specialize and self.block_m == 128):
             raise ValueError("config.pingpong: needs warp_specialize=True and block_m=128")
+        if not (self.turns or self.pingpong):
+            raise ValueError("config.turns: False needs pingpong=True")
+        if self.early_k and not self.warp_specialize:
+            raise ValueError("config.early_k: needs warp_specialize=True")
 
     @property
     def num_warps(self) -> int:
@@ -268,7 +284,8 @@ class Variant:
             "Q_DYNAMIC": self.q_dynamic, "K_DYNAMIC": self.k_dynamic, "P_FMT": self.p_fmt,
             "NM_N": self.nm_n, "NM_M": self.nm_m, "NM_DENSE": self.nm_dense,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
-            "PINGPONG": config.pingpong, "PRODUCER_REGS": 24,
+            "PINGPONG": config.pingpong, "TURNS": config.turns, "EARLY_K": config.early_k,
+            "ROW_INF": config.row_inf_check, "PRODUCER_REGS": 24,
             "CONSUMER_REGS": CONSUMER_REGS, "num_warps": config.num_warps,
         }  # fmt: skip
 

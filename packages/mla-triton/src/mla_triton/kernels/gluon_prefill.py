@@ -65,6 +65,26 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
+def _load_k(k_desc, k_smem, k_bars, stage, row, k_col, NQ: gl.constexpr):
+    """Issue the TMA loads of a K tile (rows ``row`` on, ``NQ`` chunks) into ring slot
+    ``stage``, on that slot's K barrier."""
+    k_bar = k_bars.index(stage)
+    mbarrier.expect(k_bar, NQ * k_desc.block_type.nbytes)
+    for c in gl.static_range(NQ):
+        tma.async_copy_global_to_shared(
+            k_desc, [row, k_col + c * CHUNK], k_bar, k_smem.index(stage * NQ + c)
+        )
+
+
+@gluon.jit
+def _load_v(v_desc, v_smem, v_bars, stage, row, v_col):
+    """Issue the TMA load of a V tile (rows ``row`` on) into ring slot ``stage``."""
+    v_bar = v_bars.index(stage)
+    mbarrier.expect(v_bar, v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row, v_col], v_bar, v_smem.index(stage))
+
+
+@gluon.jit
 def _load_kv(
     k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, row0, k_col, v_col,
     BLOCK_N: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -73,15 +93,8 @@ def _load_kv(
     its ring slot: ``NQ`` K chunks on one barrier, the V tile on another."""
     stage = tile % NUM_STAGES
     row = row0 + tile * BLOCK_N
-    k_bar = k_bars.index(stage)
-    mbarrier.expect(k_bar, NQ * k_desc.block_type.nbytes)
-    for c in gl.static_range(NQ):
-        tma.async_copy_global_to_shared(
-            k_desc, [row, k_col + c * CHUNK], k_bar, k_smem.index(stage * NQ + c)
-        )
-    v_bar = v_bars.index(stage)
-    mbarrier.expect(v_bar, v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [row, v_col], v_bar, v_smem.index(stage))
+    _load_k(k_desc, k_smem, k_bars, stage, row, k_col, NQ)
+    _load_v(v_desc, v_smem, v_bars, stage, row, v_col)
 
 
 @gluon.jit
@@ -140,14 +153,29 @@ def _softmax(
     s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_scales,
     nm, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
+    ROW_INF: gl.constexpr,
 ):  # fmt: skip
     """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout: P's
-    factored fp8 value with ``P_FMT == 1``, ``l`` summed before that QDQ)."""
+    factored fp8 value with ``P_FMT == 1``, ``l`` summed before that QDQ).
+
+    The NaN rule's raw ``-inf`` scores: made NaN one by one (a compare and a select a
+    score), or with ``ROW_INF`` on unmasked tiles (before ``mid``) by the row minimum
+    (one min a score): a row whose minimum is ``-inf`` gets ``l = NaN``, so its out
+    and LSE are NaN as they are when the score itself is NaN (its P is 0 instead of
+    NaN, every other row is untouched). Masked tiles keep the first way: there the
+    keys a row does not see must not poison it."""
+    bad = gl.zeros([BLOCK_M], gl.int1, gl.SliceLayout(1, s_layout))
     if K_DYNAMIC:  # K's per-key global scales (static ones live in row_scale)
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         col_gs = gl.load(ks_base + key_pos * stride_kst, mask=key_pos < seq_len_k, other=1.0)
         s = s * gl.expand_dims(col_gs, 0)
-    s = gl.where(s == float("-inf"), float("nan"), s)  # an infinite raw operand
+    if ROW_INF:
+        if start_n >= mid:
+            s = gl.where(s == float("-inf"), float("nan"), s)
+        else:
+            bad = gl.min(s, axis=1) == float("-inf")
+    else:
+        s = gl.where(s == float("-inf"), float("nan"), s)  # an infinite raw operand
     if start_n >= mid:
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = gl.expand_dims(key_pos < seq_len_k, 0)
@@ -160,6 +188,8 @@ def _softmax(
         s = gl.where(keep | (s != s), s, float("-inf"))
     # the integer running maximum, exact power-of-two rescales, l from unquantized P
     m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)
+    if ROW_INF:
+        l_i = gl.where(bad, float("nan"), l_i)
     # P's QDQ along the keys (nvfp4 blocks of 16 at multiples of 16: the tile's start)
     p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N)
     return p, alpha, m_new, l_i
@@ -167,9 +197,9 @@ def _softmax(
 
 @gluon.jit
 def _sanitize_v(
-    v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N: gl.constexpr,
-    DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr,
-    num_warps: gl.constexpr,
+    v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan,
+    BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+    WG: gl.constexpr, TURNS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Wait for V tile ``tile``; on a masked tile zero its rows past the sequence end
     and its non-finite rows in shared memory, and flag the query rows that see a
@@ -179,13 +209,19 @@ def _sanitize_v(
     Ping-pong (``WG`` 0 or 1; -1 otherwise): the V tile is shared, so only warpgroup
     0 checks and zeroes it and leaves the first bad key in ``bad_smem[stage]``;
     warpgroup 1 reads that (its turn on the tensor cores comes after warpgroup 0's
-    for the same tile, see ``_attend``) instead of a tile that may be zeroed already."""
+    for the same tile, see ``_attend``) instead of a tile that may be zeroed already.
+    Without ``TURNS`` nothing orders the two, so warpgroup 0 arrives on the slot's
+    ``turn_bars[stage]`` once the tile is checked and warpgroup 1 waits for it (phase:
+    the masked tiles before ``tile`` in that slot; masked tiles are ``mid / BLOCK_N`` on)."""
     stage = tile % NUM_STAGES
     mbarrier.wait(v_bars.index(stage), (tile // NUM_STAGES) & 1)
     start_n = tile * BLOCK_N
     if start_n >= mid:
         bad_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         if WG == 1:
+            if not TURNS:
+                masked_before = tile - mid // BLOCK_N
+                mbarrier.wait(turn_bars.index(stage), (masked_before // NUM_STAGES) & 1)
             first_bad = gl.min(bad_smem.index(stage).load(bad_layout), axis=0)
         else:
             SUB: gl.constexpr = 32
@@ -205,6 +241,8 @@ def _sanitize_v(
                 bad_smem.index(stage).store(gl.full([1], first_bad, gl.int32, bad_layout))
             fence_async_shared()
             gl.barrier()
+            if WG == 0 and not TURNS:
+                mbarrier.arrive(turn_bars.index(stage), count=1)
         if CAUSAL:  # noqa: SIM108
             row_nan = row_nan | (q_pos >= first_bad)
         else:
@@ -214,17 +252,18 @@ def _sanitize_v(
 
 @gluon.jit
 def _issue_pv(
-    p, alpha, acc, v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan,
+    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan,
     row_o: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
     BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    WG: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """P to its operand layout, V tile ``tile`` waited for (and sanitized when masked),
-    ``acc * alpha`` and the async ``acc += P V``: ``(acc token, P operand, row_nan)``."""
+    ``acc * alpha`` and the async ``acc += P V``: ``(acc token, P operand, row_nan)``.
+    ``WG``: -1, or the consumer warpgroup of two without turns (``_sanitize_v``)."""
     p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
     row_nan = _sanitize_v(
-        v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
-        NUM_STAGES, -1, num_warps,
+        v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N,
+        DV, CAUSAL, NUM_STAGES, WG, False, num_warps,
     )  # fmt: skip
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     acc = warpgroup_mma(p_op, v_smem.index(tile % NUM_STAGES), acc, is_async=True)
@@ -244,8 +283,8 @@ def _turn_pv(
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     mbarrier.wait(turn_bars.index(WG), step & 1)
     row_nan = _sanitize_v(
-        v_smem, v_bars, bad_smem, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N, DV, CAUSAL,
-        NUM_STAGES, WG, num_warps,
+        v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N,
+        DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
     )  # fmt: skip
     acc = warpgroup_mma(p_op, v_smem.index(tile % NUM_STAGES), acc, is_async=True)
     mbarrier.arrive(turn_bars.index(1 - WG), count=1)
@@ -254,30 +293,42 @@ def _turn_pv(
 
 @gluon.jit
 def _attend(
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, bad_smem, k_desc,
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem, k_desc,
     v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col, v_col,
     mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
     pv_dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
     NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
     K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, ISSUE_LOADS: gl.constexpr,
-    WG: gl.constexpr, num_warps: gl.constexpr,
+    WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """The key loop of ``ROWS`` query rows from ``row0`` (in the sequence): ``(acc, l, m,
     row_nan)``. With ``ISSUE_LOADS`` it issues the K/V loads of the tile ``NUM_STAGES``
-    ahead itself; otherwise (warp specialized) it arrives on ``empty_bars`` once a
-    slot's MMAs are done.
+    ahead itself; otherwise (warp specialized) it releases ring slots to the producer
+    through ``empties = (empty_bars, k_empty_bars)``: ``empty_bars[slot]`` once a
+    slot's P V MMA is done, and with ``EARLY_K`` (``SCHED = (TURNS, EARLY_K, ROW_INF)``,
+    ``ROW_INF``: ``_softmax``) its K
+    half on ``k_empty_bars[slot]`` as soon as the slot's ``S = Q Kᵀ`` is done (FA3's
+    separate K and V pipelines: a K load then has a whole key step to land, even with
+    two stages).
 
     Ping-pong (``WG`` 0 or 1: one of two consumer warpgroups, rows ``WG * ROWS`` of
     the Q tile; -1: not): the warpgroups take turns on the tensor cores through the
     mbarriers ``turn_bars`` (FA3's warp-scheduler barriers): a turn issues ``S_j`` and
     ``P_{j-1} V_{j-1}`` and hands over, so one warpgroup's softmax (and P's QDQ, N:M)
     runs under the other's MMAs; turn ``t`` of warpgroup 1 follows turn ``t`` of
-    warpgroup 0 (warpgroup 0's first turn is pre-arrived by the kernel)."""
+    warpgroup 0 (warpgroup 0's first turn is pre-arrived by the kernel). Without
+    ``TURNS`` the two consumer warpgroups run the key loop independently (FA3's
+    schedule for head dims above 128: no warp-scheduler barrier), ordered only on
+    masked V tiles (``_sanitize_v``)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    PP: gl.constexpr = WG >= 0
-    Q0: gl.constexpr = NQ * WG if PP else 0  # the first of this warpgroup's Q tiles
+    TURNS: gl.constexpr = SCHED[0]
+    EARLY_K: gl.constexpr = SCHED[1]
+    ROW_INF: gl.constexpr = SCHED[2]
+    PP: gl.constexpr = WG >= 0 and TURNS  # ping-pong turns
+    empty_bars, k_empty_bars = empties
+    Q0: gl.constexpr = NQ * WG if WG >= 0 else 0  # the first of this warpgroup's Q tiles
     offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
     q_pos = seq_len_k - seq_len_q + offs_m  # key positions of the rows (suffix alignment)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
@@ -300,9 +351,11 @@ def _attend(
         if PP:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         s = warpgroup_mma_wait(0, deps=(s,))
+        if EARLY_K:
+            mbarrier.arrive(k_empty_bars.index(0), count=1)
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
-            p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM,
+            p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM, ROW_INF,
         )  # fmt: skip
         for j in range(1, n_tiles):
             prev = j - 1
@@ -314,8 +367,8 @@ def _attend(
                     q_smem, k_smem, k_bars, j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
                 )  # fmt: skip
                 row_nan = _sanitize_v(
-                    v_smem, v_bars, bad_smem, prev, mid, seq_len_k, q_pos, row_nan, BLOCK_N,
-                    DV, CAUSAL, NUM_STAGES, WG, num_warps,
+                    v_smem, v_bars, bad_smem, turn_bars, prev, mid, seq_len_k, q_pos, row_nan,
+                    BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
                 )  # fmt: skip
                 acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
                 mbarrier.arrive(turn_bars.index(1 - WG), count=1)
@@ -324,15 +377,17 @@ def _attend(
                     q_smem, k_smem, k_bars, j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
                 )  # fmt: skip
                 acc, p_op, row_nan = _issue_pv(
-                    p, alpha, acc, v_smem, v_bars, bad_smem, prev, mid, seq_len_k, q_pos,
-                    row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES,
-                    num_warps,
+                    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, prev, mid, seq_len_k,
+                    q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL,
+                    NUM_STAGES, WG, num_warps,
                 )  # fmt: skip
             s = warpgroup_mma_wait(1, deps=(s,))
+            if EARLY_K:  # S_j is done: K_j's slot may be refilled
+                mbarrier.arrive(k_empty_bars.index(j % NUM_STAGES), count=1)
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
                 stride_kst, p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
-                NM,
+                NM, ROW_INF,
             )  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if ISSUE_LOADS:
@@ -352,8 +407,9 @@ def _attend(
             )  # fmt: skip
         else:
             acc, p_op, row_nan = _issue_pv(
-                p, alpha, acc, v_smem, v_bars, bad_smem, n_tiles - 1, mid, seq_len_k, q_pos,
-                row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, num_warps,
+                p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, n_tiles - 1, mid, seq_len_k,
+                q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, WG,
+                num_warps,
             )  # fmt: skip
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     return acc, l_i, m_i, row_nan
@@ -395,23 +451,23 @@ def _epilogue(
 
 @gluon.jit
 def _consume(
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, bad_smem, k_desc,
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem, k_desc,
     v_desc, QS, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
     k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst, stride_kst,
     stride_ot, stride_oh, stride_lh, nm, s_layout: gl.constexpr, o_layout: gl.constexpr,
     p_layout: gl.constexpr, pv_dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
     DV: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     Q_DYNAMIC: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
-    RETURN_LSE: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr,
+    RETURN_LSE: gl.constexpr, WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """A ping-pong consumer warpgroup: ``_attend`` over its ``ROWS`` rows (from ``row0``),
     then their ``_epilogue``."""
     acc, l_i, m_i, row_nan = _attend(
-        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, bad_smem,
+        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem,
         k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
         k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
         s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
-        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, WG, num_warps,
+        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, WG, SCHED, num_warps,
     )  # fmt: skip
     _epilogue(
         acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale, stride_ot,
@@ -421,13 +477,16 @@ def _consume(
 
 @gluon.jit
 def _producer(
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc, k_desc, v_desc,
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc, k_desc, v_desc,
     q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N: gl.constexpr, NQ: gl.constexpr,
-    NUM_STAGES: gl.constexpr, QH: gl.constexpr,
+    NUM_STAGES: gl.constexpr, QH: gl.constexpr, EARLY_K: gl.constexpr,
 ):  # fmt: skip
     """The TMA partition (one warp): Q once (``QH`` row blocks of ``NQ`` chunks: one, or
     one per ping-pong warpgroup), then every K/V tile into its ring slot once the
-    consumers released the slot's previous tile (``empty_bars``)."""
+    consumers released the slot's previous tile (``empties = (empty_bars,
+    k_empty_bars)``). ``EARLY_K``: K and V are released apart (``_attend``), and K runs
+    one tile ahead of V (K_0, then K_{t+1} before V_t: FA3's producer order)."""
+    empty_bars, k_empty_bars = empties
     mbarrier.expect(q_bar, QH * NQ * q_desc.block_type.nbytes)
     for h in gl.static_range(QH):
         for c in gl.static_range(NQ):
@@ -435,13 +494,28 @@ def _producer(
                 q_desc, [q_row + h * q_desc.block_type.shape[0], q_col + c * CHUNK], q_bar,
                 q_smem.index(h * NQ + c),
             )  # fmt: skip
-    for t in range(n_tiles):
-        if t >= NUM_STAGES:
-            mbarrier.wait(empty_bars.index(t % NUM_STAGES), ((t // NUM_STAGES) - 1) & 1)
-        _load_kv(
-            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, t, k_start, k_col, v_col, BLOCK_N,
-            NQ, NUM_STAGES,
-        )  # fmt: skip
+    if EARLY_K:
+        if n_tiles > 0:
+            _load_k(k_desc, k_smem, k_bars, 0, k_start, k_col, NQ)
+        for t in range(n_tiles):
+            nk = t + 1
+            if nk < n_tiles:
+                if nk >= NUM_STAGES:
+                    mbarrier.wait(k_empty_bars.index(nk % NUM_STAGES), ((nk // NUM_STAGES) - 1) & 1)
+                _load_k(
+                    k_desc, k_smem, k_bars, nk % NUM_STAGES, k_start + nk * BLOCK_N, k_col, NQ
+                )  # fmt: skip
+            if t >= NUM_STAGES:
+                mbarrier.wait(empty_bars.index(t % NUM_STAGES), ((t // NUM_STAGES) - 1) & 1)
+            _load_v(v_desc, v_smem, v_bars, t % NUM_STAGES, k_start + t * BLOCK_N, v_col)
+    else:
+        for t in range(n_tiles):
+            if t >= NUM_STAGES:
+                mbarrier.wait(empty_bars.index(t % NUM_STAGES), ((t // NUM_STAGES) - 1) & 1)
+            _load_kv(
+                k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, t, k_start, k_col, v_col,
+                BLOCK_N, NQ, NUM_STAGES,
+            )  # fmt: skip
 
 
 @gluon.jit
@@ -485,6 +559,9 @@ def gluon_prefill_kernel(
     RETURN_LSE: gl.constexpr,
     WARP_SPEC: gl.constexpr,
     PINGPONG: gl.constexpr,
+    TURNS: gl.constexpr,
+    EARLY_K: gl.constexpr,
+    ROW_INF: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -503,7 +580,11 @@ def gluon_prefill_kernel(
     (``NM_N > 0``): ``NM_N`` of every ``NM_M`` keys, plus the ``n_sink`` first and the
     ``n_recent`` latest keys of each row when ``NM_DENSE`` (SPEC 5). ``PINGPONG``
     (with ``WARP_SPEC``): two consumer warpgroups of ``num_warps`` = 4 warps, 64 rows
-    each, in ping-pong (``_attend``), ``CONSUMER_REGS`` registers for the second.
+    each, in ping-pong (``_attend``), ``CONSUMER_REGS`` registers for the second;
+    ``TURNS`` (default True): they take turns on the tensor cores, else they run
+    independently. ``EARLY_K`` (with ``WARP_SPEC``): K slots released apart from V
+    slots, once their ``Q Kᵀ`` is done (``_attend``, ``_producer``). ``ROW_INF``: the
+    NaN rule's ``-inf`` check by row minima on unmasked tiles (``_softmax``).
     """
     NQ: gl.constexpr = DQK // CHUNK
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
@@ -512,6 +593,9 @@ def gluon_prefill_kernel(
     gl.static_assert(16 * num_warps == ROWS)
     gl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0)
     gl.static_assert(WARP_SPEC or not PINGPONG)
+    gl.static_assert(WARP_SPEC or not EARLY_K)
+    gl.static_assert(PINGPONG or TURNS)
+    SCHED: gl.constexpr = (TURNS, EARLY_K, ROW_INF)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -539,8 +623,19 @@ def gluon_prefill_kernel(
         k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        if PINGPONG:  # the turns, and the first bad V key of each ring slot (WG 0 to 1)
-            turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        if EARLY_K:  # K's own release barriers (empty_bars then release V alone)
+            k_empty_bars = gl.allocate_shared_memory(
+                gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout()
+            )  # fmt: skip
+        else:
+            k_empty_bars = empty_bars  # not used
+        empties = (empty_bars, k_empty_bars)
+        TURN_BARS: gl.constexpr = 2 if TURNS else NUM_STAGES
+        if PINGPONG:  # the turns (without TURNS: each slot's "V checked" barrier), and
+            # the first bad V key of each ring slot (WG 0 to 1)
+            turn_bars = gl.allocate_shared_memory(
+                gl.int64, [TURN_BARS, 1], mbarrier.MBarrierLayout()
+            )  # fmt: skip
             bad_smem = gl.allocate_shared_memory(
                 gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
             )  # fmt: skip
@@ -552,8 +647,10 @@ def gluon_prefill_kernel(
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
             mbarrier.init(empty_bars.index(i), count=2 if PINGPONG else 1)
+            if EARLY_K:
+                mbarrier.init(k_empty_bars.index(i), count=2 if PINGPONG else 1)
         if PINGPONG:
-            for i in gl.static_range(2):
+            for i in gl.static_range(TURN_BARS):
                 mbarrier.init(turn_bars.index(i), count=1)
         fence_async_shared()
 
@@ -563,32 +660,33 @@ def gluon_prefill_kernel(
         q_row = q_start + start_m * BLOCK_M
         row0 = start_m * BLOCK_M  # the tile's first row in the sequence
         if PINGPONG:
-            mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 takes the first turn
+            if TURNS:  # warpgroup 0 takes the first turn
+                mbarrier.arrive(turn_bars.index(0), count=1)
             gl.warp_specialize(
                 [
                     (_consume, (
                         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
-                        empty_bars, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse,
+                        empties, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse,
                         q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col,
                         v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst,
                         stride_kst, stride_ot, stride_oh, stride_lh, nm, s_layout, o_layout,
                         p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
-                        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, num_warps,
+                        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
                     )),
                     (_consume, (
                         q_smem, k_smem, v_smem, q_bar, k_bars,
-                        v_bars, empty_bars, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out,
+                        v_bars, empties, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out,
                         Lse, q_start, seq_len_q, k_start, seq_len_k, row0 + ROWS, head,
                         kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs,
                         out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, nm,
                         s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
                         NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1,
-                        num_warps,
+                        SCHED, num_warps,
                     )),
                     (_producer, (
-                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc,
+                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc,
                         k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N,
-                        NQ, NUM_STAGES, QH,
+                        NQ, NUM_STAGES, QH, EARLY_K,
                     )),
                 ],
                 [num_warps, 1],
@@ -599,18 +697,18 @@ def gluon_prefill_kernel(
                 acc, l_i, m_i, row_nan = gl.warp_specialize(
                     [
                         (_attend, (
-                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
+                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties,
                             turn_bars, bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q,
                             k_start, seq_len_k, row0, head, kv_head, k_col, v_col, mid,
                             n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
                             s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
                             NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, -1,
-                            num_warps,
+                            SCHED, num_warps,
                         )),
                         (_producer, (
-                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, q_desc,
+                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc,
                             k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles,
-                            BLOCK_N, NQ, NUM_STAGES, QH,
+                            BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
                         )),
                     ],
                     [1],
@@ -629,12 +727,12 @@ def gluon_prefill_kernel(
                             v_col, BLOCK_N, NQ, NUM_STAGES,
                         )  # fmt: skip
                 acc, l_i, m_i, row_nan = _attend(
-                    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars,
+                    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars,
                     bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k,
                     row0, head, kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs,
                     p_inv_gs, stride_qst, stride_kst, nm, s_layout, o_layout, p_layout,
                     pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC,
-                    P_FMT, NM, True, -1, num_warps,
+                    P_FMT, NM, True, -1, SCHED, num_warps,
                 )  # fmt: skip
             _epilogue(
                 acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale,
@@ -647,6 +745,8 @@ def gluon_prefill_kernel(
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
             mbarrier.invalidate(empty_bars.index(i))
+            if EARLY_K:
+                mbarrier.invalidate(k_empty_bars.index(i))
         if PINGPONG:
-            for i in gl.static_range(2):
+            for i in gl.static_range(TURN_BARS):
                 mbarrier.invalidate(turn_bars.index(i))
