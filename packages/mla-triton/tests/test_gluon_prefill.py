@@ -38,7 +38,10 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # every tiling prefill's dispatcher picks (gp.AUTO_CONFIGS: P none warp specialized,
 # P fp8 / nvfp4 with dynamic Q (and K) scales and fp16 P V; with N:M: nvfp4 + 2:4 with
 # dense sink / recent keys), and the ping-pong tilings (two consumer warpgroups; 64-key
-# tiles plain, 128-key tiles with nvfp4 P and 4:8).
+# tiles plain, 128-key tiles with nvfp4 P and 4:8); then the schedule options of issue 17's
+# third step: K released after Q K^T (early_k) with the row-minimum -inf check at 128-key
+# ping-pong, FA3's head-dim-192 schedule (128 x 128 x 2, two consumers without turns,
+# early_k) with nvfp4 P, and early_k on the warp-specialized 128 x 64 tiling with 2:4.
 DEFAULT = gp.GluonPrefillConfig()
 AUTO = gp.AUTO_CONFIGS
 FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1}
@@ -58,11 +61,18 @@ VARIANTS = [
     (torch.float16, 192, 128, AUTO["nvfp4+nm"], True, True, NVFP4 | NM24),
     (torch.bfloat16, 192, 128, PP64, True, True, {}),
     (torch.float16, 192, 128, PP128, True, False, NVFP4 | {"nm_n": 4, "nm_m": 8}),
-]
+    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
+        128, 128, 2, True, True, early_k=True, row_inf_check=True), True, True, {}),
+    (torch.float16, 192, 128, gp.GluonPrefillConfig(
+        128, 128, 2, True, True, turns=False, early_k=True), True, True, NVFP4),
+    (torch.float16, 192, 128, gp.GluonPrefillConfig(128, 64, 3, True, early_k=True), True, True,
+     NVFP4 | NM24),
+]  # fmt: skip
 SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     4,  # fp8 P at 128 x 128: 72 B
     7,  # nvfp4 P + 2:4 at 128 x 128
     9,  # ping-pong 128 x 128
+    10,  # ping-pong 128 x 128, early_k: 32 B
 }
 
 
@@ -91,6 +101,7 @@ def compile_stats() -> list[dict[str, Any]]:
             "lse_store": "st.global.b32" in ptx or "st.global.f32" in ptx,
             "fp8_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
             "setmaxnreg": "setmaxnreg" in ptx, "num_warps": kernel.metadata.num_warps,
+            "mbarrier_init": ptx.count("mbarrier.init"), "min_f32": "min.f32" in ptx,
         } | _resources(kernel.asm["cubin"]))  # fmt: skip
     return stats
 
@@ -127,6 +138,16 @@ def test_every_variant_compiles_for_sm90a() -> None:
         assert got["setmaxnreg"] == config.warp_specialize, variant
         assert got["num_warps"] == config.total_warps, variant
         assert got["LOCAL"] == 0, variant
+        # mbarriers: Q; K, V and the slot releases per stage; K's own releases (early_k);
+        # the ping-pong turns (without turns: each stage's "V checked" hand-over)
+        stages = config.num_stages
+        want = 1 + 3 * stages + stages * config.early_k
+        want += config.pingpong * (2 if config.turns else stages)
+        assert got["mbarrier_init"] == want, variant
+        # the row-minimum -inf check (row_inf_check): the kernel's only float minimum
+        # outside nvfp4 P's QDQ
+        if quant.get("p_fmt", 0) != 2:
+            assert got["min_f32"] == config.row_inf_check, variant
         if index not in SPILLS:
             assert got["STACK"] == 0, variant
     # every tiling the dispatcher picks is compiled above, for its P format
@@ -168,6 +189,9 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("num_stages", 5),
         ("warp_specialize", 1),
         ("pingpong", 1),
+        ("turns", 0),
+        ("early_k", 1),
+        ("row_inf_check", None),
     ],
 )
 def test_config_rejects(field: str, value: object) -> None:
@@ -181,6 +205,21 @@ def test_config_rejects(field: str, value: object) -> None:
 def test_pingpong_needs_two_warpgroups_and_a_producer(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"^config\.pingpong: needs warp_specialize"):
         gp.GluonPrefillConfig(**({"warp_specialize": True, "pingpong": True} | kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"turns": False}, r"^config\.turns: False needs pingpong=True"),
+        ({"warp_specialize": True, "turns": False}, r"^config\.turns: False needs pingpong"),
+        ({"early_k": True}, r"^config\.early_k: needs warp_specialize=True"),
+    ],
+)
+def test_schedule_options_need_their_schedule(kwargs: dict[str, Any], message: str) -> None:
+    """``turns=False`` only means something for two consumer warpgroups, ``early_k``
+    with a producer partition (the one that waits for the K releases)."""
+    with pytest.raises(ValueError, match=message):
+        gp.GluonPrefillConfig(**kwargs)
 
 
 def test_pingpong_warps_and_q_block() -> None:

@@ -302,6 +302,25 @@ GLUON_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity |
     "pp64-nvfp4-2:4": (_PP64, "nvfp4", _NM),
     "pp128-fp8-4:8": (_PP128, "fp8", NMSparsity(4, 8)),
 }
+# The schedule options of issue 17's third step (benchmarks/gpu/prefill_next.sh): K slots
+# released after Q K^T (early_k), two consumer warpgroups without turns (FA3's head-dim-192
+# schedule), the row-minimum -inf check (row_inf_check)
+_EK128 = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True)
+_NT128 = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, turns=False, early_k=True)
+_RI64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, row_inf_check=True)
+NEXT_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
+    "pp128-ek-none": (_EK128, "none", None),
+    "pp128-ek-nvfp4": (_EK128, "nvfp4", None),
+    "nt128-none": (_NT128, "none", None),
+    "nt128-fp8": (_NT128, "fp8", None),
+    "nt128-nvfp4-2:4": (_NT128, "nvfp4", _NM),
+    "nt64-nvfp4": (gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, turns=False),
+                   "nvfp4", None),
+    "ws64-ek-nvfp4-2:4": (gluon_prefill.GluonPrefillConfig(128, 64, 3, True, early_k=True),
+                          "nvfp4", _NM),
+    "pp64-ri-none": (_RI64, "none", None),
+}  # fmt: skip
+GLUON_CASES |= NEXT_CASES
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
@@ -319,10 +338,19 @@ def test_gluon_tilings(case: str) -> None:
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
-@pytest.mark.parametrize("config", [_PP64, _PP128], ids=["pp64", "pp128"])
+@pytest.mark.parametrize(
+    "config",
+    [_PP64, _PP128, _EK128, _NT128, _RI64, gluon_prefill.GluonPrefillConfig(row_inf_check=True),
+     gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True,
+                                      row_inf_check=True)],
+    ids=["pp64", "pp128", "pp128-ek", "nt128", "pp64-ri", "plain-ri", "pp128-ek-ri"],
+)  # fmt: skip
 def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> None:
     """The NaN rule on the ping-pong tilings: a masked V tile is checked and zeroed by
-    warpgroup 0 only, warpgroup 1 reads the first bad key it left (rows of both)."""
+    warpgroup 0 only, warpgroup 1 reads the first bad key it left (rows of both; without
+    turns through the per-slot hand-over barrier); with ``row_inf_check`` the infinite
+    K element (key 70: on an unmasked tile for the queries of the second 128-row tile)
+    poisons its rows through the row minimum."""
     _nan_rule("gluon", config)
 
 
