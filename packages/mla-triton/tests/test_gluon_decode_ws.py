@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -330,10 +331,10 @@ def _row_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.double() - b.double()).abs().amax(-1) / den).max())
 
 
-@gpu
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-p{c[2]}-s{c[4]}" for c in CASES])
-@pytest.mark.parametrize("config", VARIANTS, ids=[c.name for c in VARIANTS])
-def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) -> None:
+def _against(case: tuple[Any, ...], config: WsConfig, other: Any) -> tuple[torch.Tensor, ...]:
+    """``decode(config=config)`` on ``case`` against the float64 oracle and ``decode(config=
+    other)`` (rows 1.5e-2, LSE 2e-5; empty requests 0 and ``-inf``): ``(q, cache, table,
+    seq, out, lse)``."""
     import mla_reference
 
     batch, heads, page, lens, splits, dtype = case
@@ -341,7 +342,7 @@ def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) ->
     o_w, l_w = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
                       config=config)  # fmt: skip
     o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
-                      config=GLUON_VARIANTS[0])  # fmt: skip
+                      config=other)  # fmt: skip
     o_r, l_r = mla_reference.decode(q.double().cpu(), cache.double().cpu(), table.cpu(),
                                     seq.cpu(), softmax_scale=SCALE)  # fmt: skip
     assert o_w.dtype == dtype and bool(torch.isfinite(o_w).all())
@@ -352,17 +353,53 @@ def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) ->
     fin = torch.isfinite(l_r)
     assert torch.allclose(l_w.double().cpu()[fin], l_r[fin], atol=2e-5, rtol=0)
     assert torch.allclose(l_w[~empty.cuda()], l_g[~empty.cuda()], atol=2e-5, rtol=0)
-    # split invariance: one split against this split count
+    return q, cache, table, seq, o_w, l_w
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-p{c[2]}-s{c[4]}" for c in CASES])
+@pytest.mark.parametrize("config", VARIANTS[:3], ids=[c.name for c in VARIANTS[:3]])
+def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) -> None:
+    """The measured variants (``VARIANTS[:3]``) against the oracle and ``gluon_decode``'s
+    kernel; split invariance (one split against the case's count)."""
+    q, cache, table, seq, o_w, _ = _against(case, config, GLUON_VARIANTS[0])
     o_1, _ = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=config)
     assert _row_err(o_1, o_w) < 1.5e-2
 
 
+RING_CASES = [  # batch, heads, page, lengths, splits, dtype: TMA at pages 64, 128 and 32
+    (2, 128, 64, [4096, 513], 4, torch.bfloat16),
+    (3, 128, 128, [129, 1, 700], 2, torch.float16),
+    (3, 64, 32, [300, 0, 33], 2, torch.bfloat16),
+    (4, 20, 16, [300, 0, 77, 1000], 2, torch.bfloat16),  # page 16: cp.async
+]
+
+
 @gpu
-def test_nan_rule_as_gluon() -> None:
+@pytest.mark.parametrize("case", RING_CASES, ids=[f"B{c[0]}-p{c[2]}-s{c[4]}" for c in RING_CASES])
+@pytest.mark.parametrize("config", VARIANTS[3:], ids=[c.name for c in VARIANTS[3:]])
+def test_tma_and_ring_variants(case: tuple[Any, ...], config: WsConfig) -> None:
+    """The TMA loads and the 4-slot ring of 32-token tiles (``VARIANTS[3:]``) against
+    the oracle and ``VARIANTS[0]``; a TMA variant is its ``cp.async`` twin bit for bit (the
+    same tiles in the same order: only the loads differ, and the tail rows the TMA brings
+    are zeroed or masked)."""
+    q, cache, table, seq, o_w, l_w = _against(case, config, VARIANTS[0])
+    if config.tma:
+        o_t, l_t = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=case[4],
+                          config=replace(config, tma=False))  # fmt: skip
+        assert torch.equal(o_w, o_t) and torch.equal(l_w, l_t)
+
+
+@gpu
+@pytest.mark.parametrize("config", [VARIANTS[0], VARIANTS[3], VARIANTS[5]],
+                         ids=[VARIANTS[i].name for i in (0, 3, 5)])  # fmt: skip
+def test_nan_rule_as_gluon(config: WsConfig) -> None:
     """Pages outside the cache, a length outside the table, a non-finite latent row and
     an accumulator overflowing in one warpgroup's half poison exactly the rows the Gluon
-    kernel poisons (one split and several)."""
-    q, cache, table, seq = _inputs(5, 128, 64, [200, 300, 150, 90, 150], torch.bfloat16)
+    kernel poisons (one split and several); a non-finite row past a request's end (in
+    its last tile: TMA brings it in) poisons nothing."""
+    q, cache, table, seq = _inputs(6, 128, 64, [200, 300, 150, 90, 150, 100], torch.bfloat16)
+    cache[table[5, 1], 50, :] = float("nan")  # request 5: token 114 (unseen, same tile)
     table[0, 1] = -1  # request 0: a page outside the cache
     table[1, 2] = cache.shape[0]  # request 1: too
     seq[2] = table.shape[1] * 64 + 1  # request 2: beyond the table's capacity
@@ -373,10 +410,11 @@ def test_nan_rule_as_gluon() -> None:
     cache[table[4, :3].long(), :, 300] = 3e38
     for splits in (1, 3):
         o_w, l_w = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
-                          config=VARIANTS[0])  # fmt: skip
+                          config=config)  # fmt: skip
         o_g, l_g = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits,
                           config=GLUON_VARIANTS[0])  # fmt: skip
         assert bool(torch.isnan(o_g[:4]).all())  # requests 0 to 3 are poisoned
+        assert bool(torch.isfinite(o_w[5]).all()) and bool(torch.isfinite(l_w[5]).all())
         if splits == 1:  # one split: the kernel's rule (several: the merge's)
             assert bool(torch.isnan(o_g[4]).all())
         assert torch.equal(torch.isnan(o_w), torch.isnan(o_g))

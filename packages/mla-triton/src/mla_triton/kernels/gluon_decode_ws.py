@@ -160,12 +160,13 @@ def _producer_tma(
     for t in range(n_tiles):
         s = t % ST
         start = lo + t * N  # < hi <= capacity * PAGE: the table holds the tile's entry
-        page = gl.load(bt_row + (start // PAGE) * stride_bt_p).to(gl.int32)
+        page = gl.load(bt_row + (start // PAGE) * stride_bt_p)  # the table's own type
         if t >= ST:
             mbarrier.wait(free.index(s), ((t // ST) - 1) & 1)
         bad = (page < 0) | (page >= num_blocks)
         n_bad = n_bad | bad.to(gl.int32)
-        row = gl.where(bad, 0, page) * PAGE + start % PAGE
+        # int32 from here: the host checked num_blocks * PAGE < 2**31 (TMA coordinates)
+        row = gl.where(bad, 0, page).to(gl.int32) * PAGE + start % PAGE
         if CHUNKED:
             for c in gl.static_range(D1 // _CH + 1):
                 bar = landed.index(s * _NCH + c)
