@@ -34,8 +34,10 @@ recipes none, fp8 and nvfp4. ``--sweep`` times every Gluon tiling of ``SWEEP_TIL
 fp8, nvfp4, nvfp4 + 2:4) beside the Triton kernel and FA3 bf16 at b4 h128 L4096 and b1
 h16 L16384 (with LSE, as vLLM calls it), and prints each time's ratio to FA3 and the
 fastest tiling per recipe (``AUTO_CONFIGS``' candidates; ``--no-pingpong`` leaves the
-ping-pong tilings out). Every Gluon and Triton time is of a ``prefill`` call
-(its checks on preallocated ``out``, no host sync: ``max_seqlen_*`` given).
+ping-pong tilings out, ``--tilings a,b`` times only those; ``SWEEP_NEXT``: the schedule
+options ``early_k``, ``turns=False`` and ``row_inf_check``). Every Gluon and Triton
+time is of a ``prefill`` call (its checks on preallocated ``out``, no host sync:
+``max_seqlen_*`` given).
 Results: ``OUTDIR/gluon-prefill.json`` (``--sweep``: ``gluon-prefill-sweep.json``).
 """
 
@@ -80,16 +82,41 @@ WS_CONFIGS: list[Tiling] = [
 ]  # fmt: skip
 
 
-# --sweep: GluonPrefillConfig fields by name, recipes (quant, sparsity), shapes
-SWEEP_TILINGS: dict[str, tuple[int, int, int, bool, bool]] = {
-    "plain-128x64x3": (128, 64, 3, False, False),
-    "plain-128x128x2": (128, 128, 2, False, False),
-    "ws-128x64x3": (128, 64, 3, True, False),
-    "ws-128x128x2": (128, 128, 2, True, False),
-    "pp-128x64x3": (128, 64, 3, True, True),
-    "pp-128x64x2": (128, 64, 2, True, True),
-    "pp-128x128x2": (128, 128, 2, True, True),
+def _tiling(bm: int, bn: int, stages: int, ws: bool = False, pp: bool = False,
+            **options: bool) -> dict[str, Any]:  # fmt: skip
+    """``GluonPrefillConfig``'s keyword arguments: the tiling, warp specialization,
+    ping-pong, and the schedule options (``turns``, ``early_k``, ``row_inf_check``)."""
+    return {"block_m": bm, "block_n": bn, "num_stages": stages, "warp_specialize": ws,
+            "pingpong": pp, **options}  # fmt: skip
+
+
+# --sweep: GluonPrefillConfig keywords by name, recipes (quant, sparsity), shapes
+SWEEP_TILINGS: dict[str, dict[str, Any]] = {
+    "plain-128x64x3": _tiling(128, 64, 3),
+    "plain-128x128x2": _tiling(128, 128, 2),
+    "ws-128x64x3": _tiling(128, 64, 3, True),
+    "ws-128x128x2": _tiling(128, 128, 2, True),
+    "pp-128x64x3": _tiling(128, 64, 3, True, True),
+    "pp-128x64x2": _tiling(128, 64, 2, True, True),
+    "pp-128x128x2": _tiling(128, 128, 2, True, True),
 }
+# Issue 17's third step (benchmarks/gpu/prefill_next.sh times these with --tilings):
+# "ek" early_k (K released after Q K^T, loaded a tile ahead of V), "nt" two consumer
+# warpgroups without turns (FA3's head-dim-192 schedule), "ri" row_inf_check
+SWEEP_NEXT: dict[str, dict[str, Any]] = {
+    "pp-128x64x3-ek": _tiling(128, 64, 3, True, True, early_k=True),
+    "pp-128x64x3-ri": _tiling(128, 64, 3, True, True, row_inf_check=True),
+    "pp-128x128x2-ek": _tiling(128, 128, 2, True, True, early_k=True),
+    "pp-128x128x2-ek-ri": _tiling(128, 128, 2, True, True, early_k=True, row_inf_check=True),
+    "nt-128x64x3": _tiling(128, 64, 3, True, True, turns=False),
+    "nt-128x128x2-ek": _tiling(128, 128, 2, True, True, turns=False, early_k=True),
+    "nt-128x128x2-ek-ri": _tiling(
+        128, 128, 2, True, True, turns=False, early_k=True, row_inf_check=True
+    ),
+    "ws-128x64x3-ek": _tiling(128, 64, 3, True, early_k=True),
+    "ws-128x128x2-ek": _tiling(128, 128, 2, True, early_k=True),
+}
+SWEEP_TILINGS |= SWEEP_NEXT
 SWEEP_RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
     "none": (None, None),
     "fp8": (AttentionQuant.uniform("fp8"), None),
@@ -462,7 +489,7 @@ def _sweep_shape(
     for recipe, (quant, sparsity) in SWEEP_RECIPES.items():
         fns.append((recipe, "triton", call(quant, sparsity, "triton", None)))
         for name, t in tilings.items():
-            fns.append((recipe, name, call(quant, sparsity, "gluon", GluonPrefillConfig(*t))))
+            fns.append((recipe, name, call(quant, sparsity, "gluon", GluonPrefillConfig(**t))))
     if shard is not None:
         for recipe, impl, fn in fns[shard[0] :: shard[1]]:
             t0 = time.time()
@@ -496,12 +523,22 @@ def _sweep_shape(
     return rows
 
 
-def sweep(result: dict[str, Any], pingpong: bool, rep: int, out: str) -> None:
+def _sweep_tilings(pingpong: bool, names: str | None) -> dict[str, dict[str, Any]]:
+    """``SWEEP_TILINGS`` without the ping-pong ones unless ``pingpong``, and only the
+    comma-separated ``names`` if given (``--tilings``; an unknown name raises)."""
+    wanted = SWEEP_TILINGS if names is None else {n: SWEEP_TILINGS[n] for n in names.split(",")}
+    return {n: t for n, t in wanted.items() if pingpong or not t["pingpong"]}
+
+
+def sweep(
+    result: dict[str, Any], pingpong: bool, rep: int, out: str, names: str | None = None
+) -> None:
     """``--sweep``: every tiling x recipe at ``SWEEP_SHAPES`` with the Triton kernel and
     FA3 (bf16) in the same process; rows ``{shape, recipe, impl, ms, tflops, vs_fa3}``,
     then ``result["best"]``: the fastest Gluon tiling per shape and recipe. Written to
-    ``out/gluon-prefill-sweep.json`` after each shape (a cut-off run keeps its rows)."""
-    tilings = {n: t for n, t in SWEEP_TILINGS.items() if pingpong or not t[4]}
+    ``out/gluon-prefill-sweep.json`` after each shape (a cut-off run keeps its rows).
+    ``names``: ``--tilings``."""
+    tilings = _sweep_tilings(pingpong, names)
     rows: list[dict[str, Any]] = result["timings"]
     for shape in SWEEP_SHAPES:
         rows += _sweep_shape(shape, tilings, rep)
@@ -535,6 +572,9 @@ def main() -> None:
         help="only every SWEEP_TILINGS tiling x SWEEP_RECIPES recipe with Triton and FA3",
     )  # fmt: skip
     parser.add_argument("--no-pingpong", action="store_true", help="--sweep without ping-pong")
+    parser.add_argument(
+        "--tilings", default=None, help="--sweep: only these SWEEP_TILINGS names (a,b,...)"
+    )  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="--sweep: do_bench rep (ms)")
     parser.add_argument(
         "--warm", default=None, help="--sweep: I/N, only compile shard I of N (at L16384)"
@@ -564,11 +604,11 @@ def main() -> None:
     ]  # fmt: skip
     if args.sweep and args.warm:
         i, n = map(int, args.warm.split("/"))
-        tilings = {k: t for k, t in SWEEP_TILINGS.items() if not args.no_pingpong or not t[4]}
+        tilings = _sweep_tilings(not args.no_pingpong, args.tilings)
         _sweep_shape("b1-h16-L16384", tilings, args.rep, (i, n))
         return
     if args.sweep:
-        sweep(result, not args.no_pingpong, args.rep, args.out)
+        sweep(result, not args.no_pingpong, args.rep, args.out, args.tilings)
         _write(args.out, result, "gluon-prefill-sweep.json")
         print(f"total {time.time() - t0:.0f}s")
         return
