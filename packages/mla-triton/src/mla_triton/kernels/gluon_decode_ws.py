@@ -7,16 +7,21 @@ NaN rules, partial outputs) is ``decode_kernel.decode_split_kernel``'s, as in
 Schedule (one CTA per (64 heads, split, request); three partitions of 4 warps)
 ------------------------------------------------------------------------------
 - producer (a warpgroup): block-table lookup and ``cp.async`` of latent tile ``t``
-  (``[64, 512]`` + ``[64, 64]``, rows past the split's end zero-filled) into ring slot
-  ``t % 2`` once both math warpgroups released the slot's previous tile (``free``).
+  (``[N, 512]`` + ``[N, 64]``, ``N`` = ``BLOCK_N`` 64 or 32 tokens, rows past the split's
+  end zero-filled) into ring slot ``t % STAGES`` (2 slots of 64 tokens, or 4 of 32: the
+  same 144 KiB) once both math warpgroups released the slot's previous tile (``free``).
   ``CHUNKED``: each 64-feature chunk arrives on its own barrier (``landed``) by every
   copying thread's ``cp.async.mbarrier.arrive``, and the producer moves on to the next
   tile; else it waits for the tile and arrives once. One lookup per row: any page size.
+  ``TMA`` (a page holds whole tiles): one lookup per tile, nine ``[N, 64]`` TMA boxes on
+  an expect-tx barrier (a chunk's, ``CHUNKED``), and the producer moves on at once; the
+  rows past the split's end are the page's real rows, which the tile's math warpgroup
+  zeroes in V's columns after ``S_t`` (their scores are masked) and before P V.
 - math warpgroup ``r`` (``r`` = 0: the default partition, 1: a worker) owns the
   tiles ``t`` with ``t % 2 == r`` and the output features ``[256 r, 256 r + 256)``.
   For its tile ``t`` it issues the other warpgroup's ``P_{t-1} V_{t-1}`` (its half of
   the features; P read from shared memory, published before tile ``t`` can start
-  landing), then ``S_t = q K_tᵀ`` (``64 x 64``, all 64 tokens, chunk by chunk as they
+  landing), then ``S_t = q K_tᵀ`` (``64 x N``, all N tokens, chunk by chunk as they
   land: S is computed once, by one warpgroup), runs the softmax of ``S_t`` from the
   running maximum after tile ``t - 1`` (the other warpgroup's, from shared memory),
   publishes ``P_t`` (into the slot's dead rope columns: K's last 64 features are not
