@@ -18,20 +18,20 @@ start=$(date +%s)
 #    (ragged, empty, splits 1-4, pages 16/32/64/128, H 20/64/128), then the bench's keys
 pids=""
 for name in reference gluon ws-r232-p40-tile ${NEW//,/ }; do
-  timeout -k 5 80 python3 $B --plan outputs --variants "$name" "$OUT" > "$OUT/1-out-$name.txt" 2>&1 &
+  timeout -k 5 70 python3 $B --plan outputs --variants "$name" "$OUT" > "$OUT/1-out-$name.txt" 2>&1 &
   pids="$pids $!"
 done
 for p in $pids; do wait "$p"; done
 echo "outputs: $(( $(date +%s) - start )) s"; for f in "$OUT"/1-out-*.txt; do echo "  $(basename "$f"): $(grep -c ' done ' "$f") cases done, $(grep -c ' error ' "$f") errors; $(tail -1 "$f" | cut -c1-100)"; done
 # 2. every variant vs the oracle and gluon (rows 1.5e-2, LSE 2e-5), a TMA variant bit for
 #    bit vs its cp.async twin; writes ws-check.json (failed variants: not timed)
-timeout -k 5 25 python3 $B --plan compare "$OUT" > "$OUT/2-compare.txt" 2>&1
+timeout -k 5 20 python3 $B --plan compare "$OUT" > "$OUT/2-compare.txt" 2>&1
 rc=$?
 echo "compare: rc=$rc ($(( $(date +%s) - start )) s), $(grep -c ' ok$' "$OUT/2-compare.txt") rows ok"; grep -E "FAIL|Error|missing" "$OUT/2-compare.txt" | head -6; tail -1 "$OUT/2-compare.txt"
 if [ $rc -ne 0 ]; then echo "SKIP timing: every variant failed, or the compare did not finish"; exit 1; fi
 # 3. timing, one process with FlashMLA: the default, the new variants, gluon, FlashMLA at
 #    b128 h128 L8192 and b32 h128 L32768 (page 64; compiled keys from step 1's cache)
-timeout -k 5 45 python3 $B --plan bench --variants "ws-r232-p40-tile,$NEW" --warmup-ms 50 \
+timeout -k 5 55 python3 $B --plan bench --variants "ws-r232-p40-tile,$NEW" --warmup-ms 50 \
   --rep-ms 200 "$OUT" > "$OUT/3-bench.txt" 2>&1
 rc=$?
 echo "bench: rc=$rc ($(( $(date +%s) - start )) s)"; grep -E "TFLOP/s|Error|error" "$OUT/3-bench.txt" | head -16
