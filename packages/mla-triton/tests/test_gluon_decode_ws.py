@@ -222,6 +222,11 @@ def test_tma_and_ring_arguments() -> None:
     rings = [(64, 2), (32, 4), (64, 2), (64, 2), (32, 4), (32, 4)]
     assert [(a["SHAPE"][4], a["STAGES"]) for a in seen] == rings
     assert seen[4]["SHAPE"][2] == 16  # page 16: cp.async
+    flat = torch.zeros(7 * 64 * 576 + 8, dtype=cache.dtype)
+    assert ws.tma_descriptor(flat[8:].view(7, 64, 576), 64) is not None  # 16-byte aligned
+    assert ws.tma_descriptor(flat[4:-4].view(7, 64, 576), 64) is None  # 8 bytes off
+    assert ws.tma_descriptor(torch.zeros(0, 64, 576, dtype=cache.dtype), 64) is None
+    assert ws.tma_descriptor(torch.zeros(7, 64, 576), 64) is None  # float32
 
 
 def _split(call: Any) -> str:

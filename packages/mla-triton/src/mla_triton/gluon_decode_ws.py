@@ -143,10 +143,10 @@ def tma_descriptor(cache: torch.Tensor, block_n: int) -> Any:
     """The TMA descriptor of ``cache [num_blocks, page, 576]`` as its ``[num_blocks * page,
     576]`` rows in ``[block_n, 64]`` boxes (so no box reaches past the cache), or None where
     the kernel copies with ``cp.async`` instead: a page that does not hold whole tiles, pages
-    not back to back, a base or row stride not 16-byte aligned, a 16-bit float dtype
-    missing, more rows than int32 coordinates reach."""
+    not back to back, a base or row stride not 16-byte aligned, a dtype other than bfloat16
+    and float16, no rows (a descriptor needs some) or more than int32 coordinates reach."""
     blocks, page, width = cache.shape
-    if page % block_n or cache.dtype not in (torch.bfloat16, torch.float16):
+    if page % block_n or cache.dtype not in (torch.bfloat16, torch.float16) or blocks == 0:
         return None
     row = cache.stride(1)
     if cache.stride(2) != 1 or cache.stride(0) != page * row or (row * cache.element_size()) % 16:
