@@ -1,18 +1,21 @@
 """The warp-specialized Gluon sm90 decode (``mla_triton.gluon_decode_ws``).
 
-CPU (CI): compiled for sm_90a (in a child process without Triton's interpreter, as
-test_gluon_decode.py does): three partitions of four warps with the planned register
-split, S once per tile (36 wgmma ``64 x 64`` per instance), P V on 256 features
-(``64 x 256``), ``cp.async`` and mbarriers, no spills, no serialized wgmma, shared
-memory within the limit; ``decode(config=WsConfig(...))``'s refusals (before any launch)
-and the launch arguments it passes through the decode core.
+CPU (CI): the default and the TMA / 4-slot-ring variants compiled for sm_90a (in a
+child process without Triton's interpreter, as test_gluon_decode.py does): three
+partitions of four warps with the planned register split, S once per tile (36 wgmma
+``64 x BLOCK_N`` per instance), P V on 256 features (``64 x 256``), ``cp.async`` or TMA
+boxes and mbarriers, no spills, no serialized wgmma, shared memory within the limit;
+``decode(config=WsConfig(...))``'s refusals (before any launch) and the launch arguments
+it passes through the decode core (the TMA descriptor where the cache allows one).
 
 GPU (skipped without an sm90 GPU): against ``gluon_decode``'s kernel (``decode`` with
 its ``GluonDecodeConfig``, whatever ``WS_AUTO`` says) and
 ``mla_reference.decode`` (float64) with test_gluon_decode.py's bounds (rows 1.5e-2,
 LSE 2e-5) on ragged lengths, empty requests, pages 16/64/128, 1 to 4 splits, H 20 and
-128, bf16 and fp16; the NaN rule (pages outside the cache, lengths outside the table,
-a non-finite latent row) row for row as the Gluon kernel.
+128, bf16 and fp16; the new variants against the oracle and ``VARIANTS[0]`` (TMA: bit
+for bit against its ``cp.async`` twin) at pages 16 to 128; the NaN rule (pages outside
+the cache, lengths outside the table, a non-finite latent row; none from a row past the
+end) row for row as the Gluon kernel.
 """
 
 from __future__ import annotations
