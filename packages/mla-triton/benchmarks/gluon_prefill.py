@@ -34,10 +34,10 @@ recipes none, fp8 and nvfp4. ``--sweep`` times every Gluon tiling of ``SWEEP_TIL
 fp8, nvfp4, nvfp4 + 2:4) beside the Triton kernel and FA3 bf16 at b4 h128 L4096 and b1
 h16 L16384 (with LSE, as vLLM calls it), and prints each time's ratio to FA3 and the
 fastest tiling per recipe (``AUTO_CONFIGS``' candidates; ``--no-pingpong`` leaves the
-ping-pong tilings out, ``--tilings a,b`` times only those; ``SWEEP_NEXT``: the schedule
-options ``early_k``, ``turns=False`` and ``row_inf_check``). Every Gluon and Triton
-time is of a ``prefill`` call (its checks on preallocated ``out``, no host sync:
-``max_seqlen_*`` given).
+ping-pong tilings out, ``--tilings a,b`` times those of ``SWEEP_TILINGS`` or
+``SWEEP_NEXT``, the schedule options ``early_k``, ``turns=False`` and ``row_inf_check``).
+Every Gluon and Triton time is of a ``prefill`` call (its checks on preallocated ``out``,
+no host sync: ``max_seqlen_*`` given).
 Results: ``OUTDIR/gluon-prefill.json`` (``--sweep``: ``gluon-prefill-sweep.json``).
 """
 
@@ -116,7 +116,7 @@ SWEEP_NEXT: dict[str, dict[str, Any]] = {
     "ws-128x64x3-ek": _tiling(128, 64, 3, True, early_k=True),
     "ws-128x128x2-ek": _tiling(128, 128, 2, True, early_k=True),
 }
-SWEEP_TILINGS |= SWEEP_NEXT
+TILINGS = SWEEP_TILINGS | SWEEP_NEXT  # what --tilings and benchmarks/gpu/prefill_smoke.py name
 SWEEP_RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
     "none": (None, None),
     "fp8": (AttentionQuant.uniform("fp8"), None),
@@ -524,9 +524,9 @@ def _sweep_shape(
 
 
 def _sweep_tilings(pingpong: bool, names: str | None) -> dict[str, dict[str, Any]]:
-    """``SWEEP_TILINGS`` without the ping-pong ones unless ``pingpong``, and only the
-    comma-separated ``names`` if given (``--tilings``; an unknown name raises)."""
-    wanted = SWEEP_TILINGS if names is None else {n: SWEEP_TILINGS[n] for n in names.split(",")}
+    """``SWEEP_TILINGS`` without the ping-pong ones unless ``pingpong``; with ``names``
+    (``--tilings``, comma-separated) those of ``TILINGS`` instead (an unknown one raises)."""
+    wanted = SWEEP_TILINGS if names is None else {n: TILINGS[n] for n in names.split(",")}
     return {n: t for n, t in wanted.items() if pingpong or not t["pingpong"]}
 
 
@@ -573,7 +573,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--no-pingpong", action="store_true", help="--sweep without ping-pong")
     parser.add_argument(
-        "--tilings", default=None, help="--sweep: only these SWEEP_TILINGS names (a,b,...)"
+        "--tilings", default=None, help="--sweep: these TILINGS names (a,b,...) instead"
     )  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="--sweep: do_bench rep (ms)")
     parser.add_argument(

@@ -9,79 +9,30 @@
 # deadlock in a new barrier protocol costs only its step).
 # Output ($OUT): summary.txt (also on stdout), smoke.txt, tests.txt, warm.txt, sweep.txt,
 # gluon-prefill-sweep.json. Steps:
-#  1. smoke (<= 50 s): each new tiling (NEW) in its own process against mla_reference on
+#  1. smoke (<= 45 s): each new tiling (NEW) in its own process against mla_reference on
 #     the GPU: varlen causal with a NaN in V on a masked tile, chunked non-causal,
 #     nvfp4 + 2:4, and an infinite K element on an unmasked tile (the row-minimum check).
 #     A tiling that hangs or fails is left out of step 3. Side by side: the reference
 #     tilings' (REF) and the Triton kernel's sweep compiles.
-#  2. GPU tests (<= 45 s, 6 shards, CPU oracle): test_prefill_gpu.py's NEXT_CASES
+#  2. GPU tests (<= 55 s, 6 shards, CPU oracle): test_prefill_gpu.py's NEXT_CASES
 #     (test_gluon_tilings) and the new test_nan_rule_gluon_tilings ids; side by side the
 #     surviving new tilings' sweep compiles (6 processes).
-#  3. sweep (the rest, >= 50 s): benchmarks/gluon_prefill.py --sweep --tilings REF + the
+#  3. sweep (the rest, about 35-40 s): benchmarks/gluon_prefill.py --sweep --tilings REF + the
 #     surviving NEW: FA3 bf16, Triton and each tiling x none / fp8 / nvfp4 / nvfp4+2:4 at
 #     b4 h128 L4096 and b1 h16 L16384, one process; ratio to FA3 per row, fastest per recipe.
 set -u
-OUT=${OUT:-$PWD/out-h38}
-mkdir -p "$OUT"
-TMP=$(mktemp -d /tmp/h38.XXXX)
-export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-export TRITON_INTERPRET=0 MLA_REQUIRE_GPU=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache-h38}
-START=$(date +%s)
-DEADLINE=$((START + ${BUDGET_S:-145}))
-left() { local n=$((DEADLINE - $(date +%s))); [ "$n" -gt "$1" ] && n=$1; [ "$n" -lt 5 ] && n=5; echo "$n"; }
-S=$OUT/summary.txt
-note() { echo "[$(($(date +%s) - START))s] $*" | tee -a "$S"; }
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$S"
-git log -1 --format='commit %H' 2>/dev/null | tee -a "$S"
+TAG=h38 BUDGET=145
+. "$(dirname "$0")/prefill_env.sh"
 BENCH=packages/mla-triton/benchmarks/gluon_prefill.py
 NEW="pp-128x64x3-ek pp-128x64x3-ri pp-128x128x2-ek pp-128x128x2-ek-ri nt-128x64x3 nt-128x128x2-ek nt-128x128x2-ek-ri ws-128x64x3-ek ws-128x128x2-ek"
 REF="pp-128x64x3 pp-128x128x2 ws-128x64x3"
 csv() { echo "$*" | tr ' ' ','; }
 
 # 1. smoke: each new tiling in its own process, in parallel; REF compiles beside them
-cat >"$TMP/smoke.py" <<'EOF'
-# one tiling of SWEEP_TILINGS (by name) against mla_reference on the GPU
-import sys, torch, mla_reference
-sys.path.insert(0, "packages/mla-triton/benchmarks")
-from gluon_prefill import SWEEP_TILINGS
-from mla_triton import prefill
-from mla_triton.gluon_prefill import GluonPrefillConfig
-from mla_formats import AttentionQuant, NMSparsity
-name = sys.argv[1]
-cfg = GluonPrefillConfig(**SWEEP_TILINGS[name])
-g = torch.Generator(device="cuda").manual_seed(0)
-def cu(lens): return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-ok = True
-for what, lq, lk, causal, quant, sp in [
-        ("varlen causal, NaN in V (masked tile)", [1, 100, 300, 129], [1, 100, 300, 129], True, None, None),
-        ("chunked non-causal", [1, 200, 64], [300, 1000, 64], False, None, None),
-        ("nvfp4 + 2:4", [300, 200], [300, 200], True, AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4)),
-        ("inf in K (unmasked tile)", [300, 200], [300, 200], True, None, None)]:
-    q = torch.randn(sum(lq), 8, 192, device="cuda", generator=g).bfloat16()
-    k = torch.randn(sum(lk), 2, 192, device="cuda", generator=g).bfloat16()
-    v = torch.randn(sum(lk), 2, 128, device="cuda", generator=g).bfloat16()
-    if what.startswith("inf"):  # key 70 of sequence 1: unmasked for its queries 128-199
-        k[300 + 70, 1, 100] = float("inf")
-    else:
-        v[sum(lk) - 70, 1, 3] = float("nan")  # on a masked tile of the last sequence
-    kw = dict(softmax_scale=192 ** -0.5, causal=causal, return_lse=True, quant=quant, sparsity=sp)
-    o, l = prefill(q, k, v, cu(lq), cu(lk), impl="gluon", config=cfg, **kw)
-    r, rl = mla_reference.prefill(q, k, v, cu(lq), cu(lk), compute_dtype=torch.float32, **kw)
-    torch.cuda.synchronize()
-    same_nan = torch.equal(o.isnan(), r.isnan()) and torch.equal(l.isnan(), rl.isnan())
-    fin = ~r.isnan() & ~o.isnan()
-    d, ref = (o.float() - r.float())[fin], r.float()[fin]
-    rel = (d.norm() / ref.norm().clamp_min(1e-30)).item()
-    good = same_nan and bool(r.isnan().any()) and rel < (3e-2 if quant else 1e-2)
-    ok &= good
-    print(f"{name} {what}: rel L2 {rel:.3g}, NaN rows {int(r.isnan().all(-1).sum())}, "
-          f"NaN same {same_nan} {'OK' if good else 'BAD'}", flush=True)
-sys.exit(0 if ok else 1)
-EOF
-T=$(left 50)
+T=$(left 45)
 for t in $NEW; do
-  ( timeout "$T" python3 "$TMP/smoke.py" "$t" >"$TMP/smoke-$t.txt" 2>&1; echo "rc=$?" >>"$TMP/smoke-$t.txt" ) &
+  ( timeout "$T" python3 packages/mla-triton/benchmarks/gpu/prefill_smoke.py "$t" --inf-k \
+      >"$TMP/smoke-$t.txt" 2>&1; echo "rc=$?" >>"$TMP/smoke-$t.txt" ) &
 done
 for i in 0 1 2; do
   ( timeout "$T" python3 $BENCH --sweep --tilings "$(csv $REF)" --warm "$i/3" >"$TMP/warm-ref-$i.txt" 2>&1
@@ -101,20 +52,12 @@ note "passed the smoke:$GOOD"
 # 2. GPU tests, sharded (ids round robin); the surviving tilings' compiles side by side
 TS=packages/mla-triton/tests
 KEXPR="pp128-ek or nt128 or nt64 or ws64-ek or pp64-ri or plain-ri"
-python3 -m pytest -q --collect-only -p no:cacheprovider $TS/test_prefill_gpu.py \
-  -k "(gluon_tilings or nan_rule_gluon_tilings) and ($KEXPR)" 2>/dev/null | grep "::" \
-  | sed 's|^.*\(packages/mla-triton/tests/\)|\1|' >"$TMP/ids.txt"
-# (inside a snapshot under the repository, pytest's rootdir is the outer repo: node ids
-#  come back prefixed with the snapshot's path; cut back to the cwd-relative path)
+collect_ids "$TMP/ids.txt" $TS/test_prefill_gpu.py \
+  -k "(gluon_tilings or nan_rule_gluon_tilings) and ($KEXPR)"
 SHARDS=6
 note "tests: $(wc -l <"$TMP/ids.txt") ids in $SHARDS shards"
-T=$(left 45)
-for i in $(seq 0 $((SHARDS - 1))); do
-  awk -v n=$SHARDS -v i="$i" 'NR % n == i' "$TMP/ids.txt" >"$TMP/ids-$i.txt"
-  ( mapfile -t ids <"$TMP/ids-$i.txt"
-    [ "${#ids[@]}" -gt 0 ] && timeout "$T" python3 -m pytest -v -rA -p no:cacheprovider "${ids[@]}" \
-      >"$TMP/tests-$i.txt" 2>&1; echo "rc=$?" >>"$TMP/tests-$i.txt" ) &
-done
+T=$(left 55)
+shards "$TMP/ids.txt" $SHARDS "$T" -v -rA  # -v: a test's line as it ends (kept if cut off)
 WARM=6
 if [ -n "$GOOD" ]; then
   for i in $(seq 0 $((WARM - 1))); do
@@ -125,7 +68,7 @@ fi
 wait
 for i in $(seq 0 $((SHARDS - 1))); do
   { echo "=== shard $i"; cat "$TMP/tests-$i.txt"; } >>"$OUT/tests.txt"
-  note "shard $i: $(grep -cE ' PASSED' "$TMP/tests-$i.txt") passed, $(grep -cE ' FAILED| ERROR' "$TMP/tests-$i.txt") failed; $(grep -E ' in [0-9.]+s' "$TMP/tests-$i.txt" | tail -1) $(tail -1 "$TMP/tests-$i.txt")"
+  note "shard $i: $(grep -cE '^[^ ]+::[^ ]+ PASSED' "$TMP/tests-$i.txt") passed, $(grep -cE '^(FAILED|ERROR) ' "$TMP/tests-$i.txt") failed/errors; $(grep -E ' in [0-9.]+s' "$TMP/tests-$i.txt" | tail -1) $(tail -1 "$TMP/tests-$i.txt")"
 done
 grep -h '^FAILED\|^ERROR' "$TMP"/tests-*.txt | tee -a "$S"
 cat "$TMP"/warm-*.txt >>"$OUT/warm.txt" 2>/dev/null
