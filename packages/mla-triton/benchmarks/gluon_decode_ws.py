@@ -19,18 +19,17 @@ length; TFLOP/s counted as FlashMLA does: ``2 H L (576 + 512)`` a request). Writ
 ``OUTDIR/ws-<plan>.json`` and prints a summary.
 
 The same check in parallel processes (``benchmarks/gpu/decode_ws_next.sh``): ``outputs
---variants NAME`` (a variant's name, ``gluon`` or ``reference``) saves one producer's
-outputs on ``CHECKS + PAGE_CHECKS`` to ``OUTDIR/out-NAME.pt`` (and, but for the
-reference, compiles the bench's keys on tiny inputs); ``compare`` then checks every saved
-variant against the reference and gluon (as ``check``) and bit for bit against its
-``cp.async`` twin (a TMA variant's outputs are its twin's: same tiles, same order), and
+--variants NAME`` (a variant's or a ``TWINS`` name, ``gluon`` or ``reference``) saves one
+producer's outputs on ``CHECKS + PAGE_CHECKS`` to ``OUTDIR/out-NAME.pt`` (and, but for
+the reference, compiles the bench's keys on tiny inputs); ``compare`` then checks every
+saved variant against the reference and gluon (as ``check``) and bit for bit against its
+``gluon_decode_ws.twin`` (one feature fewer: the same tiles in the same order), and
 writes ``ws-check.json`` (its ``failed`` list is what ``bench`` skips).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -45,7 +44,7 @@ from decode import SHAPES, flashmla_run, flops, make_inputs
 
 from mla_triton.decode import decode, decode_num_splits
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
-from mla_triton.gluon_decode_ws import VARIANTS, WsConfig
+from mla_triton.gluon_decode_ws import VARIANTS, twin
 
 SCALE = 576**-0.5
 SKIP = {n for n in os.environ.get("WS_SKIP", "").split(",") if n}
@@ -65,6 +64,9 @@ PAGE_CHECKS = [
 """The ``outputs`` / ``compare`` plans' cases beyond ``CHECKS`` (two more keys)."""
 BENCH_SHAPES = ("b128-h128-L8192", "b32-h128-L32768")
 BY_NAME = {c.name: c for c in VARIANTS}
+TWINS = {t.name: t for c in VARIANTS if (t := twin(c)) is not None and t.name not in BY_NAME}
+"""The ``twin`` configurations outside ``VARIANTS`` (``--variants`` takes them too: the new
+variants' bit-for-bit references, and what one feature alone buys in ``bench``)."""
 
 
 def _inputs(batch: int, heads: int, page: int, lens: list[int]) -> tuple[torch.Tensor, ...]:
@@ -144,7 +146,7 @@ def outputs(name: str, out_dir: str) -> None:
     if name == "reference":
         config: Any = None
     else:
-        config = GLUON_VARIANTS[0] if name == "gluon" else BY_NAME[name]
+        config = GLUON_VARIANTS[0] if name == "gluon" else (BY_NAME | TWINS)[name]
     saved: list[Any] = []
     for batch, heads, page, lens, splits in CHECKS + PAGE_CHECKS:
         q, cache, table, seq = _inputs(batch, heads, page, lens)
@@ -179,14 +181,9 @@ def outputs(name: str, out_dir: str) -> None:
         print(f"{name} warm {shape} ({splits} splits): {time.time() - t0:.1f} s", flush=True)
 
 
-def _twin(cfg: WsConfig) -> WsConfig | None:
-    """The ``cp.async`` variant a TMA variant must equal bit for bit (None: not TMA)."""
-    return dataclasses.replace(cfg, tma=False) if cfg.tma else None
-
-
 def compare(out_dir: str) -> tuple[set[str], list[dict[str, Any]]]:
     """Every variant saved by ``outputs`` against the reference and gluon ones (``_verdict``)
-    and, a TMA variant, bit for bit against its twin (where saved): the failed variants
+    and bit for bit against its ``twin`` (where saved): the failed variants
     (a missing file counts: its process hung or crashed), and the rows."""
 
     def load(name: str) -> list[Any] | None:
@@ -199,15 +196,15 @@ def compare(out_dir: str) -> tuple[set[str], list[dict[str, Any]]]:
         raise SystemExit("compare: the reference or gluon outputs are missing")
     rows: list[dict[str, Any]] = []
     failed: set[str] = set()
-    for name, cfg in BY_NAME.items():
+    for name, cfg in (BY_NAME | TWINS).items():
         got = load(name)
         if got is None:
             continue
         if len(got) < len(cases):
             failed.add(name)  # the process stopped part way (a hang: the timeout)
             rows.append({"config": name, "error": f"{len(got)} of {len(cases)} cases ran"})
-        twin = _twin(cfg)
-        twin_out = load(twin.name) if twin is not None else None
+        other = twin(cfg)
+        twin_out = load(other.name) if other is not None else None
         for i, saved in enumerate(got):
             case = {"case": list(cases[i]), "config": name}
             if isinstance(saved, str) or isinstance(gluon[i], str):
@@ -216,11 +213,11 @@ def compare(out_dir: str) -> tuple[set[str], list[dict[str, Any]]]:
                                     "ok": False})  # fmt: skip
                 continue
             row = case | _verdict(saved[0], saved[1], gluon[i][0], ref[i])
-            if twin is not None and twin_out is not None and i < len(twin_out):
+            if other is not None and twin_out is not None and i < len(twin_out):
                 same = not isinstance(twin_out[i], str) and bool(
                     torch.equal(saved[0], twin_out[i][0]) and torch.equal(saved[1], twin_out[i][1])
                 )  # fmt: skip
-                row[f"bitwise_vs_{twin.name}"] = same
+                row[f"bitwise_vs_{other.name}"] = same
                 row["ok"] = row["ok"] and same
             if not row["ok"]:
                 failed.add(name)
@@ -251,7 +248,8 @@ def _runs(
     gluon = GLUON_VARIANTS[0]
     runs: dict[str, Any] = {"gluon": lambda: decode(q, cache, table, lens, config=gluon, **kw)}
     for name in names:
-        runs[name] = functools.partial(decode, q, cache, table, lens, config=BY_NAME[name], **kw)
+        cfg = (BY_NAME | TWINS)[name]
+        runs[name] = functools.partial(decode, q, cache, table, lens, config=cfg, **kw)
     return runs
 
 
@@ -313,9 +311,8 @@ def main() -> int:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     named = [n for n in args.variants.split(",") if n]
-    unknown = (
-        set(named) - set(BY_NAME) - ({"gluon", "reference"} if args.plan == "outputs" else set())
-    )
+    extra = {"gluon", "reference"} if args.plan == "outputs" else set()
+    unknown = set(named) - set(BY_NAME) - set(TWINS) - extra
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)} (known: {sorted(BY_NAME)})")
     if args.plan == "outputs":

@@ -12,8 +12,8 @@ GPU (skipped without an sm90 GPU): against ``gluon_decode``'s kernel (``decode``
 its ``GluonDecodeConfig``, whatever ``WS_AUTO`` says) and
 ``mla_reference.decode`` (float64) with test_gluon_decode.py's bounds (rows 1.5e-2,
 LSE 2e-5) on ragged lengths, empty requests, pages 16/64/128, 1 to 4 splits, H 20 and
-128, bf16 and fp16; the new variants against the oracle and ``VARIANTS[0]`` (TMA: bit
-for bit against its ``cp.async`` twin) at pages 16 to 128; the NaN rule (pages outside
+128, bf16 and fp16; the new variants against the oracle and ``VARIANTS[0]`` (and bit
+for bit against their ``twin``) at pages 16 to 128; the NaN rule (pages outside
 the cache, lengths outside the table, a non-finite latent row; none from a row past the
 end) row for row as the Gluon kernel.
 """
@@ -24,7 +24,6 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -106,8 +105,15 @@ def test_compiles_for_sm90a(cfg: WsConfig) -> None:
 def test_config_checks() -> None:
     assert [c.name for c in VARIANTS] == [
         "ws-r232-p40-tile", "ws-r232-p40", "ws-r224-p56", "ws-r232-p40-tile-tma",
-        "ws-r232-p40-tile-n32s4", "ws-r232-p40-tile-tma-n32s4",
+        "ws-r232-p40-tile-tma-es", "ws-r232-p40-tile-tma-n32s4-es",
     ]  # fmt: skip
+    # each new variant equals one with a feature fewer bit for bit (the GPU checks)
+    first = ws.twin(VARIANTS[5])
+    assert first is not None and first.name == "ws-r232-p40-tile-tma-n32s4"
+    second = ws.twin(first)
+    assert second is not None and second.name == "ws-r232-p40-tile-n32s4"
+    assert ws.twin(VARIANTS[4]) == VARIANTS[3] and ws.twin(VARIANTS[3]) == VARIANTS[0]
+    assert ws.twin(VARIANTS[0]) is None and not WsConfig().early_s
     assert WsConfig() == VARIANTS[0]  # the default: whole-tile barriers (fastest measured)
     assert (WsConfig().tma, WsConfig().block_n, WsConfig().stages) == (False, 64, 2)
     with pytest.raises(ValueError, match=r"^config\.block_n: expected 32 or 64, got 16"):
@@ -206,9 +212,10 @@ def test_tma_and_ring_arguments() -> None:
     wide = torch.zeros(7, 64, 640, dtype=cache.dtype)[..., :576]  # rows of 640: still TMA
     gapped = torch.zeros(7, 65, 576, dtype=cache.dtype)[:, :64]  # a row between pages: not
     page16 = torch.zeros(28, 16, 576, dtype=cache.dtype)
+    ring = WsConfig(block_n=32, stages=4)  # cp.async
     cases = [(VARIANTS[3], cache, table), (VARIANTS[5], cache, table), (VARIANTS[3], wide, table),
              (VARIANTS[3], gapped, table), (VARIANTS[5], page16, table.repeat(1, 4)),
-             (VARIANTS[4], cache, table)]  # fmt: skip
+             (ring, cache, table)]  # fmt: skip
     with _intercept(action):
         for cfg, kv, tab in cases:
             decode(q, kv, tab, seq, softmax_scale=SCALE, num_splits=2, config=cfg)
@@ -225,6 +232,7 @@ def test_tma_and_ring_arguments() -> None:
     rings = [(64, 2), (32, 4), (64, 2), (64, 2), (32, 4), (32, 4)]
     assert [(a["SHAPE"][4], a["STAGES"]) for a in seen] == rings
     assert seen[4]["SHAPE"][2] == 16  # page 16: cp.async
+    assert [a["EARLY_S"] for a in seen] == [False, True, False, False, True, False]
     flat = torch.zeros(7 * 64 * 576 + 8, dtype=cache.dtype)
     assert ws.tma_descriptor(flat[8:].view(7, 64, 576), 64) is not None  # 16-byte aligned
     assert ws.tma_descriptor(flat[4:-4].view(7, 64, 576), 64) is None  # 8 bytes off
@@ -387,15 +395,16 @@ RING_CASES = [  # batch, heads, page, lengths, splits, dtype: TMA at pages 64, 1
 @pytest.mark.parametrize("case", RING_CASES, ids=[f"B{c[0]}-p{c[2]}-s{c[4]}" for c in RING_CASES])
 @pytest.mark.parametrize("config", VARIANTS[3:], ids=[c.name for c in VARIANTS[3:]])
 def test_tma_and_ring_variants(case: tuple[Any, ...], config: WsConfig) -> None:
-    """The TMA loads and the 4-slot ring of 32-token tiles (``VARIANTS[3:]``) against
-    the oracle and ``VARIANTS[0]``; a TMA variant is its ``cp.async`` twin bit for bit (the
-    same tiles in the same order: only the loads differ, and the tail rows the TMA brings
-    are zeroed or masked)."""
+    """The TMA loads, S issued early and the 4-slot ring of 32-token tiles
+    (``VARIANTS[3:]``) against the oracle and ``VARIANTS[0]``; each is its ``twin`` (one
+    feature fewer: ``early_s`` off, else ``cp.async``) bit for bit, the same tiles in the
+    same order (the tail rows the TMA brings are zeroed or masked)."""
     q, cache, table, seq, o_w, l_w = _against(case, config, VARIANTS[0])
-    if config.tma:
-        o_t, l_t = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=case[4],
-                          config=replace(config, tma=False))  # fmt: skip
-        assert torch.equal(o_w, o_t) and torch.equal(l_w, l_t)
+    other = ws.twin(config)
+    assert other is not None
+    o_t, l_t = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=case[4],
+                      config=other)  # fmt: skip
+    assert torch.equal(o_w, o_t) and torch.equal(l_w, l_t)
 
 
 @gpu

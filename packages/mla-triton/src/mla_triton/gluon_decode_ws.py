@@ -17,7 +17,7 @@ interpreter): the CPU test and the GPU script's report use it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "WsFamily",
     "compile_ws",
     "tma_descriptor",
+    "twin",
     "ws_config_family",
     "ws_dispatched",
     "ws_family",
@@ -58,6 +59,10 @@ class WsConfig:
             pages are back to back (``stride(0) == page * stride(1)``, 16-byte aligned);
             ``cp.async`` elsewhere (the default: always).
         block_n: tokens a tile, 64 (default) or 32.
+        early_s: a math warpgroup issues ``S_t`` of its tile as soon as the tile has
+            landed, before it waits for the other's ``P_{t-1}`` (so ``S_t`` runs under
+            the other's softmax, ``P_{t-1} V_{t-1}`` under its own); the same outputs bit
+            for bit. Else (the default) ``P_{t-1} V_{t-1}`` is issued first.
         stages: ring slots, 2 (default) or, with 32-token tiles, 4 (the same 144 KiB:
             three tiles can be landing while one is computed on, against one of two).
     """
@@ -68,6 +73,7 @@ class WsConfig:
     tma: bool = False
     block_n: int = 64
     stages: int = 2
+    early_s: bool = False
 
     def __post_init__(self) -> None:
         for name in ("math_regs", "producer_regs"):
@@ -85,10 +91,13 @@ class WsConfig:
     @property
     def name(self) -> str:
         """A short label: ``ws-r232-p40`` (``-tile`` when not chunked, ``-tma`` with TMA
-        loads, ``-n32s4`` for tiles and slots other than 64 and 2)."""
+        loads, ``-n32s4`` for tiles and slots other than 64 and 2, ``-es`` with
+        ``early_s``)."""
         ring = "" if (self.block_n, self.stages) == (64, 2) else f"-n{self.block_n}s{self.stages}"
-        return (f"ws-r{self.math_regs}-p{self.producer_regs}" + ("" if self.chunked else "-tile")
-                + ("-tma" if self.tma else "") + ring)  # fmt: skip
+        loads = ("" if self.chunked else "-tile") + ("-tma" if self.tma else "")
+        return f"ws-r{self.math_regs}-p{self.producer_regs}{loads}{ring}" + (
+            "-es" if self.early_s else ""
+        )
 
 
 VARIANTS: tuple[WsConfig, ...] = (
@@ -96,13 +105,24 @@ VARIANTS: tuple[WsConfig, ...] = (
     WsConfig(chunked=True),
     WsConfig(math_regs=224, producer_regs=56, chunked=True),
     WsConfig(tma=True),
-    WsConfig(block_n=32, stages=4),
-    WsConfig(block_n=32, stages=4, tma=True),
+    WsConfig(tma=True, early_s=True),
+    WsConfig(block_n=32, stages=4, tma=True, early_s=True),
 )
 """The configurations the benchmark times; ``VARIANTS[0]`` (``ws-r232-p40-tile``, the
 fastest of the first three on an H200 at b128 L8192 and b32 L32768, docs/gluon.md) is the
-default of ``compile_ws`` and the dispatch. ``[3:]``: the TMA loads and the 4-slot ring
-of 32-token tiles (compiled for sm_90a, not yet timed)."""
+default of ``compile_ws`` and the dispatch. ``[3:]``: the TMA loads, with S issued
+early, and with the 4-slot ring of 32-token tiles (compiled for sm_90a, not yet timed;
+``twin`` gives the configuration each must equal bit for bit)."""
+
+
+def twin(config: WsConfig) -> WsConfig | None:
+    """The configuration ``config``'s outputs equal bit for bit with one feature fewer
+    (the same tiles in the same order): without ``early_s``, else without ``tma``; None
+    for neither."""
+    if config.early_s:
+        return replace(config, early_s=False)
+    return replace(config, tma=False) if config.tma else None
+
 
 WS_AUTO = False
 """Whether ``decode`` (``impl="auto"`` and ``"gluon"``, no ``GluonDecodeConfig``) runs
@@ -136,7 +156,8 @@ class WsFamily(_OnRead):
         c = self.config
         desc = tma_descriptor(cache, c.block_n) if c.tma else None
         return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
-                "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc}  # fmt: skip
+                "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc,
+                "EARLY_S": c.early_s}  # fmt: skip
 
 
 def tma_descriptor(cache: torch.Tensor, block_n: int) -> Any:
@@ -245,6 +266,6 @@ def compile_ws(
         "SHAPE": (512, 64, page, k.BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "MULTI_SPLIT": num_splits > 1, "PRODUCER_REGS": config.producer_regs,
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
-        "TMA": tma,
+        "TMA": tma, "EARLY_S": config.early_s,
     }  # fmt: skip
     return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

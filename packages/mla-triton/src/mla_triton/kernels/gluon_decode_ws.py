@@ -270,14 +270,17 @@ def _release_other(acc, free, t, ST: gl.constexpr, ROLE: gl.constexpr):
 def _own_tile(
     acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free, t, lo,
     hi, row_scale, ROLE: gl.constexpr, HAS_PREV: gl.constexpr, CHUNKED: gl.constexpr,
-    TMA: gl.constexpr,
+    TMA: gl.constexpr, EARLY_S: gl.constexpr,
 ):  # fmt: skip
     """This warpgroup's tile ``t``: the other warpgroup's ``P_{t-1} V_{t-1}``
     (``HAS_PREV``; its P is published before tile ``t`` can start landing; that slot is
     released once it is done, under ``S_t``), ``S_t`` (``CHUNKED``: each 64-feature chunk
     as soon as it has landed), the softmax, (``TMA``: the tail rows zeroed,
     ``_zero_tail``) ``P_t`` and the maximum published, ``P_t V_t`` from registers, the
-    slot released. Returns ``(acc, l, m)``."""
+    slot released. ``EARLY_S``: ``S_t`` is issued first, as soon as tile ``t`` has
+    landed, so it runs under the other warpgroup's softmax of ``t - 1``; then ``P_{t-1}
+    V_{t-1}``, which runs under this softmax (the other slot released after it). The
+    same operations on ``acc`` and ``l`` in the same order. Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
@@ -291,7 +294,7 @@ def _own_tile(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s = _slot(t, ST, ROLE)
     phase = (t // ST) & 1
-    if HAS_PREV:
+    if HAS_PREV and not EARLY_S:
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
         )  # fmt: skip
@@ -308,7 +311,7 @@ def _own_tile(
             sc = warpgroup_mma(q1_smem.index(zero).slice(c * _CH, _CH, dim=1),
                                kv_tile.slice(c * _CH, _CH, dim=1).permute((1, 0)), sc,
                                use_acc=c > 0, is_async=True)  # fmt: skip
-            if HAS_PREV and c == 0:
+            if HAS_PREV and c == 0 and not EARLY_S:
                 acc = _release_other(acc, free, t, ST, ROLE)
         mbarrier.wait(landed.index(s * _NCH + D1 // _CH), phase)
         fence_async_shared()
@@ -317,11 +320,17 @@ def _own_tile(
         fence_async_shared()
         sc = warpgroup_mma(q1_smem.index(zero), kv_tile.permute((1, 0)), sc, use_acc=False,
                            is_async=True)  # fmt: skip
-        if HAS_PREV:
+        if HAS_PREV and not EARLY_S:
             acc = _release_other(acc, free, t, ST, ROLE)
     sc = warpgroup_mma(q2_smem.index(zero), kpe_ring.index(slot).permute((1, 0)), sc,
                        is_async=True)  # fmt: skip
-    sc = warpgroup_mma_wait(0, deps=(sc,))
+    if HAS_PREV and EARLY_S:  # P_{t-1} V_{t-1} behind S_t; S_t waited for, it stays in flight
+        acc, l_i, m_i = _pv_other(
+            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
+        )  # fmt: skip
+        sc = warpgroup_mma_wait(1, deps=(sc,))
+    else:
+        sc = warpgroup_mma_wait(0, deps=(sc,))
     offs_n = gl.arange(0, N, gl.SliceLayout(0, s_layout))
     p, alpha, m_i = _softmax(sc, m_i, (lo + t * N + offs_n) < hi, row_scale)
     l_i = l_i * alpha + gl.sum(p, axis=1)
@@ -335,6 +344,10 @@ def _own_tile(
     fence_async_shared()
     gl.barrier()
     mbarrier.arrive(pready.index(ROLE))
+    if HAS_PREV and EARLY_S:  # P_{t-1} V_{t-1} done: release tile t - 1's slot
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        gl.barrier()
+        mbarrier.arrive(free.index(_slot(t - 1, ST, 1 - ROLE)))
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     v_half = kv_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
     acc = warpgroup_mma(gl.convert_layout(p16, p_op), v_half, acc, is_async=True)
@@ -348,7 +361,7 @@ def _own_tile(
 def _math(
     q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
     lo, hi, n_tiles, score_scale, ROLE: gl.constexpr, D1: gl.constexpr, CHUNKED: gl.constexpr,
-    TMA: gl.constexpr,
+    TMA: gl.constexpr, EARLY_S: gl.constexpr,
 ):  # fmt: skip
     """Math warpgroup ``ROLE``: its tiles' S and softmax, P V of every tile on its 256
     features. Returns ``(acc [64, 256], m [64], l [64], nonfinite [64], any bad row)``,
@@ -378,13 +391,13 @@ def _math(
         if n_own > 0:
             acc, l_i, m_i = _own_tile(
                 acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
-                0, lo, hi, row_scale, ROLE, False, CHUNKED, TMA,
+                0, lo, hi, row_scale, ROLE, False, CHUNKED, TMA, EARLY_S,
             )  # fmt: skip
         first = 1
     for k in range(first, n_own):
         acc, l_i, m_i = _own_tile(
             acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
-            2 * k + ROLE, lo, hi, row_scale, ROLE, True, CHUNKED, TMA,
+            2 * k + ROLE, lo, hi, row_scale, ROLE, True, CHUNKED, TMA, EARLY_S,
         )  # fmt: skip
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
@@ -452,7 +465,7 @@ def _epilogue(
 @gluon.jit
 def _math_part(
     args, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr,
-    CHUNKED: gl.constexpr, TMA: gl.constexpr,
+    CHUNKED: gl.constexpr, TMA: gl.constexpr, EARLY_S: gl.constexpr,
 ):  # fmt: skip
     """A math warpgroup: ``_math`` then ``_epilogue`` for its features (``args``: the
     kernel's shared buffers, barriers, bounds and output pointers, in this order)."""
@@ -462,7 +475,7 @@ def _math_part(
      stride_lse_h, out_scale) = args  # fmt: skip
     acc, m_i, l_i, nonfinite, bad = _math(
         q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
-        done, lo, hi, n_tiles, score_scale, ROLE, D1, CHUNKED, TMA,
+        done, lo, hi, n_tiles, score_scale, ROLE, D1, CHUNKED, TMA, EARLY_S,
     )  # fmt: skip
     _epilogue(
         acc, m_i, l_i, nonfinite, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
@@ -485,6 +498,7 @@ def gluon_decode_ws_kernel(
     CHUNKED: gl.constexpr,
     STAGES: gl.constexpr,
     TMA: gl.constexpr,
+    EARLY_S: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request), recipe none.
 
@@ -496,7 +510,8 @@ def gluon_decode_ws_kernel(
     whole tile; ``STAGES``: ring slots (even: a slot's tiles belong to one warpgroup);
     ``TMA``: tiles arrive by TMA through ``kv_desc`` (the cache's rows ``[num_blocks *
     PAGE, 576]`` in ``[BLOCK_N, 64]`` boxes; ``PAGE`` a multiple of ``BLOCK_N``), else by
-    ``cp.async`` (``kv_desc`` None).
+    ``cp.async`` (``kv_desc`` None); ``EARLY_S``: a warpgroup issues ``S_t`` before it waits
+    for the other's ``P_{t-1}`` (``_own_tile``).
     """
     qn_ptr, qp_ptr, _qgs_ptr = split[0]
     (kv_ptr,) = split[1]
@@ -558,8 +573,8 @@ def gluon_decode_ws_kernel(
     if TMA:
         gl.warp_specialize(
             [
-                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA)),
-                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA)),
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
                 (_producer_tma, (
                     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc,
                     bt_ptr + b * stride_bt_b, lo, n_tiles, stride_bt_p, num_blocks, D1, PAGE,
@@ -572,8 +587,8 @@ def gluon_decode_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA)),
-                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA)),
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
                 (_producer, (
                     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr,
                     bt_ptr + b * stride_bt_b, lo, hi, n_tiles, stride_bt_p, stride_kv_page,
