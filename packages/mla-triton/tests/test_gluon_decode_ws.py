@@ -81,6 +81,13 @@ def test_compiles_for_sm90a(cfg: WsConfig) -> None:
     assert shapes == {f"m64n{cfg.block_n}k16": 3 * 36, "m64n256k16": 7 * cfg.block_n // 16}
     # the other's P V waited for with S's first chunk in flight (then its slot is free)
     assert "wgmma.wait_group.sync.aligned 1;" in c.ptx
+    # each warpgroup's loop (two): pready wait, the other's P V, landed wait, S (32 + 4
+    # wgmma around the wait for that P V); early_s: landed wait, S (36), pready wait, P V,
+    # the wait for S alone
+    order = _wgmma_trace(c.ptx)
+    pv = f"V{cfg.block_n // 16}"
+    loop = f"WS36W{pv}w1" if cfg.early_s else f"W{pv}WS32w1S4"
+    assert order.count(loop) == 2, order
     regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", c.ptx)
     asked = {int(n) for _, n in regs}
     assert {cfg.math_regs, cfg.producer_regs, 504 - cfg.math_regs - cfg.producer_regs} <= asked
@@ -100,6 +107,20 @@ def test_compiles_for_sm90a(cfg: WsConfig) -> None:
     assert "ttg.warp_specialize" in c.ttgir
     assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
     assert "C7515" not in c.ptxas_info, c.ptxas_info
+
+
+def _wgmma_trace(ptx: str) -> str:
+    """The PTX's mbarrier waits (``W``), runs of wgmma (``S<n>``: ``64 x BLOCK_N``, ``V<n>``:
+    ``64 x 256``) and wgmma waits (``w<n>``), in text order."""
+    events = []
+    for line in ptx.splitlines():
+        if "mbarrier.try_wait" in line:
+            events.append("W")
+        elif "wgmma.mma_async" in line:
+            events.append("V" if "n256k16" in line else "S")
+        elif "wgmma.wait_group" in line:
+            events.append("w" + line.split()[-1].rstrip(";"))
+    return re.sub(r"([SV])\1*", lambda m: f"{m.group(1)}{len(m.group())}", "".join(events))
 
 
 def test_config_checks() -> None:
