@@ -58,7 +58,12 @@ class GluonPrefillConfig:
     two stages the next K load then has a whole key step to land instead of none;
     ``row_inf_check``: the NaN rule's check for ``-inf`` raw scores on unmasked tiles
     by one row minimum a tile (one min a score instead of a compare and a select; the
-    row's ``l`` is made NaN: the same out and LSE)."""
+    row's ``l`` is made NaN: the same out and LSE); ``persistent`` (with
+    ``warp_specialize``, not with ``turns=False``): one program an SM loops over the
+    query tiles (heaviest first over every head), the K/V ring and the turns running on
+    across them, the producer loading the next tile's Q once the consumers' last ``Q Kᵀ``
+    of a tile is done (FA3's persistent scheduler): a tile's epilogue runs under the next
+    tile's loads."""
 
     block_m: int = 128
     block_n: int = 64
@@ -68,13 +73,15 @@ class GluonPrefillConfig:
     turns: bool = True
     early_k: bool = False
     row_inf_check: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m: expected 64 or 128, got {self.block_m!r}")
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
-        for name in ("warp_specialize", "pingpong", "turns", "early_k", "row_inf_check"):
+        names = ("warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "persistent")
+        for name in names:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 4:
@@ -85,6 +92,8 @@ class GluonPrefillConfig:
             raise ValueError("config.turns: False needs pingpong=True")
         if self.early_k and not self.warp_specialize:
             raise ValueError("config.early_k: needs warp_specialize=True")
+        if self.persistent and not (self.warp_specialize and self.turns):
+            raise ValueError("config.persistent: needs warp_specialize=True and turns=True")
 
     @property
     def num_warps(self) -> int:
@@ -238,14 +247,20 @@ class _Gluon(PrefillFamily):
             (c.sparsity.dense_sink_tokens, c.sparsity.dense_recent_tokens) if c.sparsity
             else (0, 0)
         )  # fmt: skip
-        gluon_prefill_kernel[(triton.cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)](
+        grid = (triton.cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)
+        if config.persistent:  # one program an SM (one fits: the ring fills shared memory)
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            launch: tuple[int, ...] = (min(grid[0] * grid[1] * grid[2], sms),)
+        else:
+            launch = grid
+        gluon_prefill_kernel[launch](
             _descriptor(q, [config.q_rows, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
             _descriptor(v, [bn, dim_v]), c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k,
             r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, heads // kv_heads,
             n_sink, n_recent, q.stride(1), k.stride(1), v.stride(1),
             q_scales.stride(0) if r.q_dynamic else 0,
             k_scales.stride(0) if r.k_dynamic else 0, c.out.stride(0), c.out.stride(1),
-            c.lse.stride(0), **variant.constexprs(q.shape[2], dim_v, config),
+            c.lse.stride(0), *grid, **variant.constexprs(q.shape[2], dim_v, config),
         )  # fmt: skip
 
 
@@ -285,7 +300,8 @@ class Variant:
             "NM_N": self.nm_n, "NM_M": self.nm_m, "NM_DENSE": self.nm_dense,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
             "PINGPONG": config.pingpong, "TURNS": config.turns, "EARLY_K": config.early_k,
-            "ROW_INF": config.row_inf_check, "PRODUCER_REGS": 24,
+            "ROW_INF": config.row_inf_check, "PERSISTENT": config.persistent,
+            "PRODUCER_REGS": 24,
             "CONSUMER_REGS": CONSUMER_REGS, "num_warps": config.num_warps,
         }  # fmt: skip
 
@@ -320,6 +336,7 @@ def compile_sm90(
         "group": "i32", "n_sink": "i32", "n_recent": "i32",
         "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",
         "stride_kst": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
+        "grid_m": "i32", "grid_h": "i32", "grid_b": "i32",
     }  # fmt: skip
     constexprs = variant.constexprs(dim, dim_v, config)
     signature |= dict.fromkeys(constexprs, "constexpr")

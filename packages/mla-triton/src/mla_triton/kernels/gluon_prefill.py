@@ -197,7 +197,7 @@ def _softmax(
 
 @gluon.jit
 def _sanitize_v(
-    v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan,
+    v_smem, v_bars, bad_smem, turn_bars, tile, ring, mid, seq_len_k, q_pos, row_nan,
     BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
     WG: gl.constexpr, TURNS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -212,9 +212,11 @@ def _sanitize_v(
     for the same tile, see ``_attend``) instead of a tile that may be zeroed already.
     Without ``TURNS`` nothing orders the two, so warpgroup 0 arrives on the slot's
     ``turn_bars[stage]`` once the tile is checked and warpgroup 1 waits for it (phase:
-    the masked tiles before ``tile`` in that slot; masked tiles are ``mid / BLOCK_N`` on)."""
-    stage = tile % NUM_STAGES
-    mbarrier.wait(v_bars.index(stage), (tile // NUM_STAGES) & 1)
+    the masked tiles before ``tile`` in that slot; masked tiles are ``mid / BLOCK_N`` on).
+    ``ring``: the tile's index in the K/V ring (``tile``, or counted on from the earlier
+    work tiles of a persistent program): its slot and phase."""
+    stage = ring % NUM_STAGES
+    mbarrier.wait(v_bars.index(stage), (ring // NUM_STAGES) & 1)
     start_n = tile * BLOCK_N
     if start_n >= mid:
         bad_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
@@ -252,7 +254,8 @@ def _sanitize_v(
 
 @gluon.jit
 def _issue_pv(
-    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan,
+    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, tile, ring, mid, seq_len_k, q_pos,
+    row_nan,
     row_o: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
     BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
     WG: gl.constexpr, num_warps: gl.constexpr,
@@ -262,18 +265,18 @@ def _issue_pv(
     ``WG``: -1, or the consumer warpgroup of two without turns (``_sanitize_v``)."""
     p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
     row_nan = _sanitize_v(
-        v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N,
-        DV, CAUSAL, NUM_STAGES, WG, False, num_warps,
+        v_smem, v_bars, bad_smem, turn_bars, tile, ring, mid, seq_len_k, q_pos, row_nan,
+        BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, False, num_warps,
     )  # fmt: skip
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    acc = warpgroup_mma(p_op, v_smem.index(tile % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(ring % NUM_STAGES), acc, is_async=True)
     return acc, p_op, row_nan
 
 
 @gluon.jit
 def _turn_pv(
-    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, step, tile, mid, seq_len_k, q_pos,
-    row_nan, row_o: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
+    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, step, tile, ring, mid, seq_len_k,
+    q_pos, row_nan, row_o: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
     BLOCK_N: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
     WG: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -283,10 +286,10 @@ def _turn_pv(
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     mbarrier.wait(turn_bars.index(WG), step & 1)
     row_nan = _sanitize_v(
-        v_smem, v_bars, bad_smem, turn_bars, tile, mid, seq_len_k, q_pos, row_nan, BLOCK_N,
-        DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
+        v_smem, v_bars, bad_smem, turn_bars, tile, ring, mid, seq_len_k, q_pos, row_nan,
+        BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
     )  # fmt: skip
-    acc = warpgroup_mma(p_op, v_smem.index(tile % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(ring % NUM_STAGES), acc, is_async=True)
     mbarrier.arrive(turn_bars.index(1 - WG), count=1)
     return acc, p_op, row_nan
 
@@ -295,7 +298,7 @@ def _turn_pv(
 def _attend(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem, k_desc,
     v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col, v_col,
-    mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
+    mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm, counts,
     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
     pv_dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
     NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
@@ -305,12 +308,15 @@ def _attend(
     """The key loop of ``ROWS`` query rows from ``row0`` (in the sequence): ``(acc, l, m,
     row_nan)``. With ``ISSUE_LOADS`` it issues the K/V loads of the tile ``NUM_STAGES``
     ahead itself; otherwise (warp specialized) it releases ring slots to the producer
-    through ``empties = (empty_bars, k_empty_bars)``: ``empty_bars[slot]`` once a
-    slot's P V MMA is done, and with ``EARLY_K`` (``SCHED = (TURNS, EARLY_K, ROW_INF)``,
-    ``ROW_INF``: ``_softmax``) its K
-    half on ``k_empty_bars[slot]`` as soon as the slot's ``S = Q Kᵀ`` is done (FA3's
-    separate K and V pipelines: a K load then has a whole key step to land, even with
-    two stages).
+    through ``empties = (empty_bars, k_empty_bars, q_empty)``: ``empty_bars[slot]`` once
+    a slot's P V MMA is done, and with ``EARLY_K`` (``SCHED = (TURNS, EARLY_K, ROW_INF,
+    PERSISTENT)``; ``ROW_INF``: ``_softmax``) its K half on ``k_empty_bars[slot]`` as
+    soon as the slot's ``S = Q Kᵀ`` is done (FA3's separate K and V pipelines: a K load
+    then has a whole key step to land, even with two stages). ``counts = (ring0, turn0,
+    q_phase)``: the ring index of the first key tile, the first turn and Q's barrier
+    phase (all 0; in a persistent program what its earlier work tiles used, and there
+    ``q_empty`` is arrived on once every ``S`` of the tile is done, and the last slot
+    released too).
 
     Ping-pong (``WG`` 0 or 1: one of two consumer warpgroups, rows ``WG * ROWS`` of
     the Q tile; -1: not): the warpgroups take turns on the tensor cores through the
@@ -326,8 +332,10 @@ def _attend(
     TURNS: gl.constexpr = SCHED[0]
     EARLY_K: gl.constexpr = SCHED[1]
     ROW_INF: gl.constexpr = SCHED[2]
+    PERSISTENT: gl.constexpr = SCHED[3]
     PP: gl.constexpr = WG >= 0 and TURNS  # ping-pong turns
-    empty_bars, k_empty_bars = empties
+    empty_bars, k_empty_bars, q_empty = empties
+    ring0, turn0, q_phase = counts
     Q0: gl.constexpr = NQ * WG if WG >= 0 else 0  # the first of this warpgroup's Q tiles
     offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
     q_pos = seq_len_k - seq_len_q + offs_m  # key positions of the rows (suffix alignment)
@@ -342,17 +350,19 @@ def _attend(
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
     # common.qdq_p's (gs, 1 / gs, 1 / (6 gs)): p_inv_gs is the one P's format uses
     p_scales = (p_gs, p_inv_gs, p_inv_gs)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
 
     if n_tiles > 0:
         if PP:
-            mbarrier.wait(turn_bars.index(WG), 0)
-        s = _issue_qk(q_smem, k_smem, k_bars, 0, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0)
+            mbarrier.wait(turn_bars.index(WG), turn0 & 1)
+        s = _issue_qk(
+            q_smem, k_smem, k_bars, ring0, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
+        )  # fmt: skip
         if PP:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         s = warpgroup_mma_wait(0, deps=(s,))
         if EARLY_K:
-            mbarrier.arrive(k_empty_bars.index(0), count=1)
+            mbarrier.arrive(k_empty_bars.index(ring0 % NUM_STAGES), count=1)
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
             p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM, ROW_INF,
@@ -362,28 +372,32 @@ def _attend(
             if PP:  # P and the rescale off the turn; S_j and P V in it
                 p_op = gl.convert_layout(p.to(pv_dtype), p_layout)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                mbarrier.wait(turn_bars.index(WG), j & 1)
+                mbarrier.wait(turn_bars.index(WG), (turn0 + j) & 1)
                 s = _issue_qk(
-                    q_smem, k_smem, k_bars, j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
+                    q_smem, k_smem, k_bars, ring0 + j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES,
+                    Q0,
                 )  # fmt: skip
                 row_nan = _sanitize_v(
-                    v_smem, v_bars, bad_smem, turn_bars, prev, mid, seq_len_k, q_pos, row_nan,
-                    BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
+                    v_smem, v_bars, bad_smem, turn_bars, prev, ring0 + prev, mid, seq_len_k,
+                    q_pos, row_nan, BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
                 )  # fmt: skip
-                acc = warpgroup_mma(p_op, v_smem.index(prev % NUM_STAGES), acc, is_async=True)
+                acc = warpgroup_mma(
+                    p_op, v_smem.index((ring0 + prev) % NUM_STAGES), acc, is_async=True
+                )  # fmt: skip
                 mbarrier.arrive(turn_bars.index(1 - WG), count=1)
             else:
                 s = _issue_qk(
-                    q_smem, k_smem, k_bars, j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
+                    q_smem, k_smem, k_bars, ring0 + j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES,
+                    Q0,
                 )  # fmt: skip
                 acc, p_op, row_nan = _issue_pv(
-                    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, prev, mid, seq_len_k,
-                    q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL,
+                    p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, prev, ring0 + prev, mid,
+                    seq_len_k, q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL,
                     NUM_STAGES, WG, num_warps,
                 )  # fmt: skip
             s = warpgroup_mma_wait(1, deps=(s,))
             if EARLY_K:  # S_j is done: K_j's slot may be refilled
-                mbarrier.arrive(k_empty_bars.index(j % NUM_STAGES), count=1)
+                mbarrier.arrive(k_empty_bars.index((ring0 + j) % NUM_STAGES), count=1)
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
                 stride_kst, p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
@@ -398,20 +412,27 @@ def _attend(
                         v_col, BLOCK_N, NQ, NUM_STAGES,
                     )  # fmt: skip
             else:  # the producer partition may refill the slot
-                mbarrier.arrive(empty_bars.index(prev % NUM_STAGES), count=1)
+                mbarrier.arrive(empty_bars.index((ring0 + prev) % NUM_STAGES), count=1)
+        if PERSISTENT:  # every S of this work tile is done: Q may be replaced
+            mbarrier.arrive(q_empty, count=1)
+        last = n_tiles - 1
         if PP:
             acc, p_op, row_nan = _turn_pv(
-                p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, n_tiles, n_tiles - 1, mid,
-                seq_len_k, q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL,
-                NUM_STAGES, WG, num_warps,
+                p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, turn0 + n_tiles, last,
+                ring0 + last, mid, seq_len_k, q_pos, row_nan, row_o, p_layout, pv_dtype,
+                BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, num_warps,
             )  # fmt: skip
         else:
             acc, p_op, row_nan = _issue_pv(
-                p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, n_tiles - 1, mid, seq_len_k,
-                q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL, NUM_STAGES, WG,
-                num_warps,
+                p, alpha, acc, v_smem, v_bars, bad_smem, turn_bars, last, ring0 + last, mid,
+                seq_len_k, q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL,
+                NUM_STAGES, WG, num_warps,
             )  # fmt: skip
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        if PERSISTENT:  # the last slot too: the next work tile's loads reuse it
+            mbarrier.arrive(empty_bars.index((ring0 + last) % NUM_STAGES), count=1)
+    elif PERSISTENT:
+        mbarrier.arrive(q_empty, count=1)
     return acc, l_i, m_i, row_nan
 
 
@@ -454,20 +475,21 @@ def _consume(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem, k_desc,
     v_desc, QS, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
     k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst, stride_kst,
-    stride_ot, stride_oh, stride_lh, nm, s_layout: gl.constexpr, o_layout: gl.constexpr,
-    p_layout: gl.constexpr, pv_dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-    DV: gl.constexpr, NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    Q_DYNAMIC: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
-    RETURN_LSE: gl.constexpr, WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
+    stride_ot, stride_oh, stride_lh, nm, counts, s_layout: gl.constexpr,
+    o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
+    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, NQ: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
+    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr,
+    WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """A ping-pong consumer warpgroup: ``_attend`` over its ``ROWS`` rows (from ``row0``),
-    then their ``_epilogue``."""
+    """A consumer warpgroup (ping-pong; or, persistent, any consumer partition):
+    ``_attend`` over its ``ROWS`` rows (from ``row0``), then their ``_epilogue``."""
     acc, l_i, m_i, row_nan = _attend(
         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem,
         k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
         k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
-        s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
-        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, WG, SCHED, num_warps,
+        counts, s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES,
+        CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, WG, SCHED, num_warps,
     )  # fmt: skip
     _epilogue(
         acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale, stride_ot,
@@ -478,15 +500,17 @@ def _consume(
 @gluon.jit
 def _producer(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc, k_desc, v_desc,
-    q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N: gl.constexpr, NQ: gl.constexpr,
-    NUM_STAGES: gl.constexpr, QH: gl.constexpr, EARLY_K: gl.constexpr,
+    q_row, q_col, k_start, k_col, v_col, n_tiles, ring0, BLOCK_N: gl.constexpr,
+    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, QH: gl.constexpr, EARLY_K: gl.constexpr,
 ):  # fmt: skip
     """The TMA partition (one warp): Q once (``QH`` row blocks of ``NQ`` chunks: one, or
     one per ping-pong warpgroup), then every K/V tile into its ring slot once the
     consumers released the slot's previous tile (``empties = (empty_bars,
     k_empty_bars)``). ``EARLY_K``: K and V are released apart (``_attend``), and K runs
-    one tile ahead of V (K_0, then K_{t+1} before V_t: FA3's producer order)."""
-    empty_bars, k_empty_bars = empties
+    one tile ahead of V (K_0, then K_{t+1} before V_t: FA3's producer order). ``ring0``:
+    the ring index of tile 0 (0, or, persistent, the key tiles of the earlier work tiles)."""
+    empty_bars = empties[0]
+    k_empty_bars = empties[1]
     mbarrier.expect(q_bar, QH * NQ * q_desc.block_type.nbytes)
     for h in gl.static_range(QH):
         for c in gl.static_range(NQ):
@@ -496,26 +520,218 @@ def _producer(
             )  # fmt: skip
     if EARLY_K:
         if n_tiles > 0:
-            _load_k(k_desc, k_smem, k_bars, 0, k_start, k_col, NQ)
+            if ring0 >= NUM_STAGES:
+                g0 = ring0
+                mbarrier.wait(k_empty_bars.index(g0 % NUM_STAGES), ((g0 // NUM_STAGES) - 1) & 1)
+            _load_k(k_desc, k_smem, k_bars, ring0 % NUM_STAGES, k_start, k_col, NQ)
         for t in range(n_tiles):
             nk = t + 1
             if nk < n_tiles:
-                if nk >= NUM_STAGES:
-                    mbarrier.wait(k_empty_bars.index(nk % NUM_STAGES), ((nk // NUM_STAGES) - 1) & 1)
+                gk = ring0 + nk
+                if gk >= NUM_STAGES:
+                    mbarrier.wait(k_empty_bars.index(gk % NUM_STAGES), ((gk // NUM_STAGES) - 1) & 1)
                 _load_k(
-                    k_desc, k_smem, k_bars, nk % NUM_STAGES, k_start + nk * BLOCK_N, k_col, NQ
+                    k_desc, k_smem, k_bars, gk % NUM_STAGES, k_start + nk * BLOCK_N, k_col, NQ
                 )  # fmt: skip
-            if t >= NUM_STAGES:
-                mbarrier.wait(empty_bars.index(t % NUM_STAGES), ((t // NUM_STAGES) - 1) & 1)
-            _load_v(v_desc, v_smem, v_bars, t % NUM_STAGES, k_start + t * BLOCK_N, v_col)
+            g = ring0 + t
+            if g >= NUM_STAGES:
+                mbarrier.wait(empty_bars.index(g % NUM_STAGES), ((g // NUM_STAGES) - 1) & 1)
+            _load_v(v_desc, v_smem, v_bars, g % NUM_STAGES, k_start + t * BLOCK_N, v_col)
     else:
         for t in range(n_tiles):
-            if t >= NUM_STAGES:
-                mbarrier.wait(empty_bars.index(t % NUM_STAGES), ((t // NUM_STAGES) - 1) & 1)
-            _load_kv(
-                k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, t, k_start, k_col, v_col,
-                BLOCK_N, NQ, NUM_STAGES,
+            g = ring0 + t
+            if g >= NUM_STAGES:
+                mbarrier.wait(empty_bars.index(g % NUM_STAGES), ((g // NUM_STAGES) - 1) & 1)
+            row = k_start + t * BLOCK_N
+            _load_k(k_desc, k_smem, k_bars, g % NUM_STAGES, row, k_col, NQ)
+            _load_v(v_desc, v_smem, v_bars, g % NUM_STAGES, row, v_col)
+
+
+@gluon.jit
+def _setup(
+    q_desc, k_desc, v_desc, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+    EARLY_K: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """Shared memory and mbarriers of a program: ``(q_smem, k_smem, v_smem, q_bar, k_bars,
+    v_bars, empties, turn_bars, bad_smem)``, ``empties = (empty_bars, k_empty_bars,
+    q_empty)`` (the last two only with ``EARLY_K`` / ``PERSISTENT``, else aliases)."""
+    dtype: gl.constexpr = q_desc.dtype  # Q and K
+    pv_dtype: gl.constexpr = v_desc.dtype  # P and V
+    QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
+    q_smem = gl.allocate_shared_memory(dtype, [QH * NQ, ROWS, CHUNK], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if EARLY_K:  # K's own release barriers (empty_bars then release V alone)
+        k_empty_bars = gl.allocate_shared_memory(
+            gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout()
+        )  # fmt: skip
+    else:
+        k_empty_bars = empty_bars  # not used
+    if PERSISTENT:  # the consumers are done with Q (its last S): the next may be loaded
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    else:
+        q_empty = q_bar  # not used
+    empties = (empty_bars, k_empty_bars, q_empty)
+    TURN_BARS: gl.constexpr = 2 if TURNS else NUM_STAGES
+    if PINGPONG:  # the turns (without TURNS: each slot's "V checked" barrier), and
+        # the first bad V key of each ring slot (WG 0 to 1)
+        turn_bars = gl.allocate_shared_memory(
+            gl.int64, [TURN_BARS, 1], mbarrier.MBarrierLayout()
+        )  # fmt: skip
+        bad_smem = gl.allocate_shared_memory(
+            gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )  # fmt: skip
+    else:  # not read without ping-pong
+        turn_bars = empty_bars
+        bad_smem = empty_bars
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2 if PINGPONG else 1)
+        if EARLY_K:
+            mbarrier.init(k_empty_bars.index(i), count=2 if PINGPONG else 1)
+    if PINGPONG:
+        for i in gl.static_range(TURN_BARS):
+            mbarrier.init(turn_bars.index(i), count=1)
+    if PERSISTENT:
+        mbarrier.init(q_empty, count=2 if PINGPONG else 1)
+    fence_async_shared()
+    return q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem
+
+
+@gluon.jit
+def _teardown(
+    q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr, TURNS: gl.constexpr, EARLY_K: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """Invalidate ``_setup``'s mbarriers."""
+    empty_bars, k_empty_bars, q_empty = empties
+    TURN_BARS: gl.constexpr = 2 if TURNS else NUM_STAGES
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+        mbarrier.invalidate(empty_bars.index(i))
+        if EARLY_K:
+            mbarrier.invalidate(k_empty_bars.index(i))
+    if PINGPONG:
+        for i in gl.static_range(TURN_BARS):
+            mbarrier.invalidate(turn_bars.index(i))
+    if PERSISTENT:
+        mbarrier.invalidate(q_empty)
+
+
+@gluon.jit
+def _work(
+    w, grid_m, grid_h, grid_b, cu_seqlens_q, cu_seqlens_k, group, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """Work tile ``w`` of a persistent launch (``grid_m`` query tiles x ``grid_h`` heads x
+    ``grid_b`` sequences, the query tile slowest: every head's heaviest causal tiles
+    first): ``(start_m, head, q_start, seq_len_q, k_start, seq_len_k, kv_head, mid,
+    n_tiles)`` as the non-persistent kernel derives them from its grid."""
+    pid_m = w // (grid_h * grid_b)
+    rest = w % (grid_h * grid_b)
+    head = rest % grid_h
+    seq = rest // grid_h
+    if CAUSAL:  # noqa: SIM108
+        start_m = grid_m - 1 - pid_m  # longest query tiles first
+    else:
+        start_m = pid_m
+    q_start = gl.load(cu_seqlens_q + seq)
+    seq_len_q = gl.load(cu_seqlens_q + seq + 1) - q_start
+    k_start = gl.load(cu_seqlens_k + seq)
+    seq_len_k = gl.load(cu_seqlens_k + seq + 1) - k_start
+    hi, mid = key_bounds(start_m, seq_len_q, seq_len_k, BLOCK_M, BLOCK_N, CAUSAL)
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    return start_m, head, q_start, seq_len_q, k_start, seq_len_k, head // group, mid, n_tiles
+
+
+@gluon.jit
+def _consume_all(
+    bufs, tiles, heads, args, s_layout: gl.constexpr,
+    o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
+    BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
+    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr,
+    WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """A consumer partition of a persistent program: ``_consume`` for each of its work tiles
+    (``w = program_id, + num_programs, ...``; empty tiles past a sequence skipped), the
+    ring index, turn and Q phase counted on across them. ``bufs``, ``tiles``, ``heads``,
+    ``args``: the kernel's buffers and barriers, what ``_work`` reads, the head strides,
+    the rest of its arguments."""
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties = bufs
+    cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group = tiles
+    stride_kh = heads[1]
+    stride_vh = heads[2]
+    (
+        turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse, n_sink, n_recent, qk_scale,
+        p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh,
+    ) = args  # fmt: skip
+    ring = 0
+    turn = 0
+    done = 0
+    for w in range(gl.program_id(0), grid_m * grid_h * grid_b, gl.num_programs(0)):
+        start_m, head, q_start, seq_len_q, k_start, seq_len_k, kv_head, mid, n_tiles = _work(
+            w, grid_m, grid_h, grid_b, cu_seqlens_q, cu_seqlens_k, group, BLOCK_M, BLOCK_N,
+            CAUSAL,
+        )  # fmt: skip
+        if start_m * BLOCK_M < seq_len_q:
+            row0 = start_m * BLOCK_M + (ROWS if WG == 1 else 0)
+            _consume(
+                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem,
+                k_desc, v_desc, QS, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0,
+                head, kv_head, kv_head * stride_kh, kv_head * stride_vh, mid, n_tiles,
+                qk_scale, p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot,
+                stride_oh, stride_lh, (n_sink, n_recent, seq_len_q == 1),
+                (ring, turn, done & 1), s_layout, o_layout, p_layout, pv_dtype, ROWS,
+                BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM,
+                RETURN_LSE, WG, SCHED, num_warps,
             )  # fmt: skip
+            ring += n_tiles
+            turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
+            done += 1
+
+
+@gluon.jit
+def _produce_all(
+    bufs, tiles, heads, descs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NQ: gl.constexpr,
+    NUM_STAGES: gl.constexpr, QH: gl.constexpr, EARLY_K: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """The TMA partition of a persistent program: ``_producer`` for each of its work tiles
+    (those of ``_consume_all``: the same ``bufs``, ``tiles``, ``heads``), a new Q only once
+    the consumers left the last one (``empties[2]``, "Q empty"), the ring index counted on
+    across them; ``descs``: the Q, K and V descriptors."""
+    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties = bufs
+    cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group = tiles
+    stride_qh, stride_kh, stride_vh = heads
+    q_desc, k_desc, v_desc = descs
+    q_empty = empties[2]
+    ring = 0
+    done = 0
+    for w in range(gl.program_id(0), grid_m * grid_h * grid_b, gl.num_programs(0)):
+        start_m, head, q_start, seq_len_q, k_start, _, kv_head, _, n_tiles = _work(
+            w, grid_m, grid_h, grid_b, cu_seqlens_q, cu_seqlens_k, group, BLOCK_M, BLOCK_N,
+            CAUSAL,
+        )  # fmt: skip
+        if start_m * BLOCK_M < seq_len_q:
+            if done > 0:
+                mbarrier.wait(q_empty, (done - 1) & 1)
+            _producer(
+                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc, k_desc, v_desc,
+                q_start + start_m * BLOCK_M, head * stride_qh, k_start, kv_head * stride_kh,
+                kv_head * stride_vh, n_tiles, ring, BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
+            )  # fmt: skip
+            ring += n_tiles
+            done += 1
 
 
 @gluon.jit
@@ -544,6 +760,9 @@ def gluon_prefill_kernel(
     stride_ot,
     stride_oh,
     stride_lh,
+    grid_m,
+    grid_h,
+    grid_b,
     DQK: gl.constexpr,
     DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -562,6 +781,7 @@ def gluon_prefill_kernel(
     TURNS: gl.constexpr,
     EARLY_K: gl.constexpr,
     ROW_INF: gl.constexpr,
+    PERSISTENT: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -588,6 +808,7 @@ def gluon_prefill_kernel(
     """
     NQ: gl.constexpr = DQK // CHUNK
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
+    QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
     NM: gl.constexpr = (NM_N, NM_M, NM_DENSE)
     gl.static_assert(DQK % CHUNK == 0)
     gl.static_assert(16 * num_warps == ROWS)
@@ -595,7 +816,9 @@ def gluon_prefill_kernel(
     gl.static_assert(WARP_SPEC or not PINGPONG)
     gl.static_assert(WARP_SPEC or not EARLY_K)
     gl.static_assert(PINGPONG or TURNS)
-    SCHED: gl.constexpr = (TURNS, EARLY_K, ROW_INF)
+    gl.static_assert(WARP_SPEC or not PERSISTENT)
+    gl.static_assert(TURNS or not PERSISTENT)
+    SCHED: gl.constexpr = (TURNS, EARLY_K, ROW_INF, PERSISTENT)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -603,9 +826,89 @@ def gluon_prefill_kernel(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q_desc.dtype  # Q and K
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
 
+    if PERSISTENT:  # one program an SM, looping over work tiles (_consume_all, _produce_all)
+        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem = _setup(
+            q_desc, k_desc, v_desc, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
+            True,
+        )  # fmt: skip
+        bufs = (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties)
+        tiles = (cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group)
+        heads = (stride_qh, stride_kh, stride_vh)
+        args = (
+            turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse, n_sink, n_recent, qk_scale,
+            p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh,
+        )  # fmt: skip
+        descs = (q_desc, k_desc, v_desc)
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 takes the first turn
+            gl.warp_specialize(
+                [
+                    (_consume_all, (
+                        bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
+                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                        K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
+                    )),
+                    (_consume_all, (
+                        bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
+                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                        K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1, SCHED, num_warps,
+                    )),
+                    (_produce_all, (
+                        bufs, tiles, heads, descs, BLOCK_M, BLOCK_N, NQ, NUM_STAGES, QH,
+                        EARLY_K, CAUSAL,
+                    )),
+                ],
+                [num_warps, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_consume_all, (
+                        bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
+                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                        K_DYNAMIC, P_FMT, NM, RETURN_LSE, -1, SCHED, num_warps,
+                    )),
+                    (_produce_all, (
+                        bufs, tiles, heads, descs, BLOCK_M, BLOCK_N, NQ, NUM_STAGES, QH,
+                        EARLY_K, CAUSAL,
+                    )),
+                ],
+                [1],
+                [PRODUCER_REGS],
+            )  # fmt: skip
+        _teardown(
+            q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
+            True,
+        )  # fmt: skip
+    else:
+        _one_tile(
+            q_desc, k_desc, v_desc, Out, Lse, QS, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
+            p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh,
+            stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, s_layout, o_layout,
+            p_layout, pv_dtype, DV, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC,
+            P_FMT, NM, RETURN_LSE, WARP_SPEC, PINGPONG, TURNS, EARLY_K, SCHED, QH, NQ, ROWS,
+            PRODUCER_REGS, CONSUMER_REGS, num_warps,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _one_tile(
+    q_desc, k_desc, v_desc, Out, Lse, QS, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
+    p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh, stride_qst,
+    stride_kst, stride_ot, stride_oh, stride_lh, s_layout: gl.constexpr,
+    o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr, DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr, K_DYNAMIC: gl.constexpr,
+    P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr, WARP_SPEC: gl.constexpr,
+    PINGPONG: gl.constexpr, TURNS: gl.constexpr, EARLY_K: gl.constexpr, SCHED: gl.constexpr,
+    QH: gl.constexpr, NQ: gl.constexpr, ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """The non-persistent kernel: the program's one query tile (grid: query tiles x
+    heads x sequences)."""
     start_m, head, seq, q_start, seq_len_q = query_tile(cu_seqlens_q, CAUSAL)
     if start_m * BLOCK_M < seq_len_q:
         k_start = gl.load(cu_seqlens_k + seq)
@@ -615,44 +918,10 @@ def gluon_prefill_kernel(
         n_tiles = gl.cdiv(hi, BLOCK_N)
         nm = (n_sink, n_recent, seq_len_q == 1)  # a single query is never sparsified
 
-        QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
-        q_smem = gl.allocate_shared_memory(dtype, [QH * NQ, ROWS, CHUNK], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        if EARLY_K:  # K's own release barriers (empty_bars then release V alone)
-            k_empty_bars = gl.allocate_shared_memory(
-                gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout()
-            )  # fmt: skip
-        else:
-            k_empty_bars = empty_bars  # not used
-        empties = (empty_bars, k_empty_bars)
-        TURN_BARS: gl.constexpr = 2 if TURNS else NUM_STAGES
-        if PINGPONG:  # the turns (without TURNS: each slot's "V checked" barrier), and
-            # the first bad V key of each ring slot (WG 0 to 1)
-            turn_bars = gl.allocate_shared_memory(
-                gl.int64, [TURN_BARS, 1], mbarrier.MBarrierLayout()
-            )  # fmt: skip
-            bad_smem = gl.allocate_shared_memory(
-                gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
-            )  # fmt: skip
-        else:  # not read without ping-pong
-            turn_bars = empty_bars
-            bad_smem = empty_bars
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-            mbarrier.init(empty_bars.index(i), count=2 if PINGPONG else 1)
-            if EARLY_K:
-                mbarrier.init(k_empty_bars.index(i), count=2 if PINGPONG else 1)
-        if PINGPONG:
-            for i in gl.static_range(TURN_BARS):
-                mbarrier.init(turn_bars.index(i), count=1)
-        fence_async_shared()
+        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem = _setup(
+            q_desc, k_desc, v_desc, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
+            False,
+        )  # fmt: skip
 
         q_col = head * stride_qh
         k_col = kv_head * stride_kh
@@ -669,8 +938,8 @@ def gluon_prefill_kernel(
                         empties, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse,
                         q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col,
                         v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst,
-                        stride_kst, stride_ot, stride_oh, stride_lh, nm, s_layout, o_layout,
-                        p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
+                        stride_kst, stride_ot, stride_oh, stride_lh, nm, (0, 0, 0), s_layout,
+                        o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
                         Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
                     )),
                     (_consume, (
@@ -679,14 +948,14 @@ def gluon_prefill_kernel(
                         Lse, q_start, seq_len_q, k_start, seq_len_k, row0 + ROWS, head,
                         kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs,
                         out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, nm,
-                        s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
+                        (0, 0, 0), s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
                         NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1,
                         SCHED, num_warps,
                     )),
                     (_producer, (
                         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc,
-                        k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, BLOCK_N,
-                        NQ, NUM_STAGES, QH, EARLY_K,
+                        k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, 0,
+                        BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
                     )),
                 ],
                 [num_warps, 1],
@@ -701,13 +970,14 @@ def gluon_prefill_kernel(
                             turn_bars, bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q,
                             k_start, seq_len_k, row0, head, kv_head, k_col, v_col, mid,
                             n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
-                            s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
+                            (0, 0, 0), s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N,
+                            DV, NQ,
                             NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, -1,
                             SCHED, num_warps,
                         )),
                         (_producer, (
                             q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc,
-                            k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles,
+                            k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, 0,
                             BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
                         )),
                     ],
@@ -730,9 +1000,9 @@ def gluon_prefill_kernel(
                     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars,
                     bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k,
                     row0, head, kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs,
-                    p_inv_gs, stride_qst, stride_kst, nm, s_layout, o_layout, p_layout,
-                    pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC,
-                    P_FMT, NM, True, -1, SCHED, num_warps,
+                    p_inv_gs, stride_qst, stride_kst, nm, (0, 0, 0), s_layout, o_layout,
+                    p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                    K_DYNAMIC, P_FMT, NM, True, -1, SCHED, num_warps,
                 )  # fmt: skip
             _epilogue(
                 acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale,
@@ -740,13 +1010,7 @@ def gluon_prefill_kernel(
                 num_warps,
             )  # fmt: skip
 
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
-            mbarrier.invalidate(empty_bars.index(i))
-            if EARLY_K:
-                mbarrier.invalidate(k_empty_bars.index(i))
-        if PINGPONG:
-            for i in gl.static_range(TURN_BARS):
-                mbarrier.invalidate(turn_bars.index(i))
+        _teardown(
+            q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
+            False,
+        )  # fmt: skip
