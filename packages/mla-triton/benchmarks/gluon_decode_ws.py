@@ -65,8 +65,8 @@ PAGE_CHECKS = [
 BENCH_SHAPES = ("b128-h128-L8192", "b32-h128-L32768")
 BY_NAME = {c.name: c for c in VARIANTS}
 TWINS = {t.name: t for c in VARIANTS if (t := twin(c)) is not None and t.name not in BY_NAME}
-"""The ``twin`` configurations outside ``VARIANTS`` (``--variants`` takes them too: the new
-variants' bit-for-bit references, and what one feature alone buys in ``bench``)."""
+"""The ``twin`` configurations outside ``VARIANTS`` (``outputs --variants`` takes them: the
+new variants' bit-for-bit references; checked on the GPU, not timed)."""
 
 
 def _inputs(batch: int, heads: int, page: int, lens: list[int]) -> tuple[torch.Tensor, ...]:
@@ -248,8 +248,7 @@ def _runs(
     gluon = GLUON_VARIANTS[0]
     runs: dict[str, Any] = {"gluon": lambda: decode(q, cache, table, lens, config=gluon, **kw)}
     for name in names:
-        cfg = (BY_NAME | TWINS)[name]
-        runs[name] = functools.partial(decode, q, cache, table, lens, config=cfg, **kw)
+        runs[name] = functools.partial(decode, q, cache, table, lens, config=BY_NAME[name], **kw)
     return runs
 
 
@@ -311,8 +310,8 @@ def main() -> int:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     named = [n for n in args.variants.split(",") if n]
-    extra = {"gluon", "reference"} if args.plan == "outputs" else set()
-    unknown = set(named) - set(BY_NAME) - set(TWINS) - extra
+    extra = {"gluon", "reference", *TWINS} if args.plan == "outputs" else set()
+    unknown = set(named) - set(BY_NAME) - extra
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)} (known: {sorted(BY_NAME)})")
     if args.plan == "outputs":
