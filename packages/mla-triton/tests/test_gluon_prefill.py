@@ -41,7 +41,8 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # tiles plain, 128-key tiles with nvfp4 P and 4:8); then the schedule options of issue 17's
 # third step: K released after Q K^T (early_k) with the row-minimum -inf check at 128-key
 # ping-pong, FA3's head-dim-192 schedule (128 x 128 x 2, two consumers without turns,
-# early_k) with nvfp4 P, and early_k on the warp-specialized 128 x 64 tiling with 2:4.
+# early_k) with nvfp4 P, early_k on the warp-specialized 128 x 64 tiling with 2:4 in a
+# persistent loop, and the persistent ping-pong 128 x 64 tiling (not causal).
 DEFAULT = gp.GluonPrefillConfig()
 AUTO = gp.AUTO_CONFIGS
 FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1}
@@ -65,8 +66,10 @@ VARIANTS = [
         128, 128, 2, True, True, early_k=True, row_inf_check=True), True, True, {}),
     (torch.float16, 192, 128, gp.GluonPrefillConfig(
         128, 128, 2, True, True, turns=False, early_k=True), True, True, NVFP4),
-    (torch.float16, 192, 128, gp.GluonPrefillConfig(128, 64, 3, True, early_k=True), True, True,
-     NVFP4 | NM24),
+    (torch.float16, 192, 128, gp.GluonPrefillConfig(
+        128, 64, 3, True, early_k=True, persistent=True), True, True, NVFP4 | NM24),
+    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
+        128, 64, 3, True, True, persistent=True), False, True, {}),
 ]  # fmt: skip
 SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     4,  # fp8 P at 128 x 128: 72 B
@@ -139,10 +142,10 @@ def test_every_variant_compiles_for_sm90a() -> None:
         assert got["num_warps"] == config.total_warps, variant
         assert got["LOCAL"] == 0, variant
         # mbarriers: Q; K, V and the slot releases per stage; K's own releases (early_k);
-        # the ping-pong turns (without turns: each stage's "V checked" hand-over)
+        # the ping-pong turns (without turns: each stage's "V checked" hand-over); "Q empty"
         stages = config.num_stages
         want = 1 + 3 * stages + stages * config.early_k
-        want += config.pingpong * (2 if config.turns else stages)
+        want += config.pingpong * (2 if config.turns else stages) + config.persistent  # Q empty
         assert got["mbarrier_init"] == want, variant
         # the row-minimum -inf check (row_inf_check): the kernel's only float minimum
         # outside nvfp4 P's QDQ
@@ -192,6 +195,7 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("turns", 0),
         ("early_k", 1),
         ("row_inf_check", None),
+        ("persistent", "yes"),
     ],
 )
 def test_config_rejects(field: str, value: object) -> None:
@@ -213,6 +217,11 @@ def test_pingpong_needs_two_warpgroups_and_a_producer(kwargs: dict[str, Any]) ->
         ({"turns": False}, r"^config\.turns: False needs pingpong=True"),
         ({"warp_specialize": True, "turns": False}, r"^config\.turns: False needs pingpong"),
         ({"early_k": True}, r"^config\.early_k: needs warp_specialize=True"),
+        ({"persistent": True}, r"^config\.persistent: needs warp_specialize=True and turns"),
+        (
+            {"warp_specialize": True, "pingpong": True, "turns": False, "persistent": True},
+            r"^config\.persistent: needs",
+        ),
     ],
 )
 def test_schedule_options_need_their_schedule(kwargs: dict[str, Any], message: str) -> None:
