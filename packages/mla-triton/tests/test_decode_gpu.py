@@ -207,8 +207,9 @@ def test_head_counts(heads: int, recipe: str, impl: str) -> None:
 
 @pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 GPU")
 def test_auto_runs_the_gluon_kernel_on_sm90() -> None:
-    """``impl="auto"`` launches the Gluon split kernel at 128 heads (none, fp8), the
-    Triton one at 16 heads and for nvfp4."""
+    """``impl="auto"`` launches the Gluon kernels at 128 heads (none: the
+    warp-specialized one; fp8 and nvfp4: ``gluon_decode``'s), the Triton one at 16
+    heads."""
     from mla_triton.warmup import _intercept
 
     seen: list[str] = []
@@ -221,8 +222,9 @@ def test_auto_runs_the_gluon_kernel_on_sm90() -> None:
         for recipe in ("none", "fp8", "nvfp4"):
             decode(q, cache, table, seq, softmax_scale=SCALE, quant=RECIPES[recipe])
         decode(q[:, :16], cache, table, seq, softmax_scale=SCALE)
-    split = [name for name in seen if "split" in name]
-    assert split == ["gluon_decode_split_kernel"] * 2 + ["decode_split_kernel"] * 2, seen
+    split = [name for name in seen if name.endswith(("split_kernel", "ws_kernel"))]
+    want = ["gluon_decode_ws_kernel", *["gluon_decode_split_kernel"] * 2, "decode_split_kernel"]
+    assert split == want, seen
 
 
 @pytest.mark.parametrize(("recipe", "impl"), NVFP4_OR_GLUON)

@@ -225,10 +225,12 @@ GATED = {
 @pytest.mark.parametrize("name", list(GATED))
 def test_on_read_gated(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """nvfp4 q or P and V quantized into its own tiles on read: ``"gluon"`` takes them,
-    ``"auto"`` only once ``GLUON_ON_READ_AUTO`` is on (not verified on a GPU yet)."""
+    ``"auto"`` only while ``GLUON_ON_READ_AUTO`` is on (the shipped value, since the H200
+    suites)."""
     import mla_triton.gluon_decode as gd
 
-    assert gd.GLUON_ON_READ_AUTO is False
+    assert gd.GLUON_ON_READ_AUTO is True
+    monkeypatch.setattr(gd, "GLUON_ON_READ_AUTO", False)
     facts = replace(SM90, quant=GATED[name])
     why = gluon_unsupported(facts)
     assert why is not None and "GLUON_ON_READ_AUTO" in why.reason and not why.covered, why
@@ -373,11 +375,17 @@ def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("recipe", ["none", "fp8"])
-def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
+def test_dispatch_launches_the_gluon_kernel(
+    recipe: str, as_sm90: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On sm90 ``decode`` launches q̂ (fp8), the Gluon kernel with exactly its parameters
     (``split_kernel_args`` filtered, plus its own) and the merge; at 20 heads ``"auto"``
-    keeps the Triton kernel, ``"gluon"`` takes it."""
+    keeps the Triton kernel, ``"gluon"`` takes it (``WS_AUTO`` off: recipe none's
+    warp-specialized kernel is test_gluon_decode_ws.py's)."""
+    import mla_triton.gluon_decode_ws as ws
     from mla_triton.decode import decode
+
+    monkeypatch.setattr(ws, "WS_AUTO", False)
     from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
 
     quant = AttentionQuant.uniform("fp8") if recipe == "fp8" else None
@@ -421,7 +429,9 @@ def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
 def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     """``decode(impl="gluon")`` with nvfp4 K and V on read launches q̂ and the Gluon
     kernel with V̂ of its own (``V_OWN``, 32-token tiles, 2 stages, the static scales);
-    ``"auto"`` keeps Triton; another Gluon tiling is a ValueError before any launch."""
+    ``"auto"`` takes it too (``GLUON_ON_READ_AUTO`` on), Triton with the switch off;
+    another Gluon tiling is a ValueError before any launch."""
+    import mla_triton.gluon_decode as gd
     from mla_triton.decode import _operand, decode
     from mla_triton.warmup import record_keys
 
@@ -432,7 +442,10 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
         return lambda: decode(q, cache, table, seq, softmax_scale=SCALE, quant=nv,
                               num_splits=2, impl=impl, config=config)  # fmt: skip
 
-    assert [n for n, _, _ in _launched(call("auto"))][1] == "decode_split_kernel"
+    assert [n for n, _, _ in _launched(call("auto"))][1] == "gluon_decode_split_kernel"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gd, "GLUON_ON_READ_AUTO", False)
+        assert [n for n, _, _ in _launched(call("auto"))][1] == "decode_split_kernel"
     seen = _launched(call("gluon"))
     assert [n for n, _, _ in seen][1] == "gluon_decode_split_kernel"
     a = seen[1][1]
@@ -473,11 +486,16 @@ SHADOW_TAKEN = {
         torch.bfloat16,
     ),
     "k-none-v-nvfp4": (AttentionQuant(v="nvfp4", p="nvfp4"), "fp16", torch.bfloat16),
+    "kdyn-nvfp4-vfp8": (
+        AttentionQuant(q="fp8", k=OperandQuant("nvfp4", "dynamic"), v="fp8", p="nvfp4"),
+        "fp16",
+        torch.bfloat16,
+    ),
 }
 
 
 # the shadow recipes whose Gluon variant passed test_shadow_gpu.py on an H200
-SHADOW_VERIFIED = ("fp8", "fp8-scale-3", "nvfp4")
+SHADOW_VERIFIED = ("fp8", "fp8-scale-3", "nvfp4", "kdyn-nvfp4-vfp8")
 
 
 def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -668,14 +686,16 @@ def test_shadow_dispatch_launches(as_sm90: None) -> None:
     assert not keys
 
 
-def test_warmup_covers_the_gluon_keys(as_sm90: None) -> None:
+def test_warmup_covers_the_gluon_keys(as_sm90: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """``warmup_decode`` on an sm90 engine compiles the Gluon kernel for the split counts
     serving reaches (one key for one split, one for several): the keys of a serving
     sweep (record_keys, sm_90) are all warmed."""
     from test_warmup import make_engine, sweep, warm
 
+    import mla_triton.gluon_decode_ws as ws
     from mla_triton.warmup import decode_split_counts, record_keys
 
+    monkeypatch.setattr(ws, "WS_AUTO", False)  # its keys: test_gluon_decode_ws.py
     for quant in (None, AttentionQuant.uniform("fp8")):
         engine = make_engine(quant, False, blocks=37, width=35, max_rows=40, max_seq_len=2176,
                              dtype=torch.float16, device="cpu")  # fmt: skip

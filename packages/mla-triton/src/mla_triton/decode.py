@@ -713,7 +713,7 @@ def decode(
             (a ValueError naming ``impl`` where it cannot run). Same contract,
             workspace and outputs either way. Recipe none on the Gluon path without a
             ``GluonDecodeConfig`` runs ``gluon_decode_ws``'s kernel while
-            ``gluon_decode_ws.WS_AUTO`` is on (shipped off).
+            ``gluon_decode_ws.WS_AUTO`` is on (the shipped value).
 
     Returns:
         ``(out [B, H, kv_lora_rank] in q's dtype, lse [B, H] float32)``, the LSE in

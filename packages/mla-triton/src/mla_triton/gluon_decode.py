@@ -190,11 +190,11 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     return replace(base, v_own=True)
 
 
-GLUON_ON_READ_AUTO = False
-"""Whether ``decode(impl="auto")`` may run the Gluon recipes not verified on a GPU yet
+GLUON_ON_READ_AUTO = True
+"""Whether ``decode(impl="auto")`` may run the Gluon recipes verified on a GPU last
 (nvfp4 q or P, ``GluonRecipe.v_own``: nvfp4 K/V on read, K and V of different recipes).
-``impl="gluon"`` runs them regardless; flip after ``test_decode_gpu.py -k gluon`` passes
-with them on an H200."""
+``impl="gluon"`` runs them regardless. On since their GPU tests passed on an H200
+(``benchmarks/results/gpu-suites-flips``); off sends them back to the Triton kernel."""
 
 
 def _gated(recipe: GluonRecipe) -> bool:
@@ -328,7 +328,7 @@ def gluon_unsupported(
         return Unsupported(taken, False)
     if not forced and recipe is gluon_recipe and _gated(taken) and not GLUON_ON_READ_AUTO:
         return Unsupported(
-            "nvfp4 / V̂ of its own on read: not verified on a GPU yet (GLUON_ON_READ_AUTO)", False
+            "nvfp4 / V̂ of its own on read: off under auto (GLUON_ON_READ_AUTO)", False
         )
     if not forced and not gluon_decode_preferred(f.heads):
         return Unsupported(f"{f.heads} heads: the Triton kernel is faster up to 32", False)

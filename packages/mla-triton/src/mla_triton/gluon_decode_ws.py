@@ -8,7 +8,7 @@ combines) follow the same contract. Recipe none only (bf16/fp16, widths 512 + 64
 sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
 ``ws_config_family`` refuses the rest). ``decode`` without a config runs it, with
 ``VARIANTS[0]``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
-recipe none while ``WS_AUTO`` is True (shipped False).
+recipe none while ``WS_AUTO`` is True (the shipped value).
 
 ``compile_ws`` compiles the kernel for sm_90a on any machine (Gluon has no
 interpreter): the CPU test and the GPU script's report use it.
@@ -124,11 +124,12 @@ def twin(config: WsConfig) -> WsConfig | None:
     return replace(config, tma=False) if config.tma else None
 
 
-WS_AUTO = False
+WS_AUTO = True
 """Whether ``decode`` (``impl="auto"`` and ``"gluon"``, no ``GluonDecodeConfig``) runs
 recipe none through this kernel (``ws_family(VARIANTS[0])``) instead of
-``gluon_decode``'s; ``warmup_decode`` then compiles it, as it calls ``decode``. Flip
-after ``tests/test_gluon_decode_ws.py`` passes on an H200 with ``MLA_REQUIRE_GPU=1``."""
+``gluon_decode``'s; ``warmup_decode`` then compiles it, as it calls ``decode``. On since
+``tests/test_gluon_decode_ws.py`` and decode's GPU suites passed with it on an H200
+(``MLA_REQUIRE_GPU=1``, ``benchmarks/results/gpu-suites-flips``)."""
 
 
 def _kernel() -> Any:

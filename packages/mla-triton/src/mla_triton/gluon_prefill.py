@@ -114,20 +114,20 @@ class GluonPrefillConfig:
 
 
 # The tiling ``prefill`` runs the Gluon kernel with (no config given), by P's format:
-# the fastest measured on an H200 (benchmarks/results/gluon-prefill-fa3-h200.txt,
-# bf16 192/128, causal; ``benchmarks/gluon_prefill.py --no-check --fa3``): P none,
-# warp-specialized 128 x 64 x 3 (427.3 / 479.2 / 427.7 TFLOP/s at b4 h128 L4096,
-# b1 h16 L16384, varlen 16k against 410.8 / 450.6 / 420.6 for the best plain
-# tiling); P fp8 and nvfp4, plain 128 x 128 x 2 (fastest at 5 of those 6 cases; the
-# warp-specialized tilings were not timed with quantized P).
+# the fastest measured on an H200 against FA3 in one process (tiling x recipe sweep,
+# ``benchmarks/gluon_prefill.py --sweep``, benchmarks/results/gluon-prefill-sweep-h200):
+# ping-pong 128 x 64 x 3 for P none, fp8 and nvfp4 at b4 h128 L4096 and b1 h16 L16384
+# (none 0.707x / 0.760x FA3, fp8 0.637x / 0.765x, nvfp4 0.474x / 0.579x; the best
+# plain or warp-specialized tiling 0.62-0.70x for none); with N:M sparsity ("+nm"),
+# warp-specialized 128 x 64 x 3 (nvfp4 + 2:4: 0.333x / 0.373x, ping-pong below it).
+_PINGPONG = GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True)
+_WS = GluonPrefillConfig(128, 64, 3, warp_specialize=True)
 AUTO_CONFIGS: dict[str, GluonPrefillConfig] = {
-    "none": GluonPrefillConfig(128, 64, 3, warp_specialize=True),
-    "fp8": GluonPrefillConfig(128, 128, 2),
-    "nvfp4": GluonPrefillConfig(128, 128, 2),
+    "none": _PINGPONG,
+    "fp8": _PINGPONG,
+    "nvfp4": _PINGPONG,
 }
-# With N:M sparsity ("<format>+nm"): the same tilings until timed (helpers' gpu_run.sh
-# times every tiling with 2:4 and nvfp4 P).
-AUTO_CONFIGS |= {f"{name}+nm": config for name, config in AUTO_CONFIGS.items()}
+AUTO_CONFIGS |= {f"{name}+nm": _WS for name in tuple(AUTO_CONFIGS)}
 _P_FORMATS = ("none", "fp8", "nvfp4")  # by format code
 CONSUMER_REGS = 240
 """Registers a thread of ping-pong's second consumer warpgroup asks for (FA3's 240:

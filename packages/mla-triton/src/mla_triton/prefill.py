@@ -45,10 +45,10 @@ _WARPS = (1, 2, 4, 8, 16)
 IMPLS = ("auto", "triton", "gluon")
 """``prefill``'s ``impl`` values: ``auto`` (Gluon where ``select_impl`` takes it, else
 Triton), ``triton`` (the portable kernel), ``gluon`` (the sm90 kernel, or ValueError)."""
-GLUON_NM_AUTO = False
-"""Whether ``impl="auto"`` takes the Gluon kernel for N:M ``sparsity`` on sm90 (off:
-the Triton kernel, until the Gluon kernel's N:M is verified on a GPU; ``impl="gluon"``
-or a ``GluonPrefillConfig`` runs it either way)."""
+GLUON_NM_AUTO = True
+"""Whether ``impl="auto"`` takes the Gluon kernel for N:M ``sparsity`` on sm90 (on since
+its GPU tests passed on an H200, ``benchmarks/results/gpu-suites-flips``; off: the
+Triton kernel; ``impl="gluon"`` or a ``GluonPrefillConfig`` runs it either way)."""
 _LOG = logging.getLogger("mla_triton")
 _LOGGED: set[str] = set()  # fallback reasons logged once
 

@@ -709,6 +709,19 @@ _GPU_VERIFIED = frozenset(
             q_fmt=2,
             v_fmt=2,
         ),
+        # a V̂ section: fp8 q, each token's dynamic nvfp4 K scale, fp8 V̂, nvfp4 P
+        # (kdyn-nvfp4-vfp8-fp16 at 16 and 128 heads, benchmarks/results/gpu-suites-flips)
+        GluonRecipe(
+            q_scaled=True,
+            p_fmt=2,
+            shadow_f16=True,
+            k_fmt=2,
+            v_sep=True,
+            v_f16=True,
+            k_dyn=True,
+            q_fmt=1,
+            v_fmt=1,
+        ),
     }
 )
 
@@ -716,9 +729,9 @@ _GPU_VERIFIED = frozenset(
 def gluon_shadow_verified(recipe: GluonRecipe) -> bool:
     """Whether ``impl="auto"`` may run ``recipe`` through the Gluon kernel: its variant
     passed ``tests/test_shadow_gpu.py::test_gluon_shadow_bf16`` on an H200 (fp8 with V̂ =
-    K̂, nvfp4 Q/K/P/V). The other recipes ``gluon_shadow_recipe`` takes (an exact V scale,
-    dynamic K, K none with V quantized, K and V of different recipes, q not quantized)
-    run with ``impl="gluon"`` only, until their cases pass there too."""
+    K̂, nvfp4 Q/K/P/V, dynamic nvfp4 K with fp8 V). The other recipes
+    ``gluon_shadow_recipe`` takes (an exact V scale, K none with V quantized, q not
+    quantized) run with ``impl="gluon"`` only, until their cases pass there too."""
     return _verified_kind(recipe) in _GPU_VERIFIED
 
 
