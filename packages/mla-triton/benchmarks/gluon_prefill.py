@@ -35,7 +35,8 @@ fp8, nvfp4, nvfp4 + 2:4) beside the Triton kernel and FA3 bf16 at b4 h128 L4096 
 h16 L16384 (with LSE, as vLLM calls it), and prints each time's ratio to FA3 and the
 fastest tiling per recipe (``AUTO_CONFIGS``' candidates; ``--no-pingpong`` leaves the
 ping-pong tilings out, ``--tilings a,b`` times those of ``SWEEP_TILINGS`` or
-``SWEEP_NEXT``, the schedule options ``early_k``, ``turns=False`` and ``row_inf_check``).
+``SWEEP_NEXT``, the schedule options ``early_k``, ``turns=False``, ``row_inf_check`` and
+``persistent``).
 Every Gluon and Triton time is of a ``prefill`` call (its checks on preallocated ``out``,
 no host sync: ``max_seqlen_*`` given).
 Results: ``OUTDIR/gluon-prefill.json`` (``--sweep``: ``gluon-prefill-sweep.json``).
@@ -85,7 +86,8 @@ WS_CONFIGS: list[Tiling] = [
 def _tiling(bm: int, bn: int, stages: int, ws: bool = False, pp: bool = False,
             **options: bool) -> dict[str, Any]:  # fmt: skip
     """``GluonPrefillConfig``'s keyword arguments: the tiling, warp specialization,
-    ping-pong, and the schedule options (``turns``, ``early_k``, ``row_inf_check``)."""
+    ping-pong, and the schedule options (``turns``, ``early_k``, ``row_inf_check``,
+    ``persistent``)."""
     return {"block_m": bm, "block_n": bn, "num_stages": stages, "warp_specialize": ws,
             "pingpong": pp, **options}  # fmt: skip
 
@@ -102,7 +104,8 @@ SWEEP_TILINGS: dict[str, dict[str, Any]] = {
 }
 # Issue 17's third step (benchmarks/gpu/prefill_next.sh times these with --tilings):
 # "ek" early_k (K released after Q K^T, loaded a tile ahead of V), "nt" two consumer
-# warpgroups without turns (FA3's head-dim-192 schedule), "ri" row_inf_check
+# warpgroups without turns (FA3's head-dim-192 schedule), "ri" row_inf_check, "per"
+# persistent (one program an SM looping over the query tiles)
 SWEEP_NEXT: dict[str, dict[str, Any]] = {
     "pp-128x64x3-ek": _tiling(128, 64, 3, True, True, early_k=True),
     "pp-128x64x3-ri": _tiling(128, 64, 3, True, True, row_inf_check=True),
@@ -115,6 +118,9 @@ SWEEP_NEXT: dict[str, dict[str, Any]] = {
     ),
     "ws-128x64x3-ek": _tiling(128, 64, 3, True, early_k=True),
     "ws-128x128x2-ek": _tiling(128, 128, 2, True, early_k=True),
+    "pp-128x64x3-per": _tiling(128, 64, 3, True, True, persistent=True),
+    "pp-128x128x2-ek-per": _tiling(128, 128, 2, True, True, early_k=True, persistent=True),
+    "ws-128x64x3-ek-per": _tiling(128, 64, 3, True, early_k=True, persistent=True),
 }
 TILINGS = SWEEP_TILINGS | SWEEP_NEXT  # what --tilings and benchmarks/gpu/prefill_smoke.py name
 SWEEP_RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {

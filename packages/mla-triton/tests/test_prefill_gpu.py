@@ -304,10 +304,12 @@ GLUON_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity |
 }
 # The schedule options of issue 17's third step (benchmarks/gpu/prefill_next.sh): K slots
 # released after Q K^T (early_k), two consumer warpgroups without turns (FA3's head-dim-192
-# schedule), the row-minimum -inf check (row_inf_check)
+# schedule), the row-minimum -inf check (row_inf_check), the persistent loop (persistent)
 _EK128 = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True)
 _NT128 = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, turns=False, early_k=True)
 _RI64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, row_inf_check=True)
+_PER64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, persistent=True)
+_WSPER64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, early_k=True, persistent=True)
 NEXT_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
     "pp128-ek-none": (_EK128, "none", None),
     "pp128-ek-nvfp4": (_EK128, "nvfp4", None),
@@ -319,6 +321,11 @@ NEXT_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | 
     "ws64-ek-nvfp4-2:4": (gluon_prefill.GluonPrefillConfig(128, 64, 3, True, early_k=True),
                           "nvfp4", _NM),
     "pp64-ri-none": (_RI64, "none", None),
+    "pp64-per-none": (_PER64, "none", None),
+    "pp64-per-nvfp4-2:4": (_PER64, "nvfp4", _NM),
+    "pp128-ek-per-nvfp4": (gluon_prefill.GluonPrefillConfig(
+        128, 128, 2, True, True, early_k=True, persistent=True), "nvfp4", None),
+    "ws64-ek-per-fp8": (_WSPER64, "fp8", None),
 }  # fmt: skip
 GLUON_CASES |= NEXT_CASES
 
@@ -342,8 +349,9 @@ def test_gluon_tilings(case: str) -> None:
     "config",
     [_PP64, _PP128, _EK128, _NT128, _RI64, gluon_prefill.GluonPrefillConfig(row_inf_check=True),
      gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True,
-                                      row_inf_check=True)],
-    ids=["pp64", "pp128", "pp128-ek", "nt128", "pp64-ri", "plain-ri", "pp128-ek-ri"],
+                                      row_inf_check=True), _PER64, _WSPER64],
+    ids=["pp64", "pp128", "pp128-ek", "nt128", "pp64-ri", "plain-ri", "pp128-ek-ri", "pp64-per",
+         "ws64-ek-per"],
 )  # fmt: skip
 def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> None:
     """The NaN rule on the ping-pong tilings: a masked V tile is checked and zeroed by

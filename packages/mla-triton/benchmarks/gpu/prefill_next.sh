@@ -2,7 +2,8 @@
 # Issue 17, third step (helper h38): the Gluon prefill's schedule options on one H200 -
 # early_k (K slots released after Q K^T, K loaded a tile ahead of V), turns=False (two
 # consumer warpgroups without turn barriers: FA3's head-dim-192 schedule), row_inf_check
-# (the NaN rule's -inf check by row minima). Never run on a GPU before this script.
+# (the NaN rule's -inf check by row minima), persistent (one program an SM looping over the
+# query tiles). Never run on a GPU before this script.
 # Run from the repository root of a snapshot, vLLM 0.33 bundle (torch 2.14, Triton 3.8) in
 # /tmp/site:   OUT=$OUT bash packages/mla-triton/benchmarks/gpu/prefill_next.sh
 # Wall: <= 150 s (a global deadline, BUDGET_S; every step has its own `timeout`, so a
@@ -11,12 +12,13 @@
 # gluon-prefill-sweep.json. Steps:
 #  1. smoke (<= 45 s): each new tiling (NEW) in its own process against mla_reference on
 #     the GPU: varlen causal with a NaN in V on a masked tile, chunked non-causal,
-#     nvfp4 + 2:4, and an infinite K element on an unmasked tile (the row-minimum check).
+#     nvfp4 + 2:4, an infinite K element on an unmasked tile (the row-minimum check), and a
+#     4096 + 1000-token batch (several query tiles a persistent program).
 #     A tiling that hangs or fails is left out of step 3. Side by side: the reference
 #     tilings' (REF) and the Triton kernel's sweep compiles.
 #  2. GPU tests (<= 55 s, 6 shards, CPU oracle): test_prefill_gpu.py's NEXT_CASES
 #     (test_gluon_tilings) and the new test_nan_rule_gluon_tilings ids; side by side the
-#     surviving new tilings' sweep compiles (6 processes).
+#     surviving new tilings' sweep compiles (8 processes).
 #  3. sweep (the rest, about 35-40 s): benchmarks/gluon_prefill.py --sweep --tilings REF + the
 #     surviving NEW: FA3 bf16, Triton and each tiling x none / fp8 / nvfp4 / nvfp4+2:4 at
 #     b4 h128 L4096 and b1 h16 L16384, one process; ratio to FA3 per row, fastest per recipe.
@@ -24,14 +26,14 @@ set -u
 TAG=h38 BUDGET=145
 . "$(dirname "$0")/prefill_env.sh"
 BENCH=packages/mla-triton/benchmarks/gluon_prefill.py
-NEW="pp-128x64x3-ek pp-128x64x3-ri pp-128x128x2-ek pp-128x128x2-ek-ri nt-128x64x3 nt-128x128x2-ek nt-128x128x2-ek-ri ws-128x64x3-ek ws-128x128x2-ek"
+NEW="pp-128x64x3-ek pp-128x64x3-ri pp-128x128x2-ek pp-128x128x2-ek-ri nt-128x64x3 nt-128x128x2-ek nt-128x128x2-ek-ri ws-128x64x3-ek ws-128x128x2-ek pp-128x64x3-per pp-128x128x2-ek-per ws-128x64x3-ek-per"
 REF="pp-128x64x3 pp-128x128x2 ws-128x64x3"
 csv() { echo "$*" | tr ' ' ','; }
 
 # 1. smoke: each new tiling in its own process, in parallel; REF compiles beside them
 T=$(left 45)
 for t in $NEW; do
-  ( timeout "$T" python3 packages/mla-triton/benchmarks/gpu/prefill_smoke.py "$t" --inf-k \
+  ( timeout "$T" python3 packages/mla-triton/benchmarks/gpu/prefill_smoke.py "$t" --inf-k --long \
       >"$TMP/smoke-$t.txt" 2>&1; echo "rc=$?" >>"$TMP/smoke-$t.txt" ) &
 done
 for i in 0 1 2; do
@@ -43,7 +45,7 @@ GOOD=""
 for t in $NEW; do
   cat "$TMP/smoke-$t.txt" >>"$OUT/smoke.txt"
   rc=$(tail -1 "$TMP/smoke-$t.txt")
-  note "smoke $t: $rc $(grep -c ' OK$' "$TMP/smoke-$t.txt")/4 OK"
+  note "smoke $t: $rc $(grep -c ' OK$' "$TMP/smoke-$t.txt")/5 OK"
   [ "$rc" = "rc=0" ] && GOOD="$GOOD $t"
 done
 grep -E "BAD$|Error|error" "$OUT/smoke.txt" | head -8 | tee -a "$S"
@@ -51,14 +53,14 @@ note "passed the smoke:$GOOD"
 
 # 2. GPU tests, sharded (ids round robin); the surviving tilings' compiles side by side
 TS=packages/mla-triton/tests
-KEXPR="pp128-ek or nt128 or nt64 or ws64-ek or pp64-ri or plain-ri"
+KEXPR="pp128-ek or nt128 or nt64 or ws64-ek or pp64-ri or plain-ri or per"
 collect_ids "$TMP/ids.txt" $TS/test_prefill_gpu.py \
   -k "(gluon_tilings or nan_rule_gluon_tilings) and ($KEXPR)"
 SHARDS=6
 note "tests: $(wc -l <"$TMP/ids.txt") ids in $SHARDS shards"
 T=$(left 55)
 shards "$TMP/ids.txt" $SHARDS "$T" -v -rA  # -v: a test's line as it ends (kept if cut off)
-WARM=6
+WARM=8
 if [ -n "$GOOD" ]; then
   for i in $(seq 0 $((WARM - 1))); do
     ( timeout "$T" python3 $BENCH --sweep --tilings "$(csv $GOOD)" --warm "$i/$WARM" \
@@ -77,7 +79,7 @@ note "warm: $(grep -c '^warm' "$OUT/warm.txt") calls, $(grep -c 'Error\|error' "
 # 3. the sweep: FA3, Triton, REF and the surviving new tilings x recipes, one process
 T=$(left 150)
 note "sweep: ${T}s left"
-timeout "$T" python3 $BENCH --sweep --rep "${REP:-80}" --tilings "$(csv $REF $GOOD)" --out "$OUT" \
+timeout "$T" python3 $BENCH --sweep --rep "${REP:-60}" --tilings "$(csv $REF $GOOD)" --out "$OUT" \
   >"$OUT/sweep.txt" 2>&1
 note "sweep rc=$?"
 sed -n '/fastest Gluon tiling/,$p' "$OUT/sweep.txt" | tee -a "$S"

@@ -2,13 +2,15 @@
 GPU scripts (prefill_tilings.sh, prefill_next.sh), one process per tiling so that a hang
 costs only its own ``timeout``.
 
-``python prefill_smoke.py NAME [--inf-k]``: ``NAME`` a ``TILINGS`` name of
+``python prefill_smoke.py NAME [--inf-k] [--long]``: ``NAME`` a ``TILINGS`` name of
 ``benchmarks/gluon_prefill.py``. Cases (bf16 192/128, GQA 8/2, LSE): varlen causal with a
-NaN in V on a masked tile, chunked non-causal, nvfp4 + 2:4 (each with a NaN in V), and with
+NaN in V on a masked tile, chunked non-causal, nvfp4 + 2:4 (each with a NaN in V), with
 ``--inf-k`` an infinite K element on an unmasked tile (key 70 of a 200-token sequence, for
-its queries 128-199). A case passes when out's and LSE's NaN positions equal the oracle's
-(which has some) and the finite outputs' relative L2 error is below 1e-2 (3e-2
-quantized). Prints one line a case, ending OK or BAD; exit status 0 when all pass.
+its queries 128-199), with ``--long`` a varlen causal batch of 4096 + 1000 tokens at 16
+heads (1024 query tiles: several a program when persistent). A case passes when out's
+and LSE's NaN positions equal the oracle's (which has some) and the finite outputs'
+relative L2 error is below 1e-2 (3e-2 quantized). Prints one line a case, ending OK or
+BAD; exit status 0 when all pass.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ def main() -> int:
     ]  # fmt: skip
     if "--inf-k" in sys.argv:
         cases.append(("inf in K (unmasked tile)", [300, 200], [300, 200], True, None, None))
+    if "--long" in sys.argv:
+        cases.append(("long varlen causal", [4096, 1000], [4096, 1000], True, None, None))
     ok = True
     for what, lq, lk, causal, quant, sp in cases:
-        q = torch.randn(sum(lq), 8, 192, device="cuda", generator=g).bfloat16()
+        heads = 16 if what.startswith("long") else 8
+        q = torch.randn(sum(lq), heads, 192, device="cuda", generator=g).bfloat16()
         k = torch.randn(sum(lk), 2, 192, device="cuda", generator=g).bfloat16()
         v = torch.randn(sum(lk), 2, 128, device="cuda", generator=g).bfloat16()
         if what.startswith("inf"):

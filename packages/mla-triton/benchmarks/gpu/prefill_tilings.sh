@@ -44,7 +44,7 @@ TS=packages/mla-triton/tests
 KEXPR="gluon_tilings or nm_sparsity or nan_rule or auto_runs_gluon or matches_the_oracle"
 [ "$PINGPONG" = 1 ] || KEXPR="($KEXPR) and not pp"
 # (prefill_next.sh's cases are not this script's: NEXT_CASES and the new NaN-rule ids)
-KEXPR="($KEXPR) and not (pp128-ek or nt128 or nt64 or ws64-ek or pp64-ri or plain-ri)"
+KEXPR="($KEXPR) and not (pp128-ek or nt128 or nt64 or ws64-ek or pp64-ri or plain-ri or per)"
 collect_ids "$TMP/ids.txt" $TS/test_prefill_gpu.py $TS/test_gluon_prefill.py -k "$KEXPR"
 SHARDS=8
 note "tests: $(wc -l <"$TMP/ids.txt") ids in $SHARDS shards"
