@@ -282,6 +282,29 @@ def test_nm_on_sm90_goes_to_gluon_behind_the_switch(
 
 
 @needs_interpreter
+def test_gluon_key_does_not_depend_on_the_batch_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon kernel's grid arguments (read by the persistent variant) are not
+    specialized: batches of other lengths and sequence counts (query tiles 1 or 3,
+    sequences 1 or 2) compile nothing new, so ``warmup_prefill``'s small inputs cover
+    them."""
+    monkeypatch.setattr(P, "_capability", lambda device: (9, 0))
+
+    def keys_for(lens: list[int]) -> set[tuple[str, str]]:
+        total = sum(lens)
+        q, k = torch.randn(total, 4, 192).bfloat16(), torch.randn(total, 4, 192).bfloat16()
+        v = torch.randn(total, 4, 128).bfloat16()
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        with wu.record_keys() as keys:
+            prefill(q, k, v, cu, cu, softmax_scale=0.1, max_seqlen_q=max(lens),
+                    max_seqlen_k=max(lens), return_lse=True)  # fmt: skip
+        return {key for key in keys if key[0].endswith("gluon_prefill_kernel")}
+
+    one = keys_for([100])
+    assert len(one) == 1
+    assert keys_for([300, 17]) == one
+
+
+@needs_interpreter
 def test_warmup_covers_what_auto_launches_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm90 ``warmup_prefill`` compiles the Gluon kernel (and Q/K/V passes) for the
     dense calls, the Triton kernel only for the N:M-sparse new tokens."""

@@ -734,7 +734,7 @@ def _produce_all(
             done += 1
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["grid_m", "grid_h", "grid_b"])  # no keys from the batch shape
 def gluon_prefill_kernel(
     q_desc,
     k_desc,
@@ -801,6 +801,8 @@ def gluon_prefill_kernel(
     ``n_recent`` latest keys of each row when ``NM_DENSE`` (SPEC 5). ``PINGPONG``
     (with ``WARP_SPEC``): two consumer warpgroups of ``num_warps`` = 4 warps, 64 rows
     each, in ping-pong (``_attend``), ``CONSUMER_REGS`` registers for the second;
+    ``grid_m, grid_h, grid_b``: the one-tile grid (query tiles, heads, sequences), read by
+    the persistent kernel only (one program an SM, ``PERSISTENT``: ``_consume_all``);
     ``TURNS`` (default True): they take turns on the tensor cores, else they run
     independently. ``EARLY_K`` (with ``WARP_SPEC``): K slots released apart from V
     slots, once their ``Q Kᵀ`` is done (``_attend``, ``_producer``). ``ROW_INF``: the
