@@ -693,35 +693,17 @@ def _verified_kind(recipe: GluonRecipe) -> GluonRecipe:
     return replace(recipe, k_gs=1.0, v_gs=1.0, p_gs=1.0)
 
 
+# a V̂ section: nvfp4 Q/K/P/V, power-of-two static scales, the open V block
+_NVFP4_SECTION = GluonRecipe(q_scaled=True, p_fmt=2, shadow_f16=True, k_fmt=2, v_sep=True,
+                             v_f16=True, v_tail=True, q_fmt=2, v_fmt=2)  # fmt: skip
 _GPU_VERIFIED = frozenset(
     {
         # V̂ = K̂: fp8 Q/K/P/V under one static scale (any: scale 1 and 3 ran)
         GluonRecipe(q_scaled=True, p_fmt=1, shadow_f16=True, k_fmt=1, q_fmt=1, v_fmt=1),
-        # a V̂ section: nvfp4 Q/K/P/V, power-of-two static scales, the open V block
-        GluonRecipe(
-            q_scaled=True,
-            p_fmt=2,
-            shadow_f16=True,
-            k_fmt=2,
-            v_sep=True,
-            v_f16=True,
-            v_tail=True,
-            q_fmt=2,
-            v_fmt=2,
-        ),
-        # a V̂ section: fp8 q, each token's dynamic nvfp4 K scale, fp8 V̂, nvfp4 P
-        # (kdyn-nvfp4-vfp8-fp16 at 16 and 128 heads, benchmarks/results/gpu-suites-flips)
-        GluonRecipe(
-            q_scaled=True,
-            p_fmt=2,
-            shadow_f16=True,
-            k_fmt=2,
-            v_sep=True,
-            v_f16=True,
-            k_dyn=True,
-            q_fmt=1,
-            v_fmt=1,
-        ),
+        _NVFP4_SECTION,
+        # a V̂ section: fp8 q, each token's dynamic nvfp4 K scale, fp8 V̂ (no open block),
+        # nvfp4 P (kdyn-nvfp4-vfp8-fp16 at 16 and 128 heads, results/gpu-suites-flips)
+        replace(_NVFP4_SECTION, v_tail=False, k_dyn=True, q_fmt=1, v_fmt=1),
     }
 )
 
