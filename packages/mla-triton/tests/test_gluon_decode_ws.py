@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -31,11 +32,11 @@ import torch
 from test_gluon_decode import _cpu_case, _launched, _plain, as_sm90  # noqa: F401  (a fixture)
 
 import mla_triton.gluon_decode_ws as ws
-from mla_formats import AttentionQuant
+from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import decode
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
-from mla_triton.gluon_decode import max_shared_bytes
-from mla_triton.gluon_decode_ws import VARIANTS, WsConfig, WsFamily, compile_ws
+from mla_triton.gluon_decode import GluonRecipe, max_shared_bytes
+from mla_triton.gluon_decode_ws import FP8_SHADOW, VARIANTS, WsConfig, WsFamily, compile_ws
 
 SCALE = 576**-0.5
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -44,6 +45,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 COMPILED = (VARIANTS[0], *VARIANTS[3:])
 """The variants the CPU test compiles: the default and the new loads and rings (the
 chunked ones, ``[1:3]``: compiled by the GPU script's check; each compile is 3 to 5 s)."""
+UNQ = GluonRecipe()
+COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [(VARIANTS[0], FP8_SHADOW)]
+"""``(config, recipe)``: recipe none for every compiled variant, fp8 Q/K/P/V through the
+float16 shadow (V̂ = K̂) for the default (what ``decode_shadow(config=WsConfig())`` runs)."""
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the compile test runs in this process")
@@ -56,25 +61,32 @@ def test_compile_test_in_child() -> None:
         capture_output=True, text=True, check=False, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert f"{len(COMPILED)} passed" in done.stdout, done.stdout[-2000:]
+    assert f"{len(COMPILE_CASES)} passed" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled in a child process without the interpreter")
-@pytest.mark.parametrize("cfg", COMPILED, ids=[c.name for c in COMPILED])
-def test_compiles_for_sm90a(cfg: WsConfig) -> None:
+@pytest.mark.parametrize(
+    ("cfg", "recipe"), COMPILE_CASES,
+    ids=[c.name + ("-fp8-shadow" if r.shadow_f16 else "") for c, r in COMPILE_CASES],
+)  # fmt: skip
+def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     """Each compiled variant (several splits: the workspace epilogue; page 64) compiles to
     the plan: S once a tile in 64 x BLOCK_N wgmma, P V on 256 features, its loads (TMA:
     nine boxes a tile on one expect-tx barrier, no ``cp.async``), no spills, no serialized
-    wgmma, the ring within the shared-memory limit."""
+    wgmma, the ring within the shared-memory limit. The fp8 shadow: the same schedule on
+    float16 operands (q̂, K̂ = V̂, P̂), P̂'s E4M3 rounding in each of the three copies of a
+    warpgroup's own tile (16 ``cvt.rn.satfinite.e4m3x2`` a copy: 32 scores a thread),
+    q̂'s global scales loaded once a warpgroup; recipe none converts nothing to E4M3."""
     assert not cfg.chunked
-    c = compile_ws(cfg, num_splits=2)
+    c = compile_ws(cfg, num_splits=2, recipe=recipe)
     assert c.num_warps == 12  # the default partition and two workers of four warps
     # q [64, 576] and the ring's slots of 576 features (P lives in the slots' rope part)
     ring = cfg.stages * cfg.block_n * 576 * 2
     assert 64 * 576 * 2 + ring <= c.shared <= max_shared_bytes(), c.shared
     assert ring == 2 * 64 * 576 * 2  # every ring holds 144 KiB
     shapes: dict[str, int] = {}
-    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k16)\.f32\.bf16", c.ptx):
+    mma = "f16" if recipe.shadow_f16 else "bf16"
+    for m in re.findall(rf"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k16)\.f32\.{mma}\.", c.ptx):
         shapes[m] = shapes.get(m, 0) + 1
     # S: 512/16 + 64/16 wgmma, in three copies (warpgroup 0's peeled tile 0, its loop,
     # warpgroup 1's loop); P V: BLOCK_N/16 a tile in seven (own tile x3, the other's x4)
@@ -107,6 +119,8 @@ def test_compiles_for_sm90a(cfg: WsConfig) -> None:
     assert "ttg.warp_specialize" in c.ttgir
     assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
     assert "C7515" not in c.ptxas_info, c.ptxas_info
+    e4m3 = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", c.ptx))
+    assert e4m3 == (3 * 16 if recipe.p_fmt == 1 else 0), e4m3
 
 
 def _wgmma_trace(ptx: str) -> str:
@@ -152,7 +166,8 @@ def test_config_checks() -> None:
 def test_refusals_before_any_launch() -> None:
     """``decode(config=WsConfig())``: a quantized recipe, ``impl="triton"``, CPU tensors
     (no sm90 GPU) and bad input are a ValueError naming the argument; another config type
-    names WsConfig; ``decode_shadow`` takes no WsConfig; nothing launches."""
+    names WsConfig; ``decode_shadow`` with a WsConfig: the same platform rule (its own
+    refusals: ``test_shadow_refusals``); nothing launches."""
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.warmup import record_keys
 
@@ -173,9 +188,9 @@ def test_refusals_before_any_launch() -> None:
         with pytest.raises(ValueError, match=r"^softmax_scale"):
             decode(q, cache, table, seq, softmax_scale=float("nan"), config=ws_cfg)
         shadow = allocate_shadow(7, 64, fp8)
-        with pytest.raises(ValueError, match=r"^config: expected .*DecodeConfig, got WsConfig"):
+        with pytest.raises(ValueError, match=r"^impl: the warp-specialized .*tensors on cpu"):
             decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, quant=fp8,
-                          config=ws_cfg)  # type: ignore[arg-type]  # fmt: skip
+                          config=ws_cfg)  # fmt: skip
     assert not keys
 
 
@@ -330,6 +345,143 @@ def test_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatc
     assert launched == {"gluon_decode_ws_kernel", "decode_merge_kernel"}, launched
     assert len({key for kernel, key in warmed if kernel.endswith("gluon_decode_ws_kernel")}) == 2
     assert warmed == served, (sorted(served - warmed)[:3], sorted(warmed - served)[:3])
+
+
+# ------------------------------------------------------- fp8 through the shadow (CPU)
+
+FP8_3 = AttentionQuant(q="fp8", k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0), p="fp8")
+"""fp8 Q/K/P/V, K and V under one static scale (3: not a power of two), so V̂ = K̂."""
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_shadow_launch_arguments() -> None:
+    """``decode_shadow(config=WsConfig())`` through the decode core: q̂ (``decode_q_kernel``),
+    the ws kernel with exactly its parameters reading the shadow's float16 K̂ view (its
+    pointer, page and row strides; TMA: a descriptor of that view), q̂ float16 with its
+    scales, ``Q_SCALED`` / ``K_FMT`` / ``P_FMT``, P̂'s scales, K's scale in the score scale,
+    ``gs_p gs_v`` on the output, then the merge; recipe none passes no P̂ scales."""
+    from mla_triton import allocate_shadow, decode_shadow
+    from mla_triton.decode import _operand
+    from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
+
+    q, cache, table, seq = _cpu_case(128)
+    shadow = allocate_shadow(7, 64, FP8_3)
+
+    def call(cfg: WsConfig) -> Any:
+        return lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
+                                     quant=FP8_3, num_splits=2, config=cfg)  # fmt: skip
+
+    launched = _launched(call(WsConfig()))
+    assert [n for n, _, _ in launched] == [
+        "decode_q_kernel", "gluon_decode_ws_kernel", "decode_merge_kernel",
+    ]  # fmt: skip
+    _, args, grid = launched[1]
+    assert set(args) == set(gluon_decode_ws_kernel.arg_names) | {"num_warps"}
+    assert grid == (2 * 2 * 3,) and args["num_warps"] == 4 and args["MULTI_SPLIT"]
+    split = args["split"]
+    (tiles,) = split[1]
+    assert tiles.dtype == torch.float16 and tuple(tiles.shape) == (7, 64, 576)
+    assert tiles.data_ptr() == shadow.data_ptr() and split[7] == (64 * 576, 576)
+    assert split[0][0].dtype == split[0][1].dtype == torch.float16  # q̂
+    assert split[0][2].dtype == torch.float32 and split[0][2].numel() >= 3 * 128  # its scales
+    ko, vo, po = (_operand(x) for x in (FP8_3.k, FP8_3.v, FP8_3.p))
+    assert (args["Q_SCALED"], args["K_FMT"], args["P_FMT"]) == (True, 1, 1)
+    assert args["p_hat_scales"] == (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs))
+    assert args["out_scale"] == po.gs * vo.gs
+    assert split[12] == pytest.approx(SCALE * 1.4426950408889634 * ko.gs)
+    assert (args["TMA"], args["kv_desc"], args["STAGES"]) == (False, None, 2)
+    tma = _launched(call(VARIANTS[3]))[1][1]
+    desc = tma["kv_desc"]
+    assert tma["TMA"] and desc.base.data_ptr() == shadow.data_ptr()
+    assert desc.base.dtype == torch.float16
+    assert (list(desc.shape), list(desc.strides)) == ([7 * 64, 576], [576, 1])
+    none = _launched(lambda: decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2,
+                                    config=WsConfig()))[0][1]  # fmt: skip
+    assert none["p_hat_scales"] is None and (none["Q_SCALED"], none["P_FMT"]) == (False, 0)
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_shadow_refusals() -> None:
+    """``decode_shadow(config=WsConfig())`` on a shadow the kernel does not read (a V̂
+    section, the packed storage, K and V none, nvfp4 P, bf16 q not quantized beside K̂)
+    is a ValueError naming ``quant``; ``impl="triton"`` names ``config``; nothing launches.
+    ``compile_ws`` refuses such a recipe naming ``recipe``."""
+    from mla_triton import allocate_shadow, decode_shadow
+    from mla_triton.shadow import gluon_shadow_recipe, shadow_layout
+    from mla_triton.warmup import _intercept
+
+    q, cache, table, seq = _cpu_case(128)
+    nvfp4 = AttentionQuant.uniform("nvfp4")
+    p_nvfp4 = AttentionQuant(q="fp8", k="fp8", v="fp8", p="nvfp4")
+    kv_only = AttentionQuant(k="fp8", v="fp8")
+    cases = [  # quant, storage, q, what the message says
+        (nvfp4, "fp16", q, "float16 shadow with V̂ = K̂ only"),
+        (AttentionQuant.uniform("fp8"), "packed", q, "storage 'packed'"),
+        (AttentionQuant(), "fp16", q, "float16 shadow with V̂ = K̂ only"),
+        (p_nvfp4, "fp16", q, "fp8 only"),
+        (kv_only, "fp16", q.bfloat16(), "not quantized"),
+    ]
+    seen: list[str] = []
+
+    def action(run: Any, kernel: Any, args: Any, kwargs: dict[str, Any], grid: Any) -> None:
+        seen.append(kernel.fn.__name__)
+
+    with _intercept(action):
+        for quant, storage, qq, says in cases:
+            shadow = allocate_shadow(7, 64, quant, storage=storage)
+            with pytest.raises(ValueError, match=rf"^quant: .*{re.escape(says)}"):
+                decode_shadow(qq, cache.to(qq.dtype), shadow, table, seq, softmax_scale=SCALE,
+                              quant=quant, storage=storage, config=WsConfig())  # fmt: skip
+        shadow = allocate_shadow(7, 64, FP8_3)
+        with pytest.raises(ValueError, match=r"^config: a WsConfig configures impl='gluon'"):
+            decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, quant=FP8_3,
+                          config=WsConfig(), impl="triton")  # fmt: skip
+    assert not seen
+    sep = gluon_shadow_recipe(nvfp4, shadow_layout(nvfp4), torch.float16)
+    assert isinstance(sep, GluonRecipe) and not isinstance(ws.ws_shadow_kind(sep), GluonRecipe)
+    with pytest.raises(ValueError, match=r"^recipe: .*V̂ = K̂ only"):
+        compile_ws(recipe=sep)
+    fp8 = gluon_shadow_recipe(FP8_3, shadow_layout(FP8_3), torch.bfloat16)
+    assert isinstance(fp8, GluonRecipe)
+    assert replace(fp8, k_gs=1.0, v_gs=1.0, p_gs=1.0) == FP8_SHADOW  # what the CPU compiles
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_shadow_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``WS_SHADOW_AUTO`` off (shipped): ``decode_shadow`` (``"auto"``, ``"gluon"``) launches
+    ``gluon_decode``'s kernel. On: fp8 V̂ = K̂ under ``"auto"`` (above 32 heads) and
+    ``"gluon"`` (any heads) launches the warp-specialized kernel with the very arguments of
+    ``config=VARIANTS[0]``; a ``GluonDecodeConfig``, nvfp4 (a V̂ section) and 20 heads under
+    ``"auto"`` keep theirs; ``decode`` with fp8 on read keeps ``gluon_decode``'s."""
+    from mla_triton import allocate_shadow, decode_shadow
+
+    assert ws.WS_SHADOW_AUTO is False
+    q, cache, table, seq = _cpu_case(128)
+    q20, *_ = _cpu_case(20)
+    nvfp4 = AttentionQuant.uniform("nvfp4")
+    shadows = {id(FP8_3): allocate_shadow(7, 64, FP8_3), id(nvfp4): allocate_shadow(7, 64, nvfp4)}
+
+    def call(q: torch.Tensor = q, quant: AttentionQuant = FP8_3, **kw: Any) -> Any:
+        shadow = shadows[id(quant)]
+        return lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
+                                     quant=quant, num_splits=2, **kw)  # fmt: skip
+
+    plain = {"auto": call(), "gluon": call(impl="gluon"), "h20": call(q20, impl="gluon")}
+    kept = {"config": call(config=GLUON_VARIANTS[0]), "nvfp4": call(quant=nvfp4),
+            "h20-auto": call(q20),
+            "on-read": lambda: decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2,
+                                      quant=FP8_3)}  # fmt: skip
+    before = {name: _split(c) for name, c in (plain | kept).items()}
+    assert set(before.values()) == {"gluon_decode_split_kernel", "shadow_decode_split_kernel"}
+    assert {before[n] for n in plain} == {"gluon_decode_split_kernel"}
+    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
+    for name, c in plain.items():
+        assert _split(c) == "gluon_decode_ws_kernel", name
+    assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
+    direct = _launched(call(config=VARIANTS[0]))
+    assert [(n, _plain(a), g) for n, a, g in _launched(plain["auto"])] == [
+        (n, _plain(a), g) for n, a, g in direct
+    ]
 
 
 # ---------------------------------------------------------------------- GPU

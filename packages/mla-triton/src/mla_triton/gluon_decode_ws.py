@@ -10,6 +10,12 @@ sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
 ``VARIANTS[0]``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
 recipe none while ``WS_AUTO`` is True (the shipped value).
 
+``mla_triton.decode_shadow(..., config=WsConfig(...))`` runs it on a float16 shadow with
+V̂ = K̂ (fp8 K and V of one static scale; q none or quantized, P none or fp8:
+``ws_shadow_kind``) through ``WsShadowFamily`` (the shadow's K̂ view as the cache, q̂
+from ``decode_q_kernel``, P̂ fp8 in registers); ``decode_shadow`` without a config, where
+it picked the Gluon kernel, runs it while ``WS_SHADOW_AUTO`` is True (shipped False).
+
 ``compile_ws`` compiles the kernel for sm_90a on any machine (Gluon has no
 interpreter): the CPU test and the GPU script's report use it.
 """
@@ -25,18 +31,25 @@ import torch
 from mla_formats import AttentionQuant
 from mla_triton import gluon_decode as gd
 from mla_triton.decode import DecodeConfig, _OnRead, _Operands
+from mla_triton.gluon_decode import GluonRecipe
 
 __all__ = [
+    "FP8_SHADOW",
     "VARIANTS",
     "WS_AUTO",
+    "WS_SHADOW_AUTO",
     "WsConfig",
     "WsFamily",
+    "WsShadowFamily",
     "compile_ws",
     "tma_descriptor",
     "twin",
     "ws_config_family",
     "ws_dispatched",
     "ws_family",
+    "ws_shadow_config_family",
+    "ws_shadow_dispatched",
+    "ws_shadow_kind",
 ]
 
 
@@ -158,7 +171,30 @@ class WsFamily(_OnRead):
         desc = tma_descriptor(cache, c.block_n) if c.tma else None
         return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
                 "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc,
-                "EARLY_S": c.early_s}  # fmt: skip
+                "EARLY_S": c.early_s, "p_hat_scales": None}  # fmt: skip
+
+
+class WsShadowFamily(WsFamily):
+    """``decode_shadow``'s split family of the warp-specialized kernel on a float16 shadow
+    with V̂ = K̂: ``tiles`` (the shadow's K̂ ``[num_blocks, page, 576]`` float16 view) is
+    the cache the kernel reads (its TMA descriptor too), q̂ float16 (``decode_q_kernel``),
+    P̂ fp8 between the MMAs (``p_hat_scales``), K's static scale in the score scale and
+    ``gs_p gs_v`` on the output (``decode.split_kernel_args``)."""
+
+    def __init__(self, config: WsConfig, tiles: torch.Tensor) -> None:
+        super().__init__(config)
+        self.tiles = tiles
+
+    def v_shares_k(self, ops: _Operands) -> bool:
+        return True  # V̂ is K̂'s first 512 features: P̂ and q̂ in float16 (PV_F16)
+
+    def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
+        po = ops[3]
+        scales = (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs)) if po.code else None
+        return super().extra_args(self.tiles, cfg, ops) | {"p_hat_scales": scales}
+
+    def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        return (self.tiles,), (self.tiles.stride(0), self.tiles.stride(1))
 
 
 def tma_descriptor(cache: torch.Tensor, block_n: int) -> Any:
@@ -197,6 +233,66 @@ def ws_family(config: WsConfig) -> WsFamily:
     return WsFamily(config)
 
 
+FP8_SHADOW = GluonRecipe(q_scaled=True, p_fmt=1, shadow_f16=True, k_fmt=1, q_fmt=1, v_fmt=1)
+"""fp8 Q/K/P/V through the float16 shadow (V̂ = K̂; global scales 1): the recipe
+``compile_ws(recipe=...)`` compiles for the CPU test and the GPU script."""
+
+WS_SHADOW_AUTO = False
+"""Whether ``decode_shadow`` (``impl="auto"`` and ``"gluon"``, no config), where it picked
+the Gluon kernel, runs a ``ws_shadow_kind`` recipe through this kernel
+(``ws_shadow_family(VARIANTS[0], ...)``) instead of ``gluon_decode``'s. Off until
+``tests/test_gluon_decode_ws.py``'s shadow tests pass on an H200 (``MLA_REQUIRE_GPU=1``;
+``benchmarks/gpu/decode_ws_next.sh``)."""
+
+
+def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
+    """``taken`` (``shadow.gluon_shadow_recipe``'s answer) where this kernel reads it, else
+    why not: a float16 shadow with V̂ = K̂ (fp8 K and V of one static scale), q none or
+    quantized (q̂ float16), P none or fp8."""
+    if isinstance(taken, str):
+        return taken
+    if not taken.shadow_f16 or taken.v_sep:
+        return ("the warp-specialized Gluon kernel reads a float16 shadow with V̂ = K̂ only "
+                "(fp8 K and V of one static scale)")  # fmt: skip
+    if taken.p_fmt not in (0, 1):
+        return "the warp-specialized Gluon kernel quantizes P to fp8 only (nvfp4 P: not built)"
+    return taken
+
+
+def ws_shadow_dispatched(taken: GluonRecipe | str) -> bool:
+    """Whether ``decode_shadow``'s dispatch, having picked the Gluon kernel without a
+    config for a recipe (``taken``: ``shadow.gluon_shadow_recipe``'s), runs it through this
+    kernel: ``WS_SHADOW_AUTO`` is on and ``ws_shadow_kind`` takes the recipe."""
+    return WS_SHADOW_AUTO and isinstance(ws_shadow_kind(taken), GluonRecipe)
+
+
+def ws_shadow_family(config: WsConfig, tiles: torch.Tensor) -> WsShadowFamily:
+    """The shadow split family of ``config`` reading ``tiles`` (a new one a call: it holds
+    the tensor)."""
+    return WsShadowFamily(config, tiles)
+
+
+def ws_shadow_config_family(
+    config: WsConfig, facts: gd.GluonFacts, impl: str, taken: GluonRecipe | str,
+    tiles: torch.Tensor,
+) -> WsShadowFamily:  # fmt: skip
+    """``decode_shadow``'s split family for ``config=WsConfig(...)`` (``facts`` of the K̂
+    tiles, ``impl`` checked, ``taken``: ``shadow.gluon_shadow_recipe``'s). Raises
+    ValueError before any launch: ``config`` under ``impl="triton"``, ``quant`` for a
+    recipe ``ws_shadow_kind`` refuses, ``impl`` where the Gluon kernels cannot run (the
+    platform, the widths, strides not multiples of 8 elements)."""
+    if impl == "triton":
+        raise ValueError("config: a WsConfig configures impl='gluon', not 'triton'")
+    kind = ws_shadow_kind(taken)
+    if isinstance(kind, str):
+        raise ValueError(f"quant: {kind}")
+    why = gd.gluon_unsupported(facts, forced=True, recipe=lambda _: kind, stride_align=8)
+    if why is not None:
+        raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
+                         f"{why.reason}")  # fmt: skip
+    return ws_shadow_family(config, tiles)
+
+
 def ws_dispatched(facts: gd.GluonFacts) -> bool:
     """Whether ``decode``'s dispatch, having picked the Gluon kernel for a call (``facts``:
     ``gluon_decode.choose_impl`` said ``"gluon"``, no ``GluonDecodeConfig`` given), runs it
@@ -232,7 +328,7 @@ def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFam
 
 def compile_ws(
     config: WsConfig = VARIANTS[0], *, dtype: str = "bf16", num_splits: int = 1, page: int = 64,
-    index_dtype: str = "i32",
+    index_dtype: str = "i32", recipe: GluonRecipe = gd.UNQUANTIZED,
 ) -> gd.CompiledVariant:  # fmt: skip
     """Compile the warp-specialized kernel for sm_90a on any machine (no GPU needed).
 
@@ -240,33 +336,42 @@ def compile_ws(
     what the launch would pass (``config.tma``: TMA loads where ``page`` holds whole
     tiles, as ``tma_descriptor`` decides for a contiguous cache); strides and sizes marked
     divisible by 16 as the JIT marks a multiple of 16 (``gluon_decode.compile_variant``'s
-    convention).
+    convention). ``recipe``: recipe none, or one ``ws_shadow_kind`` takes (``FP8_SHADOW``):
+    the shadow's float16 K̂ tiles and q̂ (``dtype`` is the output's), P̂ fp8; else a
+    ValueError naming ``recipe``.
     """
     from mla_triton.kernels import gluon_decode_ws as k
     from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
 
+    if recipe != gd.UNQUANTIZED and isinstance(why := ws_shadow_kind(recipe), str):
+        raise ValueError(f"recipe: {why}")
     fn = _kernel()
     div, i32 = ("i32", True), ("i32", False)
+    tile = "fp16" if recipe.shadow_f16 else dtype  # q (q̂) and the K tiles: one type
 
     def ptr(t: str) -> tuple[str, bool]:
         return (f"*{t}", True)
 
     split = (
-        (ptr(dtype), ptr(dtype), ptr("fp32")), (ptr(dtype),), ptr(index_dtype),
+        (ptr(tile), ptr(tile), ptr("fp32")), (ptr(tile),), ptr(index_dtype),
         ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
         (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
         (i32, i32), ("fp32", False),
     )  # fmt: skip
     tma = config.tma and page % config.block_n == 0
     block = [config.block_n, 64]
-    layout = _box_layout(block, torch.bfloat16 if dtype == "bf16" else torch.float16)
-    desc = f"tensordesc<{dtype}[{block[0]},{block[1]}],{layout!r}>"
-    scalars = {"out_scale": "fp32", "kv_desc": desc if tma else "constexpr"}
+    layout = _box_layout(block, torch.bfloat16 if tile == "bf16" else torch.float16)
+    desc = f"tensordesc<{tile}[{block[0]},{block[1]}],{layout!r}>"
+    p_hat = ("fp32", "fp32", "fp32") if recipe.p_fmt else "constexpr"
+    scalars = {"out_scale": "fp32", "kv_desc": desc if tma else "constexpr", "p_hat_scales": p_hat}
     constexprs: dict[str, Any] = {} if tma else {"kv_desc": None}
+    if not recipe.p_fmt:
+        constexprs["p_hat_scales"] = None
     constexprs |= {
         "SHAPE": (512, 64, page, k.BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "MULTI_SPLIT": num_splits > 1, "PRODUCER_REGS": config.producer_regs,
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
-        "TMA": tma, "EARLY_S": config.early_s,
+        "TMA": tma, "EARLY_S": config.early_s, "Q_SCALED": recipe.q_scaled,
+        "K_FMT": recipe.k_fmt, "P_FMT": recipe.p_fmt,
     }  # fmt: skip
     return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 
 from mla_formats import AttentionQuant, OperandQuant
+from mla_triton import gluon_decode as gd
+from mla_triton import gluon_decode_ws as ws
 from mla_triton.decode import (
     DecodeConfig,
     SplitFamily,
@@ -634,7 +636,7 @@ def decode_shadow(
     lse: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     check_values: bool | None = None,
-    config: DecodeConfig | GluonDecodeConfig | None = None,
+    config: DecodeConfig | GluonDecodeConfig | ws.WsConfig | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_triton.decode`` reading K̂ and V̂ from a shadow written by ``update_cache``.
@@ -661,7 +663,12 @@ def decode_shadow(
     runs it above 32 heads for the GPU-verified recipes (``gluon_shadow_verified``: fp8
     with V̂ = K̂, nvfp4 Q/K/P/V), the Triton kernel otherwise. ``config``: a
     ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
-    (implies ``"gluon"``; with a V̂ section only ``SEPARATE_V_CONFIG``).
+    (implies ``"gluon"``; with a V̂ section only ``SEPARATE_V_CONFIG``), or a
+    ``gluon_decode_ws.WsConfig``: the warp-specialized Gluon kernel on a float16 shadow
+    with V̂ = K̂ (fp8 K and V of one static scale, P none or fp8:
+    ``gluon_decode_ws.ws_shadow_kind``; a ValueError naming ``quant``, ``impl`` or
+    ``config`` elsewhere). Without a config, where the Gluon kernel was picked, that
+    kernel runs such a recipe while ``gluon_decode_ws.WS_SHADOW_AUTO`` is on (shipped off).
     """
     chosen = check_impl(impl)
     qq = _check_quant(quant)
@@ -671,9 +678,19 @@ def decode_shadow(
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
     tiles, gluon = _gluon_tiles(qq, lay, c.q_nope.dtype, cache, (kh, ks, vh), config)
-    families = (_ShadowFamily(lay, (kh, ks, vh)), gluon)
-    rule = partial(gluon_shadow_unsupported, layout=lay)
-    family, cfg = _dispatch(c, tiles, qq, kv_lora_rank, chosen, config, families, rule)
+    family: SplitFamily
+    cfg: object = None
+    if isinstance(config, ws.WsConfig):  # the warp-specialized kernel, V̂ = K̂ (refusals)
+        facts = gd.gluon_facts(c.q_nope, tiles, qq, kv_lora_rank)
+        taken = gluon_shadow_recipe(qq, lay, c.q_nope.dtype)
+        family = ws.ws_shadow_config_family(config, facts, chosen, taken, tiles)
+    else:
+        families = (_ShadowFamily(lay, (kh, ks, vh)), gluon)
+        rule = partial(gluon_shadow_unsupported, layout=lay)
+        family, cfg = _dispatch(c, tiles, qq, kv_lora_rank, chosen, config, families, rule)
+        if config is None and isinstance(family, _GluonShadowFamily):  # noqa: SIM102
+            if ws.ws_shadow_dispatched(gluon_shadow_recipe(qq, lay, c.q_nope.dtype)):
+                family = ws.ws_shadow_family(ws.VARIANTS[0], tiles)
     return run_decode(
         c, cache, block_table, seq_lens, qq, family, out=out, lse=lse, num_splits=num_splits,
         workspace=workspace, max_seq_len=max_seq_len, check_values=check_values, config=cfg,

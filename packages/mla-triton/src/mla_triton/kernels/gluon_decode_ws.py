@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_triton.kernels.common import split_program
 from mla_triton.kernels.gluon_decode import BLOCK_H as BLOCK_H  # 64 heads a CTA (wgmma M)
-from mla_triton.kernels.gluon_decode import LN2
+from mla_triton.kernels.gluon_decode import LN2, _p_hat
 
 NUM_WARPS = 4
 """Warps of each partition (the default one is the kernel's ``num_warps``)."""
@@ -208,11 +208,15 @@ def _zero_tail(kv_tile, n_valid):
 
 
 @gluon.jit
-def _softmax(s, m_prev, valid, row_scale):
+def _softmax(s, m_prev, valid, row_scale, RAW: gl.constexpr):
     """One tile of the base-2 online softmax with an integer running maximum, from the
-    maximum after the previous tile: ``(P, alpha, m_new)``. An infinite score is NaN
-    (the raw operands' rule of the Triton kernel)."""
-    t = gl.fma(s, row_scale[:, None], s - s)  # the rounded product, NaN where s is not finite
+    maximum after the previous tile: ``(P, alpha, m_new)``. ``RAW`` (q or K not
+    quantized): an infinite score is NaN (the raw operands' rule of the Triton kernel);
+    else the plain product (q̂ and K̂ bound every score), as ``gluon_decode``'s."""
+    if RAW:  # noqa: SIM108  (static branches) the rounded product, NaN where s is not finite
+        t = gl.fma(s, row_scale[:, None], s - s)
+    else:
+        t = s * row_scale[:, None]
     t = gl.where(valid[None, :], t, float("-inf"))
     m_new = gl.maximum(m_prev, gl.ceil(gl.max(t, axis=1)))
     return gl.exp2(t - m_new[:, None]), gl.exp2(m_prev - m_new), m_new
@@ -269,8 +273,8 @@ def _release_other(acc, free, t, ST: gl.constexpr, ROLE: gl.constexpr):
 @gluon.jit
 def _own_tile(
     acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free, t, lo,
-    hi, row_scale, ROLE: gl.constexpr, HAS_PREV: gl.constexpr, CHUNKED: gl.constexpr,
-    TMA: gl.constexpr, EARLY_S: gl.constexpr,
+    hi, row_scale, quant, ROLE: gl.constexpr, HAS_PREV: gl.constexpr, CHUNKED: gl.constexpr,
+    TMA: gl.constexpr, EARLY_S: gl.constexpr, QUANT: gl.constexpr,
 ):  # fmt: skip
     """This warpgroup's tile ``t``: the other warpgroup's ``P_{t-1} V_{t-1}``
     (``HAS_PREV``; its P is published before tile ``t`` can start landing; that slot is
@@ -280,7 +284,9 @@ def _own_tile(
     slot released. ``EARLY_S``: ``S_t`` is issued first, as soon as tile ``t`` has
     landed, so it runs under the other warpgroup's softmax of ``t - 1``; then ``P_{t-1}
     V_{t-1}``, which runs under this softmax (the other slot released after it). The
-    same operations on ``acc`` and ``l`` in the same order. Returns ``(acc, l, m)``."""
+    same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT)``
+    (``_softmax``'s rule; P̂ fp8 for both P V, ``gluon_decode._p_hat`` with ``quant[1]``,
+    the denominators summing the unquantized P). Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
@@ -332,9 +338,12 @@ def _own_tile(
     else:
         sc = warpgroup_mma_wait(0, deps=(sc,))
     offs_n = gl.arange(0, N, gl.SliceLayout(0, s_layout))
-    p, alpha, m_i = _softmax(sc, m_i, (lo + t * N + offs_n) < hi, row_scale)
+    p, alpha, m_i = _softmax(sc, m_i, (lo + t * N + offs_n) < hi, row_scale, QUANT[0])
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    p16 = p.to(dtype)
+    if QUANT[1] != 0:  # noqa: SIM108  (static) P̂ feeds both P V, P the denominators
+        p16 = _p_hat(p, quant[1], QUANT[1]).to(dtype)
+    else:
+        p16 = p.to(dtype)
     if TMA:  # noqa: SIM102  (static: the tail tile's rows past the split are real rows)
         if lo + t * N + N > hi:
             _zero_tail(kv_ring.index(s), hi - lo - t * N)
@@ -360,13 +369,16 @@ def _own_tile(
 @gluon.jit
 def _math(
     q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
-    lo, hi, n_tiles, score_scale, ROLE: gl.constexpr, D1: gl.constexpr, CHUNKED: gl.constexpr,
-    TMA: gl.constexpr, EARLY_S: gl.constexpr,
+    lo, hi, n_tiles, score_scale, quant, b, hg, num_heads, ROLE: gl.constexpr,
+    D1: gl.constexpr, CHUNKED: gl.constexpr, TMA: gl.constexpr, EARLY_S: gl.constexpr,
+    QUANT: gl.constexpr,
 ):  # fmt: skip
     """Math warpgroup ``ROLE``: its tiles' S and softmax, P V of every tile on its 256
-    features. Returns ``(acc [64, 256], m [64], l [64], nonfinite [64], any bad row)``,
-    ``l`` the sum of both warpgroups' denominators at the final maximum ``m``,
-    ``nonfinite`` 0 or NaN (a row with a non-finite feature in either half)."""
+    features (``quant``, ``QUANT``: ``_math_part``'s; ``Q_SCALED``: each row's q̂ global
+    scale times ``score_scale``, as ``gluon_decode``'s). Returns ``(acc [64, 256], m [64],
+    l [64], nonfinite [64], any bad row)``, ``l`` the sum of both warpgroups' denominators
+    at the final maximum ``m``, ``nonfinite`` 0 or NaN (a row with a non-finite feature in
+    either half)."""
     HALF: gl.constexpr = D1 // 2
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
@@ -381,6 +393,10 @@ def _math(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o_: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_scale = gl.full([_HEADS], score_scale, gl.float32, row_s)
+    if QUANT[2]:  # Q_SCALED: q̂'s global scales qgs [B, H]
+        offs_hs = hg * _HEADS + gl.arange(0, _HEADS, row_s)
+        row_scale *= gl.load(quant[0] + b * num_heads + offs_hs, mask=offs_hs < num_heads,
+                             other=1.0)  # fmt: skip
     m_i = gl.full([_HEADS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([_HEADS], gl.float32, row_s)
     acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
@@ -391,13 +407,13 @@ def _math(
         if n_own > 0:
             acc, l_i, m_i = _own_tile(
                 acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
-                0, lo, hi, row_scale, ROLE, False, CHUNKED, TMA, EARLY_S,
+                0, lo, hi, row_scale, quant, ROLE, False, CHUNKED, TMA, EARLY_S, QUANT,
             )  # fmt: skip
         first = 1
     for k in range(first, n_own):
         acc, l_i, m_i = _own_tile(
             acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
-            2 * k + ROLE, lo, hi, row_scale, ROLE, True, CHUNKED, TMA, EARLY_S,
+            2 * k + ROLE, lo, hi, row_scale, quant, ROLE, True, CHUNKED, TMA, EARLY_S, QUANT,
         )  # fmt: skip
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
@@ -465,17 +481,20 @@ def _epilogue(
 @gluon.jit
 def _math_part(
     args, ROLE: gl.constexpr, D1: gl.constexpr, MULTI_SPLIT: gl.constexpr,
-    CHUNKED: gl.constexpr, TMA: gl.constexpr, EARLY_S: gl.constexpr,
+    CHUNKED: gl.constexpr, TMA: gl.constexpr, EARLY_S: gl.constexpr, QUANT: gl.constexpr,
 ):  # fmt: skip
     """A math warpgroup: ``_math`` then ``_epilogue`` for its features (``args``: the
-    kernel's shared buffers, barriers, bounds and output pointers, in this order)."""
+    kernel's shared buffers, barriers, bounds and output pointers, in this order, then
+    ``quant``: 0 for recipe none, else ``(qgs_ptr, p_scales)``; ``QUANT = (RAW,
+    P_FMT, Q_SCALED)``)."""
     (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
      lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
      n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
-     stride_lse_h, out_scale) = args  # fmt: skip
+     stride_lse_h, out_scale, quant) = args  # fmt: skip
     acc, m_i, l_i, nonfinite, bad = _math(
         q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
-        done, lo, hi, n_tiles, score_scale, ROLE, D1, CHUNKED, TMA, EARLY_S,
+        done, lo, hi, n_tiles, score_scale, quant, b, hg, num_heads, ROLE, D1, CHUNKED, TMA,
+        EARLY_S, QUANT,
     )  # fmt: skip
     _epilogue(
         acc, m_i, l_i, nonfinite, bad, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
@@ -489,6 +508,7 @@ def gluon_decode_ws_kernel(
     split,
     out_scale,
     kv_desc,
+    p_hat_scales,
     num_splits,
     num_blocks,
     SHAPE: gl.constexpr,
@@ -499,8 +519,12 @@ def gluon_decode_ws_kernel(
     STAGES: gl.constexpr,
     TMA: gl.constexpr,
     EARLY_S: gl.constexpr,
+    Q_SCALED: gl.constexpr,
+    K_FMT: gl.constexpr,
+    P_FMT: gl.constexpr,
 ):
-    """Stage 1, warp-specialized: one (head group, split, request), recipe none.
+    """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
+    Q/K/P/V through the float16 shadow (V̂ = K̂).
 
     Arguments as ``gluon_decode.gluon_decode_split_kernel``'s (``split``: the split
     kernels' tuple, ``kernels.common.split_program``; ``SHAPE`` with ``BLOCK_H`` 64 and
@@ -512,8 +536,16 @@ def gluon_decode_ws_kernel(
     PAGE, 576]`` in ``[BLOCK_N, 64]`` boxes; ``PAGE`` a multiple of ``BLOCK_N``), else by
     ``cp.async`` (``kv_desc`` None); ``EARLY_S``: a warpgroup issues ``S_t`` before it waits
     for the other's ``P_{t-1}`` (``_own_tile``).
+
+    The shadow (``decode_shadow``): the cache is the shadow's float16 K̂ ``[.., 576]``
+    (V̂ its first 512 features), q its float16 q̂ (``Q_SCALED``: global scales ``qgs``
+    ``[B, H]``); ``K_FMT`` 1 (with ``Q_SCALED``: the plain score product, as
+    ``gluon_decode``'s, else the raw rule); ``P_FMT`` 1: P̂ fp8 between the MMAs
+    (``p_hat_scales = (gs_p, 1 / gs_p, 1 / (6 gs_p))``; None with ``P_FMT`` 0);
+    ``out_scale = gs_p gs_v``. Recipe none: ``Q_SCALED`` False, ``K_FMT`` and ``P_FMT``
+    0, the same code as before these arguments.
     """
-    qn_ptr, qp_ptr, _qgs_ptr = split[0]
+    qn_ptr, qp_ptr, qgs_ptr = split[0]
     (kv_ptr,) = split[1]
     bt_ptr = split[2]
     out_ptr, lse_ptr = split[4]
@@ -532,6 +564,7 @@ def gluon_decode_ws_kernel(
     gl.static_assert((N == 32) | (N == 64), "BLOCK_N: 32- or 64-token tiles")
     gl.static_assert(STAGES % 2 == 0, "STAGES: even (a slot's tiles are one warpgroup's)")
     gl.static_assert((not TMA) or (PAGE % N == 0), "TMA: a page holds whole tiles")
+    gl.static_assert((P_FMT == 0) or (P_FMT == 1), "P_FMT: P none or fp8")
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
 
     n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
@@ -564,17 +597,23 @@ def gluon_decode_ws_kernel(
     fence_async_shared()
     gl.barrier()
 
+    RAW: gl.constexpr = (K_FMT == 0) or (not Q_SCALED)
+    QUANT: gl.constexpr = gl.constexpr((RAW, P_FMT, Q_SCALED))
+    if Q_SCALED or (P_FMT != 0):  # noqa: SIM108  (static: recipe none captures no more)
+        quant = (qgs_ptr, p_hat_scales)
+    else:
+        quant = 0  # a constexpr: no value reaches the partitions
     math_args = (
         q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
         done, lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split_i,
         n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
-        stride_lse_h, out_scale,
+        stride_lse_h, out_scale, quant,
     )  # fmt: skip
     if TMA:
         gl.warp_specialize(
             [
-                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
-                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
                 (_producer_tma, (
                     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc,
                     bt_ptr + b * stride_bt_b, lo, n_tiles, stride_bt_p, num_blocks, D1, PAGE,
@@ -587,8 +626,8 @@ def gluon_decode_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
-                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S)),
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
                 (_producer, (
                     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr,
                     bt_ptr + b * stride_bt_b, lo, hi, n_tiles, stride_bt_p, stride_kv_page,
