@@ -629,14 +629,13 @@ def _teardown(
 
 
 @gluon.jit
-def _work(
-    w, grid_m, grid_h, grid_b, cu_seqlens_q, cu_seqlens_k, group, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-):  # fmt: skip
-    """Work tile ``w`` of a persistent launch (``grid_m`` query tiles x ``grid_h`` heads x
+def _work(w, tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work tile ``w`` of a persistent launch (``tiles = (cu_seqlens_q, cu_seqlens_k,
+    grid_m, grid_h, grid_b, group)``: ``grid_m`` query tiles x ``grid_h`` heads x
     ``grid_b`` sequences, the query tile slowest: every head's heaviest causal tiles
     first): ``(start_m, head, q_start, seq_len_q, k_start, seq_len_k, kv_head, mid,
     n_tiles)`` as the non-persistent kernel derives them from its grid."""
+    cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group = tiles
     pid_m = w // (grid_h * grid_b)
     rest = w % (grid_h * grid_b)
     head = rest % grid_h
@@ -669,7 +668,6 @@ def _consume_all(
     ``args``: the kernel's buffers and barriers, what ``_work`` reads, the head strides,
     the rest of its arguments."""
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties = bufs
-    cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group = tiles
     stride_kh = heads[1]
     stride_vh = heads[2]
     (
@@ -679,10 +677,9 @@ def _consume_all(
     ring = 0
     turn = 0
     done = 0
-    for w in range(gl.program_id(0), grid_m * grid_h * grid_b, gl.num_programs(0)):
+    for w in range(gl.program_id(0), tiles[2] * tiles[3] * tiles[4], gl.num_programs(0)):
         start_m, head, q_start, seq_len_q, k_start, seq_len_k, kv_head, mid, n_tiles = _work(
-            w, grid_m, grid_h, grid_b, cu_seqlens_q, cu_seqlens_k, group, BLOCK_M, BLOCK_N,
-            CAUSAL,
+            w, tiles, BLOCK_M, BLOCK_N, CAUSAL
         )  # fmt: skip
         if start_m * BLOCK_M < seq_len_q:
             row0 = start_m * BLOCK_M + (ROWS if WG == 1 else 0)
@@ -710,25 +707,21 @@ def _produce_all(
     (those of ``_consume_all``: the same ``bufs``, ``tiles``, ``heads``), a new Q only once
     the consumers left the last one (``empties[2]``, "Q empty"), the ring index counted on
     across them; ``descs``: the Q, K and V descriptors."""
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties = bufs
-    cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group = tiles
     stride_qh, stride_kh, stride_vh = heads
     q_desc, k_desc, v_desc = descs
-    q_empty = empties[2]
+    q_empty = bufs[6][2]
     ring = 0
     done = 0
-    for w in range(gl.program_id(0), grid_m * grid_h * grid_b, gl.num_programs(0)):
-        start_m, head, q_start, seq_len_q, k_start, _, kv_head, _, n_tiles = _work(
-            w, grid_m, grid_h, grid_b, cu_seqlens_q, cu_seqlens_k, group, BLOCK_M, BLOCK_N,
-            CAUSAL,
-        )  # fmt: skip
+    for w in range(gl.program_id(0), tiles[2] * tiles[3] * tiles[4], gl.num_programs(0)):
+        work = _work(w, tiles, BLOCK_M, BLOCK_N, CAUSAL)
+        start_m, _, q_start, seq_len_q, k_start, _, kv_head, _, n_tiles = work
         if start_m * BLOCK_M < seq_len_q:
             if done > 0:
                 mbarrier.wait(q_empty, (done - 1) & 1)
             _producer(
-                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc, k_desc, v_desc,
-                q_start + start_m * BLOCK_M, head * stride_qh, k_start, kv_head * stride_kh,
-                kv_head * stride_vh, n_tiles, ring, BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
+                *bufs, q_desc, k_desc, v_desc, q_start + start_m * BLOCK_M, work[1] * stride_qh,
+                k_start, kv_head * stride_kh, kv_head * stride_vh, n_tiles, ring, BLOCK_N, NQ,
+                NUM_STAGES, QH, EARLY_K,
             )  # fmt: skip
             ring += n_tiles
             done += 1
