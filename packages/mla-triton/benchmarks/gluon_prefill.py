@@ -466,11 +466,14 @@ def ablation(result: dict[str, Any]) -> None:
 
 
 def _sweep_shape(
-    shape: str, tilings: dict[str, Any], rep: int, shard: tuple[int, int] | None = None
-) -> list[dict[str, Any]]:
-    """``--sweep``'s rows at one shape: FA3 first, then per recipe Triton and the tilings.
-    ``shard (i, n)``: only compile (one call each) the Triton and Gluon calls ``i, i + n,
-    ...`` (``--warm``: several processes fill Triton's cache side by side)."""
+    shape: str, tilings: dict[str, Any], rep: int, shard: tuple[int, int] | None = None,
+    rows: list[dict[str, Any]] | None = None, flush: Callable[[], None] = lambda: None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """``--sweep``'s rows at one shape: FA3 first, then per recipe Triton and the tilings,
+    appended to ``rows`` (a new list by default), ``flush()`` after each (a cut-off run
+    keeps what it timed). ``shard (i, n)``: only compile (one call each) the Triton and
+    Gluon calls ``i, i + n, ...`` (``--warm``: several processes fill Triton's cache side
+    by side)."""
     import triton
 
     from mla_triton import prefill
@@ -506,7 +509,7 @@ def _sweep_shape(
             except Exception as exc:
                 print(f"warm {recipe} {impl}: {exc!r}", flush=True)
         return []
-    rows: list[dict[str, Any]] = []
+    rows = [] if rows is None else rows
     fa3_ms = None
     for recipe, impl, fn in [("-", "fa3", lambda: None), *fns]:
         row: dict[str, Any] = {"shape": shape, "recipe": recipe, "impl": impl}
@@ -526,6 +529,7 @@ def _sweep_shape(
             traceback.print_exc()
             row["error"] = repr(exc)
         rows.append(row)
+        flush()
     return rows
 
 
@@ -542,13 +546,13 @@ def sweep(
     """``--sweep``: every tiling x recipe at ``SWEEP_SHAPES`` with the Triton kernel and
     FA3 (bf16) in the same process; rows ``{shape, recipe, impl, ms, tflops, vs_fa3}``,
     then ``result["best"]``: the fastest Gluon tiling per shape and recipe. Written to
-    ``out/gluon-prefill-sweep.json`` after each shape (a cut-off run keeps its rows).
+    ``out/gluon-prefill-sweep.json`` after each row (a cut-off run keeps its rows).
     ``names``: ``--tilings``."""
     tilings = _sweep_tilings(pingpong, names)
     rows: list[dict[str, Any]] = result["timings"]
     for shape in SWEEP_SHAPES:
-        rows += _sweep_shape(shape, tilings, rep)
-        _write(out, result, "gluon-prefill-sweep.json")
+        _sweep_shape(shape, tilings, rep, rows=rows,
+                     flush=lambda: _write(out, result, "gluon-prefill-sweep.json"))  # fmt: skip
         torch.cuda.empty_cache()
     best: list[dict[str, Any]] = []
     for shape in SWEEP_SHAPES:
