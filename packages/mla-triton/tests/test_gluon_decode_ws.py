@@ -643,3 +643,98 @@ def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     after = compiled_variants()
     new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     assert not new, f"compiled during the sweep: {new}"
+
+
+# ------------------------------------------------------- fp8 through the shadow (GPU)
+
+SHADOW_CASES = ["fp8", "fp8-scale-3"]
+"""``test_shadow_gpu.CASES`` with V̂ = K̂: scale 1 at page 16, scale 3 at page 64."""
+
+
+@gpu
+@pytest.mark.parametrize("heads", [20, 128])
+@pytest.mark.parametrize("case", SHADOW_CASES)
+@pytest.mark.parametrize("config", [VARIANTS[0], VARIANTS[4]], ids=[VARIANTS[0].name,
+                                                                   VARIANTS[4].name])  # fmt: skip
+def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsConfig) -> None:
+    """``decode_shadow(config=config)`` on a pool an engine filled (ragged lengths up to
+    1000: a prefill in three chunks, then decode steps) against ``gluon_decode``'s shadow
+    kernel (``config=gluon_decode.VARIANTS[0]``, whatever ``WS_SHADOW_AUTO`` says) at each
+    step and split count (1, 4, the default; ``test_shadow_gpu._agree``'s bounds: the same
+    quantized operands, another summation order), split invariance (1 against 4), and the
+    float64 oracle at the default count (``test_decode_gpu.check``). ``VARIANTS[4]`` (TMA
+    loads, S issued early) reads page 64 by TMA, page 16 by ``cp.async``."""
+    from test_decode_gpu import check
+    from test_shadow_gpu import LENS, STEPS, _agree, _pool, _prefill, _query
+    from test_shadow_gpu import SCALE as SH_SCALE
+
+    import mla_reference
+    from mla_triton import decode_shadow
+    from mla_triton.decode import decode_num_splits
+
+    pool = _pool(case)
+    _prefill(pool)
+    q = _query(heads)
+    default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
+    for step in range(STEPS):
+        pool.append([1] * len(LENS), pad=1)
+        seq = pool.seq_lens()
+        args = (q, pool.cache, pool.shadow, pool.table, seq)
+        got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for splits in sorted({1, 4, default}):
+            kw: dict[str, Any] = {"softmax_scale": SH_SCALE, "quant": pool.quant,
+                                     "num_splits": splits}  # fmt: skip
+            got[splits] = decode_shadow(*args, config=config, **kw)
+            assert got[splits][0].dtype == torch.bfloat16
+            glu = decode_shadow(*args, config=GLUON_VARIANTS[0], **kw)
+            label = f"ws {config.name} {case} h{heads} step {step}, {splits} splits"
+            _agree(got[splits], glu, pool, heads, label + " vs gluon_decode's shadow kernel")
+            if splits == default:
+                ref = mla_reference.decode(
+                    q.cpu(), pool.cache.cpu(), pool.table.cpu(), seq.cpu(),
+                    softmax_scale=SH_SCALE, quant=pool.quant,
+                )  # fmt: skip
+                check(got[splits][0], got[splits][1], ref[0].cuda(), ref[1].cuda(), pool.quant)
+        _agree(got[1], got[4], pool, heads, f"ws {case} h{heads} step {step}: 1 vs 4 splits")
+
+
+@gpu
+@pytest.mark.parametrize("config", [VARIANTS[0], VARIANTS[3]],
+                         ids=[VARIANTS[i].name for i in (0, 3)])  # fmt: skip
+def test_shadow_nan_rule_as_gluon(config: WsConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the fp8 shadow (V̂ = K̂, scale 3): pages outside the cache, a length outside
+    the table and a non-finite latent element seen (its K̂ is NaN) poison exactly the rows
+    ``gluon_decode``'s shadow kernel poisons (one split and several); a non-finite row past
+    a request's end (in its last tile: TMA brings it in) poisons nothing. With
+    ``WS_SHADOW_AUTO`` on, ``decode_shadow()`` is ``decode_shadow(config=VARIANTS[0])``
+    bit for bit."""
+    from mla_triton import allocate_shadow, decode_shadow, update_cache
+
+    q, cache, table, seq = _inputs(6, 128, 64, [200, 300, 150, 90, 150, 100], torch.bfloat16)
+    cache[table[5, 1], 50, :] = float("nan")  # request 5: token 114 (unseen, same tile)
+    cache[table[3, 1], 5, 7] = float("inf")  # request 3: token 69 (seen) is not finite
+    shadow = allocate_shadow(cache.shape[0], 64, FP8_3, device="cuda")
+    flat = cache.reshape(-1, 576).clone()
+    slots = torch.arange(flat.shape[0], device="cuda", dtype=torch.int64)
+    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=FP8_3)
+    table[0, 1] = -1  # request 0: a page outside the cache
+    table[1, 2] = cache.shape[0]  # request 1: too
+    seq[2] = table.shape[1] * 64 + 1  # request 2: beyond the table's capacity
+    kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": FP8_3}
+    for splits in (1, 3):
+        o_w, l_w = decode_shadow(q, cache, shadow, table, seq, num_splits=splits, config=config,
+                                 **kw)  # fmt: skip
+        o_g, l_g = decode_shadow(q, cache, shadow, table, seq, num_splits=splits,
+                                 config=GLUON_VARIANTS[0], **kw)  # fmt: skip
+        assert bool(torch.isnan(o_g[:4]).all())  # requests 0 to 3 are poisoned
+        assert bool(torch.isfinite(o_w[4:]).all()) and bool(torch.isfinite(l_w[4:]).all())
+        assert torch.equal(torch.isnan(o_w), torch.isnan(o_g))
+        assert torch.equal(torch.isnan(l_w), torch.isnan(l_g))
+        assert _row_err(o_w[4:], o_g[4:]) < 1.5e-2
+    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
+    for splits in (1, 3):
+        auto = decode_shadow(q, cache, shadow, table, seq, num_splits=splits, **kw)
+        direct = decode_shadow(q, cache, shadow, table, seq, num_splits=splits,
+                               config=VARIANTS[0], **kw)  # fmt: skip
+        assert torch.equal(auto[0].nan_to_num(7.0), direct[0].nan_to_num(7.0))
+        assert torch.equal(auto[1].nan_to_num(7.0), direct[1].nan_to_num(7.0))

@@ -602,7 +602,7 @@ def gluon_decode_ws_kernel(
     if Q_SCALED or (P_FMT != 0):  # noqa: SIM108  (static: recipe none captures no more)
         quant = (qgs_ptr, p_hat_scales)
     else:
-        quant = 0  # a constexpr: no value reaches the partitions
+        quant = 0  # type: ignore[assignment]  # a constexpr: nothing reaches the partitions
     math_args = (
         q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
         done, lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split_i,
