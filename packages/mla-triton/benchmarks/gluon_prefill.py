@@ -468,12 +468,14 @@ def ablation(result: dict[str, Any]) -> None:
 def _sweep_shape(
     shape: str, tilings: dict[str, Any], rep: int, shard: tuple[int, int] | None = None,
     rows: list[dict[str, Any]] | None = None, flush: Callable[[], None] = lambda: None,
+    ablated: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """``--sweep``'s rows at one shape: FA3 first, then per recipe Triton and the tilings,
     appended to ``rows`` (a new list by default), ``flush()`` after each (a cut-off run
     keeps what it timed). ``shard (i, n)``: only compile (one call each) the Triton and
     Gluon calls ``i, i + n, ...`` (``--warm``: several processes fill Triton's cache side
-    by side)."""
+    by side). ``ablated``: the Gluon kernel in place is the one without its softmax step
+    (``_ablated_kernel``): recipe none only, rows labelled ``none-no-softmax``, no Triton."""
     import triton
 
     from mla_triton import prefill
@@ -495,8 +497,10 @@ def _sweep_shape(
         )  # fmt: skip
 
     fns: list[tuple[str, str, Callable[[], Any]]] = []
-    for recipe, (quant, sparsity) in SWEEP_RECIPES.items():
-        fns.append((recipe, "triton", call(quant, sparsity, "triton", None)))
+    recipes = {"none-no-softmax": (None, None)} if ablated else SWEEP_RECIPES
+    for recipe, (quant, sparsity) in recipes.items():
+        if not ablated:
+            fns.append((recipe, "triton", call(quant, sparsity, "triton", None)))
         for name, t in tilings.items():
             fns.append((recipe, name, call(quant, sparsity, "gluon", GluonPrefillConfig(**t))))
     if shard is not None:
@@ -541,22 +545,39 @@ def _sweep_tilings(pingpong: bool, names: str | None) -> dict[str, dict[str, Any
 
 
 def sweep(
-    result: dict[str, Any], pingpong: bool, rep: int, out: str, names: str | None = None
-) -> None:
+    result: dict[str, Any], pingpong: bool, rep: int, out: str, names: str | None = None,
+    ablate: bool = False,
+) -> None:  # fmt: skip
     """``--sweep``: every tiling x recipe at ``SWEEP_SHAPES`` with the Triton kernel and
     FA3 (bf16) in the same process; rows ``{shape, recipe, impl, ms, tflops, vs_fa3}``,
     then ``result["best"]``: the fastest Gluon tiling per shape and recipe. Written to
     ``out/gluon-prefill-sweep.json`` after each row (a cut-off run keeps its rows).
-    ``names``: ``--tilings``."""
+    ``names``: ``--tilings``. ``ablate`` (``--ablate``): then the same tilings without the
+    softmax step, recipe none, beside FA3 again: the bound of each schedule's MMA issue
+    pattern (what hiding the softmax completely could reach)."""
+    from mla_triton.kernels import gluon_prefill as kmod
+
     tilings = _sweep_tilings(pingpong, names)
     rows: list[dict[str, Any]] = result["timings"]
+
+    def flush() -> None:
+        _write(out, result, "gluon-prefill-sweep.json")
+
     for shape in SWEEP_SHAPES:
-        _sweep_shape(shape, tilings, rep, rows=rows,
-                     flush=lambda: _write(out, result, "gluon-prefill-sweep.json"))  # fmt: skip
+        _sweep_shape(shape, tilings, rep, rows=rows, flush=flush)
         torch.cuda.empty_cache()
+    if ablate:
+        real = kmod.gluon_prefill_kernel
+        try:
+            kmod.gluon_prefill_kernel = _ablated_kernel()
+            for shape in SWEEP_SHAPES:
+                _sweep_shape(shape, tilings, rep, rows=rows, flush=flush, ablated=True)
+                torch.cuda.empty_cache()
+        finally:
+            kmod.gluon_prefill_kernel = real
     best: list[dict[str, Any]] = []
     for shape in SWEEP_SHAPES:
-        for recipe in SWEEP_RECIPES:
+        for recipe in [*SWEEP_RECIPES, *(["none-no-softmax"] if ablate else [])]:
             timed = [r for r in rows if r["shape"] == shape and r["recipe"] == recipe
                      and "ms" in r and r["impl"] != "triton"]  # fmt: skip
             if timed:
@@ -586,6 +607,9 @@ def main() -> None:
         "--tilings", default=None, help="--sweep: these TILINGS names (a,b,...) instead"
     )  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="--sweep: do_bench rep (ms)")
+    parser.add_argument(
+        "--ablate", action="store_true", help="--sweep: then its tilings without the softmax"
+    )  # fmt: skip
     parser.add_argument(
         "--warm", default=None, help="--sweep: I/N, only compile shard I of N (at L16384)"
     )  # fmt: skip
@@ -618,7 +642,7 @@ def main() -> None:
         _sweep_shape("b1-h16-L16384", tilings, args.rep, (i, n))
         return
     if args.sweep:
-        sweep(result, not args.no_pingpong, args.rep, args.out, args.tilings)
+        sweep(result, not args.no_pingpong, args.rep, args.out, args.tilings, args.ablate)
         _write(args.out, result, "gluon-prefill-sweep.json")
         print(f"total {time.time() - t0:.0f}s")
         return

@@ -22,6 +22,8 @@
 #  3. sweep (the rest, about 35-40 s): benchmarks/gluon_prefill.py --sweep --tilings REF + the
 #     surviving NEW: FA3 bf16, Triton and each tiling x none / fp8 / nvfp4 / nvfp4+2:4 at
 #     b4 h128 L4096 and b1 h16 L16384, one process; ratio to FA3 per row, fastest per recipe.
+#     ABLATE=1 (with a larger BUDGET_S, about +60 s): then the same tilings without the
+#     softmax step (recipe "none-no-softmax"): each schedule's MMA-issue bound against FA3.
 set -u
 TAG=h38 BUDGET=145
 . "$(dirname "$0")/prefill_env.sh"
@@ -79,7 +81,9 @@ note "warm: $(grep -c '^warm' "$OUT/warm.txt") calls, $(grep -c 'Error\|error' "
 # 3. the sweep: FA3, Triton, REF and the surviving new tilings x recipes, one process
 T=$(left 150)
 note "sweep: ${T}s left"
-timeout "$T" python3 $BENCH --sweep --rep "${REP:-60}" --tilings "$(csv $REF $GOOD)" --out "$OUT" \
+ABL=""
+[ "${ABLATE:-0}" = 1 ] && ABL="--ablate"
+timeout "$T" python3 $BENCH --sweep $ABL --rep "${REP:-60}" --tilings "$(csv $REF $GOOD)" --out "$OUT" \
   >"$OUT/sweep.txt" 2>&1
 note "sweep rc=$?"
 sed -n '/fastest Gluon tiling/,$p' "$OUT/sweep.txt" | tee -a "$S"
