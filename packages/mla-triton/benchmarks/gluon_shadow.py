@@ -48,15 +48,22 @@ def row_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-3)).max())
 
 
+def filled_shadow(cache: torch.Tensor, quant: AttentionQuant) -> torch.Tensor:
+    """The fp16 shadow of every row of ``cache [blocks, page, 576]`` (``update_cache`` over
+    all its slots; the raw rows are rewritten with their own values)."""
+    shadow = allocate_shadow(cache.shape[0], cache.shape[1], quant, device=cache.device)
+    flat = cache.reshape(-1, 576).clone()
+    slots = torch.arange(flat.shape[0], device=cache.device, dtype=torch.int64)
+    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=quant)
+    return shadow
+
+
 def one(shape: str, recipe: str) -> dict[str, Any]:
     """Check and time one shape and recipe: the row of the JSON."""
     quant = RECIPES[recipe]
-    batch, heads, seq, page = SHAPES[shape]
+    batch, heads, seq, _ = SHAPES[shape]
     q, cache, table, lens = make_inputs(shape, "cuda")
-    shadow = allocate_shadow(cache.shape[0], page, quant, device="cuda")
-    flat = cache.reshape(-1, 576).clone()
-    slots = torch.arange(flat.shape[0], device="cuda", dtype=torch.int64)
-    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=quant)
+    shadow = filled_shadow(cache, quant)
     splits = decode_num_splits(batch, heads, seq, device=q.device)
     size = decode_workspace_size(batch, heads, seq, num_splits=splits, device=q.device)
     kw: dict[str, Any] = {
