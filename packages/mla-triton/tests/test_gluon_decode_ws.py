@@ -645,6 +645,28 @@ def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not new, f"compiled during the sweep: {new}"
 
 
+@pytest.mark.usefixtures("as_sm90")
+def test_shadow_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``WS_SHADOW_AUTO`` on, an sm90 engine of fp8 through the shadow (raw rows and
+    shadow bytes in one row, 128 heads): ``warmup_decode`` and ``warmup_update_cache``
+    record the warp-specialized kernel's keys (one split and several) and exactly the keys
+    a serving sweep of batches, lengths and cache writes launches."""
+    import random
+
+    from test_warmup import _keys, make_engine, sweep, warm
+
+    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
+    engine = make_engine(AttentionQuant.uniform("fp8"), True, blocks=37, width=35, max_rows=40,
+                         max_seq_len=2176, dtype=torch.float16, device="cpu")  # fmt: skip
+    warmed = _keys(lambda: warm(engine, prefill_too=False))
+    served = _keys(lambda: sweep(engine, random.Random(0), prefill_too=False))
+    launched = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
+    assert {"gluon_decode_ws_kernel", "decode_q_kernel", "decode_merge_kernel"} <= launched
+    assert "gluon_decode_split_kernel" not in launched, launched
+    assert len({key for kernel, key in warmed if kernel.endswith("gluon_decode_ws_kernel")}) == 2
+    assert warmed == served, (sorted(served - warmed)[:3], sorted(warmed - served)[:3])
+
+
 # ------------------------------------------------------- fp8 through the shadow (GPU)
 
 SHADOW_CASES = ["fp8", "fp8-scale-3"]
