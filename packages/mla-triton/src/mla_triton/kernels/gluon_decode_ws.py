@@ -1,4 +1,5 @@
-"""Absorbed-MLA split-K decode for Hopper (sm90) in Gluon, warp-specialized (recipe none).
+"""Absorbed-MLA split-K decode for Hopper (sm90) in Gluon, warp-specialized (recipe none;
+fp8 Q/K/P/V through the float16 shadow, V̂ = K̂: ``gluon_decode_ws_kernel``'s last paragraph).
 
 The contract (split bounds, base-2 online softmax with an integer running maximum,
 NaN rules, partial outputs) is ``decode_kernel.decode_split_kernel``'s, as in
@@ -284,7 +285,7 @@ def _own_tile(
     slot released. ``EARLY_S``: ``S_t`` is issued first, as soon as tile ``t`` has
     landed, so it runs under the other warpgroup's softmax of ``t - 1``; then ``P_{t-1}
     V_{t-1}``, which runs under this softmax (the other slot released after it). The
-    same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT)``
+    same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT, _)``
     (``_softmax``'s rule; P̂ fp8 for both P V, ``gluon_decode._p_hat`` with ``quant[1]``,
     the denominators summing the unquantized P). Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
