@@ -31,8 +31,10 @@ the same process. ``--dispatch`` times only what ``prefill`` runs by default
 (``impl="auto"``) against ``impl="triton"`` (and, with ``--fa3``, FA3 bf16) for the
 recipes none, fp8 and nvfp4. ``--sweep`` times every Gluon tiling of ``SWEEP_TILINGS``
 (plain, warp-specialized, ping-pong) with every recipe of ``SWEEP_RECIPES`` (none,
-fp8, nvfp4, nvfp4 + 2:4) beside the Triton kernel and FA3 bf16 at b4 h128 L4096 and b1
-h16 L16384 (with LSE, as vLLM calls it), and prints each time's ratio to FA3 and the
+fp8, nvfp4, nvfp4 + 2:4) beside the Triton kernel and FA3 bf16 at b4 h128 L4096, b1
+h16 L16384 and a mixed varlen batch (``SWEEP_SHAPE_DEFS``: six sequences of 690 to 6164
+tokens, 16384 in all, h128; FA3 on the same ``cu_seqlens``), causal with LSE as vLLM
+calls it, and prints each time's ratio to FA3 and the
 fastest tiling per recipe (``AUTO_CONFIGS``' candidates; ``--no-pingpong`` leaves the
 ping-pong tilings out, ``--tilings a,b`` times those of ``SWEEP_TILINGS`` or
 ``SWEEP_NEXT``, the schedule options ``early_k``, ``turns=False``, ``row_inf_check`` and
@@ -49,6 +51,7 @@ import functools
 import json
 import os
 import platform
+import random
 import subprocess
 import time
 import traceback
@@ -129,7 +132,30 @@ SWEEP_RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
     "nvfp4": (AttentionQuant.uniform("nvfp4"), None),
     "nvfp4+2:4": (AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4)),
 }
-SWEEP_SHAPES = ("b4-h128-L4096", "b1-h16-L16384")
+
+
+def mixed_lens(seed: int = 4, total: int = 16384, lo: int = 256, hi: int = 8192) -> list[int]:
+    """Sequence lengths of a vLLM-like mixed prefill batch: drawn uniformly from ``[lo,
+    hi]`` by ``random.Random(seed)`` while they fit in ``total`` tokens, the remainder
+    as the last sequence when it has at least ``lo`` tokens (the default: 2189, 2740,
+    1101, 6164, 3500, 690; 16384 tokens, none a multiple of 64: every sequence has a
+    tail tile)."""
+    gen, lens = random.Random(seed), []
+    while (n := gen.randint(lo, hi)) <= total - sum(lens):
+        lens.append(n)
+    if total - sum(lens) >= lo:
+        lens.append(total - sum(lens))
+    return lens
+
+
+# --sweep's shapes: benchmarks/prefill.py's two of issue 17's table, and the varlen batch
+# of its targets (h128, FA3 on the same cu_seqlens)
+SWEEP_SHAPE_DEFS: dict[str, tuple[list[int], int]] = {
+    "b4-h128-L4096": SHAPES["b4-h128-L4096"],
+    "b1-h16-L16384": SHAPES["b1-h16-L16384"],
+    "varlen-mixed-h128": (mixed_lens(), 128),
+}
+SWEEP_SHAPES = tuple(SWEEP_SHAPE_DEFS)
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -481,7 +507,7 @@ def _sweep_shape(
     from mla_triton import prefill
     from mla_triton.gluon_prefill import GluonPrefillConfig
 
-    lens, heads = SHAPES[shape]
+    lens, heads = SWEEP_SHAPE_DEFS[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     total = sum(lens)
     q, k = _rand(total, heads, DQK, gen), _rand(total, heads, DQK, gen)
@@ -527,7 +553,7 @@ def _sweep_shape(
             row |= {"ms": ms, "tflops": _tflops(lens, heads, ms)}
             if fa3_ms is not None:
                 row["vs_fa3"] = fa3_ms / ms
-            print(f"{shape:14s} {recipe:10s} {impl:16s} {ms:8.3f} ms {row['tflops']:7.1f} "
+            print(f"{shape:17s} {recipe:10s} {impl:16s} {ms:8.3f} ms {row['tflops']:7.1f} "
                   f"TFLOP/s {row.get('vs_fa3', 0.0):6.3f}x FA3", flush=True)  # fmt: skip
         except Exception as exc:
             traceback.print_exc()
@@ -559,6 +585,7 @@ def sweep(
 
     tilings = _sweep_tilings(pingpong, names)
     rows: list[dict[str, Any]] = result["timings"]
+    result["shapes"] = {n: {"lens": lens, "heads": h} for n, (lens, h) in SWEEP_SHAPE_DEFS.items()}
 
     def flush() -> None:
         _write(out, result, "gluon-prefill-sweep.json")
@@ -587,7 +614,7 @@ def sweep(
     result["best"] = best
     print("\nfastest Gluon tiling (ratio to FA3 bf16), per shape and recipe:")
     for b in best:
-        print(f"  {b['shape']:14s} {b['recipe']:10s} {b['tiling']:16s} {b['vs_fa3'] or 0:.3f}x")
+        print(f"  {b['shape']:17s} {b['recipe']:10s} {b['tiling']:16s} {b['vs_fa3'] or 0:.3f}x")
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 # query tiles). Never run on a GPU before this script.
 # Run from the repository root of a snapshot, vLLM 0.33 bundle (torch 2.14, Triton 3.8) in
 # /tmp/site:   OUT=$OUT bash packages/mla-triton/benchmarks/gpu/prefill_next.sh
-# Wall: <= 150 s (a global deadline, BUDGET_S; every step has its own `timeout`, so a
+# Wall: <= 170 s (a global deadline, BUDGET_S; every step has its own `timeout`, so a
 # deadlock in a new barrier protocol costs only its step).
 # Output ($OUT): summary.txt (also on stdout), smoke.txt, tests.txt, warm.txt, sweep.txt,
 # gluon-prefill-sweep.json. Steps:
@@ -19,13 +19,15 @@
 #  2. GPU tests (<= 55 s, 6 shards, CPU oracle): test_prefill_gpu.py's NEXT_CASES
 #     (test_gluon_tilings) and the new test_nan_rule_gluon_tilings ids; side by side the
 #     surviving new tilings' sweep compiles (8 processes).
-#  3. sweep (the rest, about 35-40 s): benchmarks/gluon_prefill.py --sweep --tilings REF + the
+#  3. sweep (the rest, about 55-65 s): benchmarks/gluon_prefill.py --sweep --tilings REF + the
 #     surviving NEW: FA3 bf16, Triton and each tiling x none / fp8 / nvfp4 / nvfp4+2:4 at
-#     b4 h128 L4096 and b1 h16 L16384, one process; ratio to FA3 per row, fastest per recipe.
-#     ABLATE=1 (with a larger BUDGET_S, about +60 s): then the same tilings without the
+#     b4 h128 L4096, b1 h16 L16384 and the mixed varlen batch of the issue's targets
+#     (varlen-mixed-h128: 2189, 2740, 1101, 6164, 3500 and 690 tokens, h128; FA3 on the same
+#     cu_seqlens), one process; ratio to FA3 per row, fastest per recipe.
+#     ABLATE=1 (with a larger BUDGET_S, about +90 s): then the same tilings without the
 #     softmax step (recipe "none-no-softmax"): each schedule's MMA-issue bound against FA3.
 set -u
-TAG=h38 BUDGET=145
+TAG=h38 BUDGET=165
 . "$(dirname "$0")/prefill_env.sh"
 BENCH=packages/mla-triton/benchmarks/gluon_prefill.py
 NEW="pp-128x64x3-ek pp-128x128x2-ek pp-128x128x2-ek-ri nt-128x64x3 nt-128x128x2-ek ws-128x64x3-ek ws-128x128x2-ek pp-128x64x3-per pp-128x128x2-ek-per ws-128x64x3-ek-per"
@@ -79,7 +81,7 @@ cat "$TMP"/warm-*.txt >>"$OUT/warm.txt" 2>/dev/null
 note "warm: $(grep -c '^warm' "$OUT/warm.txt") calls, $(grep -c 'Error\|error' "$OUT/warm.txt") errors"
 
 # 3. the sweep: FA3, Triton, REF and the surviving new tilings x recipes, one process
-T=$(left 150)
+T=$(left 170)
 note "sweep: ${T}s left"
 ABL=""
 [ "${ABLATE:-0}" = 1 ] && ABL="--ablate"
@@ -87,6 +89,6 @@ timeout "$T" python3 $BENCH --sweep $ABL --rep "${REP:-60}" --tilings "$(csv $RE
   >"$OUT/sweep.txt" 2>&1
 note "sweep rc=$?"
 sed -n '/fastest Gluon tiling/,$p' "$OUT/sweep.txt" | tee -a "$S"
-grep -E "x FA3$" "$OUT/sweep.txt" | awk '{printf "%-14s %-10s %-20s %8s ms %7s TFLOP/s %s FA3\n", $1, $2, $3, $4, $6, $8}' >>"$S"
+grep -E "x FA3$" "$OUT/sweep.txt" | awk '{printf "%-17s %-10s %-20s %8s ms %7s TFLOP/s %s FA3\n", $1, $2, $3, $4, $6, $8}' >>"$S"
 note "total"
 rm -rf "$TMP"
