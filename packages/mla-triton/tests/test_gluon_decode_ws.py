@@ -37,7 +37,15 @@ from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import decode
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
 from mla_triton.gluon_decode import GluonRecipe, max_shared_bytes
-from mla_triton.gluon_decode_ws import FP8_SHADOW, VARIANTS, WsConfig, WsFamily, compile_ws
+from mla_triton.gluon_decode_ws import (
+    FP8_SHADOW,
+    NVFP4_CONFIG,
+    NVFP4_SHADOW,
+    VARIANTS,
+    WsConfig,
+    WsFamily,
+    compile_ws,
+)
 
 SCALE = 576**-0.5
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -47,9 +55,16 @@ COMPILED = (VARIANTS[0], *VARIANTS[3:])
 """The variants the CPU test compiles: the default and the new loads and rings (the
 chunked ones, ``[1:3]``: compiled by the GPU script's check; each compile is 3 to 5 s)."""
 UNQ = GluonRecipe()
-COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [(VARIANTS[0], FP8_SHADOW)]
+COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [
+    (VARIANTS[0], FP8_SHADOW), (NVFP4_CONFIG, NVFP4_SHADOW),
+]  # fmt: skip
 """``(config, recipe)``: recipe none for every compiled variant, fp8 Q/K/P/V through the
-float16 shadow (V̂ = K̂) for the default (what ``decode_shadow(config=WsConfig())`` runs)."""
+float16 shadow (V̂ = K̂) for the default (what ``decode_shadow(config=WsConfig())`` runs),
+nvfp4 Q/K/P/V (its V̂ section, ``V_SEP``) with ``NVFP4_CONFIG``."""
+
+
+def _recipe_id(recipe: GluonRecipe) -> str:
+    return "-nvfp4-shadow" if recipe.v_sep else ("-fp8-shadow" if recipe.shadow_f16 else "")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the compile test runs in this process")
@@ -68,7 +83,7 @@ def test_compile_test_in_child() -> None:
 @pytest.mark.skipif(INTERPRETED, reason="compiled in a child process without the interpreter")
 @pytest.mark.parametrize(
     ("cfg", "recipe"), COMPILE_CASES,
-    ids=[c.name + ("-fp8-shadow" if r.shadow_f16 else "") for c, r in COMPILE_CASES],
+    ids=[c.name + _recipe_id(r) for c, r in COMPILE_CASES],
 )  # fmt: skip
 def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     """Each compiled variant (several splits: the workspace epilogue; page 64) compiles to
@@ -77,14 +92,19 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     wgmma, the ring within the shared-memory limit. The fp8 shadow: the same schedule on
     float16 operands (q̂, K̂ = V̂, P̂), P̂'s E4M3 rounding in each of the three copies of a
     warpgroup's own tile (16 ``cvt.rn.satfinite.e4m3x2`` a copy: 32 scores a thread),
-    q̂'s global scales loaded once a warpgroup; recipe none converts nothing to E4M3."""
+    q̂'s global scales loaded once a warpgroup; recipe none converts nothing to E4M3. The
+    nvfp4 shadow (32-token tiles, two slots): a V̂ ring beside the K̂ ring (212992 bytes
+    with q̂), its rows copied by the producer, P̂'s and the open V block's E4M3 block
+    scales (102 conversions, Triton 3.8)."""
     assert not cfg.chunked
     c = compile_ws(cfg, num_splits=2, recipe=recipe)
     assert c.num_warps == 12  # the default partition and two workers of four warps
     # q [64, 576] and the ring's slots of 576 features (P lives in the slots' rope part)
     ring = cfg.stages * cfg.block_n * 576 * 2
-    assert 64 * 576 * 2 + ring <= c.shared <= max_shared_bytes(), c.shared
-    assert ring == 2 * 64 * 576 * 2  # every ring holds 144 KiB
+    v_ring = cfg.stages * cfg.block_n * 512 * 2 if recipe.v_sep else 0
+    assert 64 * 576 * 2 + ring + v_ring <= c.shared <= max_shared_bytes(), c.shared
+    # every ring holds 144 KiB; the nvfp4 shadow's two of 32-token K̂ and V̂ tiles 136 KiB
+    assert ring + v_ring == (2 * 32 * 1088 * 2 if recipe.v_sep else 2 * 64 * 576 * 2)
     shapes: dict[str, int] = {}
     mma = "f16" if recipe.shadow_f16 else "bf16"
     for m in re.findall(rf"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k16)\.f32\.{mma}\.", c.ptx):
@@ -121,7 +141,7 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
     assert "C7515" not in c.ptxas_info, c.ptxas_info
     e4m3 = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", c.ptx))
-    assert e4m3 == (3 * 16 if recipe.p_fmt == 1 else 0), e4m3
+    assert e4m3 == {0: 0, 1: 3 * 16, 2: 102}[recipe.p_fmt], e4m3
 
 
 def _wgmma_trace(ptx: str) -> str:
@@ -402,24 +422,78 @@ def test_shadow_launch_arguments() -> None:
 
 
 @pytest.mark.usefixtures("as_sm90")
+def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode_shadow(config=NVFP4_CONFIG)`` on an nvfp4 shadow (bf16 raw rows): the ws
+    kernel with its exact parameters, ``V_SEP`` on, the cache pointers ``(K̂, V̂, raw rows,
+    raw rows)`` (the shadow's float16 K̂ ``[7, 64, 576]`` and V̂ section ``[7, 64, 512]``,
+    their page and row strides), 32-token tiles and two slots, q̂ float16, ``K_FMT`` and
+    ``P_FMT`` 2, P̂'s and the open V block's scale triples, ``gs_p gs_v``; then the merge.
+    With ``WS_SHADOW_AUTO`` and ``WS_SHADOW_NVFP4_AUTO`` on, ``decode_shadow()`` launches
+    the very same arguments (with the first alone, ``gluon_decode``'s kernel)."""
+    from mla_triton import allocate_shadow, decode_shadow
+    from mla_triton.decode import _operand
+    from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
+
+    q, cache, table, seq = _cpu_case(128)
+    nvfp4 = AttentionQuant.uniform("nvfp4")
+    shadow = allocate_shadow(7, 64, nvfp4)
+
+    def call(**kw: Any) -> Any:
+        return lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
+                                     quant=nvfp4, num_splits=2, **kw)  # fmt: skip
+
+    launched = _launched(call(config=NVFP4_CONFIG))
+    assert [n for n, _, _ in launched] == [
+        "decode_q_kernel", "gluon_decode_ws_kernel", "decode_merge_kernel",
+    ]  # fmt: skip
+    _, args, grid = launched[1]
+    assert set(args) == set(gluon_decode_ws_kernel.arg_names) | {"num_warps"}
+    assert grid == (2 * 2 * 3,) and args["MULTI_SPLIT"] and args["V_SEP"]
+    assert (args["STAGES"], args["SHAPE"][4], args["TMA"], args["kv_desc"]) == (2, 32, False, None)
+    kh, vh, raw, ks = args["split"][1]
+    assert kh.dtype == vh.dtype == torch.float16 and kh.data_ptr() == shadow.data_ptr()
+    assert (tuple(kh.shape), tuple(vh.shape)) == ((7, 64, 576), (7, 64, 512))
+    assert raw is cache and ks is cache  # no K scales: the raw rows' pointer stands in
+    strides = (kh.stride(0), kh.stride(1), vh.stride(0), vh.stride(1))
+    assert args["split"][7] == (*strides, *cache.stride()[:2], *cache.stride()[:2])
+    assert args["split"][0][0].dtype == torch.float16  # q̂
+    assert (args["Q_SCALED"], args["K_FMT"], args["P_FMT"]) == (True, 2, 2)
+    vo, po = _operand(nvfp4.v), _operand(nvfp4.p)
+    assert args["p_hat_scales"] == (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs))
+    assert args["v_tail_scales"] == (vo.gs, 1.0 / vo.gs, 1.0 / (6.0 * vo.gs))
+    assert args["out_scale"] == po.gs * vo.gs
+    assert ws.WS_SHADOW_NVFP4_AUTO is False
+    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
+    assert _split(call()) == "gluon_decode_split_kernel"
+    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", True)
+    assert [(n, _plain(a), g) for n, a, g in _launched(call())] == [
+        (n, _plain(a), g) for n, a, g in launched
+    ]
+
+
+@pytest.mark.usefixtures("as_sm90")
 def test_shadow_refusals() -> None:
     """``decode_shadow(config=WsConfig())`` on a shadow the kernel does not read (a V̂
-    section, the packed storage, K and V none, nvfp4 P, bf16 q not quantized beside K̂)
-    is a ValueError naming ``quant``; ``impl="triton"`` names ``config``; nothing launches.
-    ``compile_ws`` refuses such a recipe naming ``recipe``."""
+    section with an exact V scale or a dynamic K, the packed storage, K and V none, bf16
+    q not quantized beside K̂) is a ValueError naming ``quant``; ``impl="triton"``, and
+    an nvfp4 V̂ section with another ring than ``NVFP4_CONFIG``'s or TMA, name ``config``;
+    nothing launches. ``compile_ws`` refuses such a recipe naming ``recipe``."""
+    from test_shadow import RECIPES as TEST_SHADOW_RECIPES
+
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.shadow import gluon_shadow_recipe, shadow_layout
     from mla_triton.warmup import _intercept
 
     q, cache, table, seq = _cpu_case(128)
     nvfp4 = AttentionQuant.uniform("nvfp4")
-    p_nvfp4 = AttentionQuant(q="fp8", k="fp8", v="fp8", p="nvfp4")
+    exact_v = replace(nvfp4, v=OperandQuant("nvfp4", 3.0))
+    kdyn = TEST_SHADOW_RECIPES["kdyn-nvfp4-vfp8"][0]
     kv_only = AttentionQuant(k="fp8", v="fp8")
     cases = [  # quant, storage, q, what the message says
-        (nvfp4, "fp16", q, "float16 shadow with V̂ = K̂ only"),
+        (exact_v, "fp16", q, "static power-of-two scale"),
         (AttentionQuant.uniform("fp8"), "packed", q, "storage 'packed'"),
-        (AttentionQuant(), "fp16", q, "float16 shadow with V̂ = K̂ only"),
-        (p_nvfp4, "fp16", q, "fp8 only"),
+        (AttentionQuant(), "fp16", q, "float16 shadow's K̂ only"),
+        (kdyn, "fp16", q, "dynamic K"),
         (kv_only, "fp16", q.bfloat16(), "not quantized"),
     ]
     seen: list[str] = []
@@ -437,11 +511,20 @@ def test_shadow_refusals() -> None:
         with pytest.raises(ValueError, match=r"^config: a WsConfig configures impl='gluon'"):
             decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, quant=FP8_3,
                           config=WsConfig(), impl="triton")  # fmt: skip
+        # nvfp4 (a V̂ section): NVFP4_CONFIG's ring only, cp.async loads
+        shadow = allocate_shadow(7, 64, nvfp4)
+        for cfg in (WsConfig(), replace(NVFP4_CONFIG, tma=True), VARIANTS[5]):
+            with pytest.raises(ValueError, match=r"^config: a V̂ section .*block_n=32, stages=2"):
+                decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, quant=nvfp4,
+                              config=cfg)  # fmt: skip
     assert not seen
-    sep = gluon_shadow_recipe(nvfp4, shadow_layout(nvfp4), torch.float16)
+    sep = gluon_shadow_recipe(exact_v, shadow_layout(exact_v), torch.float16)
     assert isinstance(sep, GluonRecipe) and not isinstance(ws.ws_shadow_kind(sep), GluonRecipe)
-    with pytest.raises(ValueError, match=r"^recipe: .*V̂ = K̂ only"):
-        compile_ws(recipe=sep)
+    with pytest.raises(ValueError, match=r"^recipe: .*static power-of-two scale"):
+        compile_ws(NVFP4_CONFIG, recipe=sep)
+    nv = gluon_shadow_recipe(nvfp4, shadow_layout(nvfp4), torch.bfloat16)
+    assert isinstance(nv, GluonRecipe) and ws.ws_shadow_kind(nv) == nv
+    assert replace(nv, k_gs=1.0, v_gs=1.0, p_gs=1.0) == NVFP4_SHADOW  # what the CPU compiles
     fp8 = gluon_shadow_recipe(FP8_3, shadow_layout(FP8_3), torch.bfloat16)
     assert isinstance(fp8, GluonRecipe)
     assert replace(fp8, k_gs=1.0, v_gs=1.0, p_gs=1.0) == FP8_SHADOW  # what the CPU compiles
@@ -670,8 +753,15 @@ def test_shadow_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.Mon
 
 # ------------------------------------------------------- fp8 through the shadow (GPU)
 
-SHADOW_CASES = ["fp8", "fp8-scale-3"]
-"""``test_shadow_gpu.CASES`` with V̂ = K̂: scale 1 at page 16, scale 3 at page 64."""
+SHADOW_CASES = ["fp8", "fp8-scale-3", "nvfp4"]
+"""``test_shadow_gpu.CASES`` with V̂ = K̂: scale 1 at page 16, scale 3 at page 64; and
+nvfp4 Q/K/P/V (its V̂ section, the open V block; page 16)."""
+
+
+def _shadow_config(case: str, config: WsConfig) -> WsConfig:
+    """``config`` for a V̂ = K̂ case; for nvfp4 ``NVFP4_CONFIG`` (with ``config``'s
+    ``early_s``: its ring and cp.async loads are the only ones a V̂ section takes)."""
+    return replace(NVFP4_CONFIG, early_s=config.early_s) if case == "nvfp4" else config
 
 
 @gpu
@@ -686,7 +776,8 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
     step and split count (1, 4, the default; ``test_shadow_gpu._agree``'s bounds: the same
     quantized operands, another summation order), split invariance (1 against 4), and the
     float64 oracle at the default count (``test_decode_gpu.check``). ``VARIANTS[4]`` (TMA
-    loads, S issued early) reads page 64 by TMA, page 16 by ``cp.async``."""
+    loads, S issued early) reads page 64 by TMA, page 16 by ``cp.async``; nvfp4 runs
+    ``NVFP4_CONFIG`` (and with S issued early), its open V block at every step."""
     from test_decode_gpu import check
     from test_shadow_gpu import LENS, STEPS, _agree, _pool, _prefill, _query
     from test_shadow_gpu import SCALE as SH_SCALE
@@ -695,6 +786,7 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
     from mla_triton import decode_shadow
     from mla_triton.decode import decode_num_splits
 
+    config = _shadow_config(case, config)
     pool = _pool(case)
     _prefill(pool)
     q = _query(heads)

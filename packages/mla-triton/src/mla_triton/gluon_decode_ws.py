@@ -35,9 +35,12 @@ from mla_triton.gluon_decode import GluonRecipe
 
 __all__ = [
     "FP8_SHADOW",
+    "NVFP4_CONFIG",
+    "NVFP4_SHADOW",
     "VARIANTS",
     "WS_AUTO",
     "WS_SHADOW_AUTO",
+    "WS_SHADOW_NVFP4_AUTO",
     "WsConfig",
     "WsFamily",
     "WsShadowFamily",
@@ -48,6 +51,7 @@ __all__ = [
     "ws_dispatched",
     "ws_family",
     "ws_shadow_config_family",
+    "ws_shadow_default",
     "ws_shadow_dispatched",
     "ws_shadow_kind",
 ]
@@ -171,29 +175,42 @@ class WsFamily(_OnRead):
         desc = tma_descriptor(cache, c.block_n) if c.tma else None
         return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
                 "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc,
-                "EARLY_S": c.early_s, "p_hat_scales": None}  # fmt: skip
+                "EARLY_S": c.early_s, "p_hat_scales": None, "v_tail_scales": None,
+                "V_SEP": False}  # fmt: skip
 
 
 class WsShadowFamily(WsFamily):
-    """``decode_shadow``'s split family of the warp-specialized kernel on a float16 shadow
-    with V̂ = K̂: ``tiles`` (the shadow's K̂ ``[num_blocks, page, 576]`` float16 view) is
-    the cache the kernel reads (its TMA descriptor too), q̂ float16 (``decode_q_kernel``),
-    P̂ fp8 between the MMAs (``p_hat_scales``), K's static scale in the score scale and
-    ``gs_p gs_v`` on the output (``decode.split_kernel_args``)."""
+    """``decode_shadow``'s split family of the warp-specialized kernel on a float16 shadow:
+    ``tiles`` (the shadow's K̂ ``[num_blocks, page, 576]`` float16 view) is the cache the
+    kernel reads (its TMA descriptor too), q̂ float16 (``decode_q_kernel``), P̂ fp8 or
+    nvfp4 between the MMAs (``p_hat_scales``), K's static scale in the score scale and
+    ``gs_p gs_v`` on the output (``decode.split_kernel_args``). V̂ = K̂'s first 512
+    features, or with ``sections`` (nvfp4 V: ``shadow._v_sections``' ``(K̂, V̂, raw rows,
+    K scales)`` and their strides) the V̂ section in a ring of its own (``V_SEP``), the
+    open 16-token V block quantized from the raw rows under ``v_tail_scales``."""
 
-    def __init__(self, config: WsConfig, tiles: torch.Tensor) -> None:
+    def __init__(
+        self, config: WsConfig, tiles: torch.Tensor,
+        sections: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(config)
         self.tiles = tiles
+        self.sections = sections
 
     def v_shares_k(self, ops: _Operands) -> bool:
-        return True  # V̂ is K̂'s first 512 features: P̂ and q̂ in float16 (PV_F16)
+        return True  # P̂ and q̂ in float16 (PV_F16): V̂ is K̂'s first 512 features or float16
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
-        po = ops[3]
+        po, vo = ops[3], ops[2]
         scales = (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs)) if po.code else None
-        return super().extra_args(self.tiles, cfg, ops) | {"p_hat_scales": scales}
+        extra: dict[str, Any] = {"p_hat_scales": scales}
+        if self.sections is not None:
+            extra |= {"V_SEP": True, "v_tail_scales": (vo.gs, 1.0 / vo.gs, 1.0 / (6.0 * vo.gs))}
+        return super().extra_args(self.tiles, cfg, ops) | extra
 
     def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        if self.sections is not None:
+            return self.sections
         return (self.tiles,), (self.tiles.stride(0), self.tiles.stride(1))
 
 
@@ -237,6 +254,15 @@ FP8_SHADOW = GluonRecipe(q_scaled=True, p_fmt=1, shadow_f16=True, k_fmt=1, q_fmt
 """fp8 Q/K/P/V through the float16 shadow (V̂ = K̂; global scales 1): the recipe
 ``compile_ws(recipe=...)`` compiles for the CPU test and the GPU script."""
 
+NVFP4_SHADOW = GluonRecipe(q_scaled=True, p_fmt=2, shadow_f16=True, k_fmt=2, v_sep=True,
+                           v_f16=True, v_tail=True, q_fmt=2, v_fmt=2)  # fmt: skip
+"""nvfp4 Q/K/P/V through the float16 shadow (its V̂ section, the open V block quantized
+in the kernel; power-of-two global scales, here 1): ``compile_ws(recipe=...)``'s."""
+
+NVFP4_CONFIG = WsConfig(block_n=32, stages=2)
+"""The ring a V̂ section runs with (``ws-r232-p40-tile-n32s2``): q̂ 73728 bytes and two
+slots of a 32-token K̂ tile (36864) and V̂ tile (32768), 212992 bytes of 232448."""
+
 WS_SHADOW_AUTO = False
 """Whether ``decode_shadow`` (``impl="auto"`` and ``"gluon"``, no config), where it picked
 the Gluon kernel, runs a ``ws_shadow_kind`` recipe through this kernel
@@ -245,52 +271,85 @@ the Gluon kernel, runs a ``ws_shadow_kind`` recipe through this kernel
 ``benchmarks/gpu/decode_ws_next.sh``)."""
 
 
+WS_SHADOW_NVFP4_AUTO = False
+"""Whether that switch also takes a V̂ section (nvfp4 V: ``ws_shadow_family(NVFP4_CONFIG,
+...)``); off until its GPU tests pass on an H200, independently of fp8's."""
+
+
 def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
     """``taken`` (``shadow.gluon_shadow_recipe``'s answer) where this kernel reads it, else
-    why not: a float16 shadow with V̂ = K̂ (fp8 K and V of one static scale), q none or
-    quantized (q̂ float16), P none or fp8."""
+    why not: a float16 shadow's K̂ with V̂ = K̂ (fp8 K and V of one static scale) or with
+    an nvfp4 V̂ section (a static power-of-two V scale, K̂ fp8 or nvfp4 of a static
+    scale); q none or quantized (q̂ float16), P none, fp8 or nvfp4."""
     if isinstance(taken, str):
         return taken
-    if not taken.shadow_f16 or taken.v_sep:
-        return ("the warp-specialized Gluon kernel reads a float16 shadow with V̂ = K̂ only "
-                "(fp8 K and V of one static scale)")  # fmt: skip
-    if taken.p_fmt not in (0, 1):
-        return "the warp-specialized Gluon kernel quantizes P to fp8 only (nvfp4 P: not built)"
+    if not taken.shadow_f16:
+        return ("the warp-specialized Gluon kernel reads a float16 shadow's K̂ only (K none: "
+                "raw tiles beside V̂)")  # fmt: skip
+    if taken.v_sep and (not (taken.v_f16 and taken.v_tail) or taken.k_dyn or taken.v_exact):
+        return ("the warp-specialized Gluon kernel reads a V̂ section for nvfp4 V under a "
+                "static power-of-two scale with a static K scale only (fp8 V̂ sections, "
+                "dynamic K and exact V scales: not built)")  # fmt: skip
     return taken
+
+
+def ws_shadow_default(taken: GluonRecipe) -> WsConfig:
+    """The configuration the switch runs ``taken`` with: ``NVFP4_CONFIG`` for a V̂
+    section, else ``VARIANTS[0]``."""
+    return NVFP4_CONFIG if taken.v_sep else VARIANTS[0]
 
 
 def ws_shadow_dispatched(taken: GluonRecipe | str) -> bool:
     """Whether ``decode_shadow``'s dispatch, having picked the Gluon kernel without a
     config for a recipe (``taken``: ``shadow.gluon_shadow_recipe``'s), runs it through this
-    kernel: ``WS_SHADOW_AUTO`` is on and ``ws_shadow_kind`` takes the recipe."""
-    return WS_SHADOW_AUTO and isinstance(ws_shadow_kind(taken), GluonRecipe)
+    kernel: ``WS_SHADOW_AUTO`` is on, ``ws_shadow_kind`` takes the recipe and, for a V̂
+    section, ``WS_SHADOW_NVFP4_AUTO`` is on too."""
+    kind = ws_shadow_kind(taken)
+    if not WS_SHADOW_AUTO or isinstance(kind, str):
+        return False
+    return WS_SHADOW_NVFP4_AUTO or not kind.v_sep
 
 
-def ws_shadow_family(config: WsConfig, tiles: torch.Tensor) -> WsShadowFamily:
-    """The shadow split family of ``config`` reading ``tiles`` (a new one a call: it holds
-    the tensor)."""
-    return WsShadowFamily(config, tiles)
+Sections = tuple[tuple[torch.Tensor, ...], tuple[int, ...]]
+
+
+def ws_shadow_family(
+    config: WsConfig, tiles: torch.Tensor, sections: Sections | None = None
+) -> WsShadowFamily:
+    """The shadow split family of ``config`` reading ``tiles`` (and a V̂ section's
+    ``sections``; a new one a call: it holds the tensors)."""
+    return WsShadowFamily(config, tiles, sections)
 
 
 def ws_shadow_config_family(
     config: WsConfig, facts: gd.GluonFacts, impl: str, taken: GluonRecipe | str,
-    tiles: torch.Tensor,
+    tiles: torch.Tensor, sections: Sections | None = None,
 ) -> WsShadowFamily:  # fmt: skip
     """``decode_shadow``'s split family for ``config=WsConfig(...)`` (``facts`` of the K̂
-    tiles, ``impl`` checked, ``taken``: ``shadow.gluon_shadow_recipe``'s). Raises
-    ValueError before any launch: ``config`` under ``impl="triton"``, ``quant`` for a
-    recipe ``ws_shadow_kind`` refuses, ``impl`` where the Gluon kernels cannot run (the
-    platform, the widths, strides not multiples of 8 elements)."""
+    tiles, ``impl`` checked, ``taken``: ``shadow.gluon_shadow_recipe``'s, ``sections``: a
+    V̂ section's pointers and strides). Raises ValueError before any launch: ``config``
+    under ``impl="triton"``, or a V̂ section with another ring than ``NVFP4_CONFIG``'s
+    (32-token tiles, two slots: shared memory) or TMA; ``quant`` for a recipe
+    ``ws_shadow_kind`` refuses, ``impl`` where the Gluon kernels cannot run (the platform,
+    the widths, strides not multiples of 8 elements)."""
     if impl == "triton":
         raise ValueError("config: a WsConfig configures impl='gluon', not 'triton'")
     kind = ws_shadow_kind(taken)
     if isinstance(kind, str):
         raise ValueError(f"quant: {kind}")
+    if kind.v_sep and ((config.block_n, config.stages) != (32, 2) or config.tma):
+        raise ValueError(
+            f"config: a V̂ section runs the warp-specialized kernel with block_n=32, stages=2 "
+            f"and cp.async loads only (K̂ and V̂ rings: 212992 of 232448 bytes of shared "
+            f"memory), got {config.name}"
+        )
+    if kind.v_sep and sections is None:
+        raise ValueError("quant: a V̂ section's recipe, but the shadow has no V̂ section")
     why = gd.gluon_unsupported(facts, forced=True, recipe=lambda _: kind, stride_align=8)
     if why is not None:
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
                          f"{why.reason}")  # fmt: skip
-    return ws_shadow_family(config, tiles)
+    return ws_shadow_family(config, tiles, sections if kind.v_sep else None)
 
 
 def ws_dispatched(facts: gd.GluonFacts) -> bool:
@@ -336,9 +395,10 @@ def compile_ws(
     what the launch would pass (``config.tma``: TMA loads where ``page`` holds whole
     tiles, as ``tma_descriptor`` decides for a contiguous cache); strides and sizes marked
     divisible by 16 as the JIT marks a multiple of 16 (``gluon_decode.compile_variant``'s
-    convention). ``recipe``: recipe none, or one ``ws_shadow_kind`` takes (``FP8_SHADOW``):
-    the shadow's float16 K̂ tiles and q̂ (``dtype`` is the output's), P̂ fp8; else a
-    ValueError naming ``recipe``.
+    convention). ``recipe``: recipe none, or one ``ws_shadow_kind`` takes (``FP8_SHADOW``,
+    ``NVFP4_SHADOW`` with ``NVFP4_CONFIG``): the shadow's float16 K̂ tiles and q̂
+    (``dtype`` is the output's and the raw rows'), P̂ quantized, a V̂ section's pointers
+    and strides; else a ValueError naming ``recipe``.
     """
     from mla_triton.kernels import gluon_decode_ws as k
     from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
@@ -352,10 +412,15 @@ def compile_ws(
     def ptr(t: str) -> tuple[str, bool]:
         return (f"*{t}", True)
 
+    cache: tuple[Any, ...] = (ptr(tile),)
+    strides: tuple[Any, ...] = (div, div)
+    if recipe.v_sep:  # (K̂, V̂, raw rows, K scales: the raw rows' pointer), 4 stride pairs
+        cache = (ptr(tile), ptr("fp16"), ptr(dtype), ptr(dtype))
+        strides = (div,) * 8
     split = (
-        (ptr(tile), ptr(tile), ptr("fp32")), (ptr(tile),), ptr(index_dtype),
+        (ptr(tile), ptr(tile), ptr("fp32")), cache, ptr(index_dtype),
         ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
-        (div, div, div, div), (div, div), (i32, i32), i32, (div, div, i32, i32),
+        (div, div, div, div), strides, (i32, i32), i32, (div, div, i32, i32),
         (i32, i32), ("fp32", False),
     )  # fmt: skip
     tma = config.tma and page % config.block_n == 0
@@ -363,15 +428,19 @@ def compile_ws(
     layout = _box_layout(block, torch.bfloat16 if tile == "bf16" else torch.float16)
     desc = f"tensordesc<{tile}[{block[0]},{block[1]}],{layout!r}>"
     p_hat = ("fp32", "fp32", "fp32") if recipe.p_fmt else "constexpr"
-    scalars = {"out_scale": "fp32", "kv_desc": desc if tma else "constexpr", "p_hat_scales": p_hat}
+    v_tail = ("fp32", "fp32", "fp32") if recipe.v_sep else "constexpr"
+    scalars = {"out_scale": "fp32", "kv_desc": desc if tma else "constexpr", "p_hat_scales": p_hat,
+               "v_tail_scales": v_tail}  # fmt: skip
     constexprs: dict[str, Any] = {} if tma else {"kv_desc": None}
     if not recipe.p_fmt:
         constexprs["p_hat_scales"] = None
+    if not recipe.v_sep:
+        constexprs["v_tail_scales"] = None
     constexprs |= {
         "SHAPE": (512, 64, page, k.BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "MULTI_SPLIT": num_splits > 1, "PRODUCER_REGS": config.producer_regs,
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
         "TMA": tma, "EARLY_S": config.early_s, "Q_SCALED": recipe.q_scaled,
-        "K_FMT": recipe.k_fmt, "P_FMT": recipe.p_fmt,
+        "K_FMT": recipe.k_fmt, "P_FMT": recipe.p_fmt, "V_SEP": recipe.v_sep,
     }  # fmt: skip
     return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

@@ -683,14 +683,17 @@ def decode_shadow(
     if isinstance(config, ws.WsConfig):  # the warp-specialized kernel, V̂ = K̂ (refusals)
         facts = gd.gluon_facts(c.q_nope, tiles, qq, kv_lora_rank)
         taken = gluon_shadow_recipe(qq, lay, c.q_nope.dtype)
-        family = ws.ws_shadow_config_family(config, facts, chosen, taken, tiles)
+        sections = _v_sections(tiles, cache, (kh, ks, vh)) if vh is not None else None
+        family = ws.ws_shadow_config_family(config, facts, chosen, taken, tiles, sections)
     else:
         families = (_ShadowFamily(lay, (kh, ks, vh)), gluon)
         rule = partial(gluon_shadow_unsupported, layout=lay)
         family, cfg = _dispatch(c, tiles, qq, kv_lora_rank, chosen, config, families, rule)
-        if config is None and isinstance(family, _GluonShadowFamily):  # noqa: SIM102
-            if ws.ws_shadow_dispatched(gluon_shadow_recipe(qq, lay, c.q_nope.dtype)):
-                family = ws.ws_shadow_family(ws.VARIANTS[0], tiles)
+        if config is None and isinstance(family, _GluonShadowFamily):
+            taken = gluon_shadow_recipe(qq, lay, c.q_nope.dtype)
+            if isinstance(taken, GluonRecipe) and ws.ws_shadow_dispatched(taken):
+                sections = _v_sections(tiles, cache, (kh, ks, vh)) if vh is not None else None
+                family = ws.ws_shadow_family(ws.ws_shadow_default(taken), tiles, sections)
     return run_decode(
         c, cache, block_table, seq_lens, qq, family, out=out, lse=lse, num_splits=num_splits,
         workspace=workspace, max_seq_len=max_seq_len, check_values=check_values, config=cfg,
@@ -810,7 +813,7 @@ def _gluon_tiles(
     raw rows. A V̂ section (``GluonRecipe.v_sep``): ``(K tiles, V̂, raw rows, K
     scales)``, ``SEPARATE_V_CONFIG`` (another ``GluonDecodeConfig``: a ValueError naming
     ``config``)."""
-    kh, ks, vh = views
+    kh = views[0]
     rec = gluon_shadow_recipe(quant, lay, dtype)
     if not isinstance(rec, GluonRecipe) or not rec.v_sep:
         # K̂ (= V̂) of a float16 shadow, else the raw rows
@@ -821,16 +824,25 @@ def _gluon_tiles(
             f"config: a shadow with a V̂ section runs the Gluon kernel as "
             f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {config.name}"
         )
-    assert vh is not None  # v_sep: the recipe has a V̂ section
     tiles = kh if kh is not None else cache
-    ptrs = (tiles, vh, cache, ks if ks is not None else cache)
-    strides = tuple(x for t in ptrs for x in _strides(t))
+    sections = _v_sections(tiles, cache, views)
 
     def family(cfg: GluonDecodeConfig) -> _GluonShadowFamily:
         del cfg  # the default, or SEPARATE_V_CONFIG (checked above)
-        return _GluonShadowFamily(SEPARATE_V_CONFIG, cache=(ptrs, strides), v_sep=True)
+        return _GluonShadowFamily(SEPARATE_V_CONFIG, cache=sections, v_sep=True)
 
     return tiles, family
+
+
+def _v_sections(
+    tiles: torch.Tensor, cache: torch.Tensor, views: _Views
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """A V̂ section's cache pointers ``(K tiles, V̂, raw rows, K scales)`` (the raw cache
+    where there are no K scales) and their (page, row) strides, as the kernels read them."""
+    _, ks, vh = views
+    assert vh is not None  # v_sep: the recipe has a V̂ section
+    ptrs = (tiles, vh, cache, ks if ks is not None else cache)
+    return ptrs, tuple(x for t in ptrs for x in _strides(t))
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int]:

@@ -175,11 +175,12 @@ def _nvfp4_v_block(x, v_scales, V_EXACT: gl.constexpr):
 
 @gluon.jit
 def _tail_v(vh_tile, raw_ptr, strides, bt_row, start, hi, stride_bt_p, num_blocks, v_scales,
-            PAGE: gl.constexpr, V_EXACT: gl.constexpr):  # fmt: skip
+            PAGE: gl.constexpr, V_EXACT: gl.constexpr, layout: gl.constexpr = _LD16):  # fmt: skip
     """nvfp4 V: the sequence's open 16-token block (``ob = 16 (hi // 16) < hi``, in this
     tile) has no V̂ in the shadow (the copy left its rows zero): quantize it from the raw
-    rows (``ptrs[2]``), zeros past ``hi``, into its 16 rows of ``vh_tile``. The caller
-    fences and meets at a barrier before the P V MMA."""
+    rows (``ptrs[2]``), zeros past ``hi``, into its 16 rows of ``vh_tile`` (``layout``:
+    of a ``[16, 128]`` piece over the calling warps). The caller fences and meets at a
+    barrier before the P V MMA."""
     D1: gl.constexpr = vh_tile.shape[1]
     BLOCK_N: gl.constexpr = vh_tile.shape[0]
     ob = (hi // 16) * 16
@@ -187,10 +188,10 @@ def _tail_v(vh_tile, raw_ptr, strides, bt_row, start, hi, stride_bt_p, num_block
     # flagged with the tile's rows and reads page 0
     page = gl.load(bt_row + (ob // PAGE) * stride_bt_p).to(gl.int64)
     page = gl.where((page < 0) | (page >= num_blocks), 0, page)
-    offs_o = gl.arange(0, 16, gl.SliceLayout(1, _LD16))
+    offs_o = gl.arange(0, 16, gl.SliceLayout(1, layout))
     rows = page * strides[4] + ((ob % PAGE) + offs_o).to(gl.int64) * strides[5]
     W: gl.constexpr = 128  # columns a piece (each column is a block: pieces are independent)
-    offs_d = gl.arange(0, W, gl.SliceLayout(0, _LD16))
+    offs_d = gl.arange(0, W, gl.SliceLayout(0, layout))
     for c in gl.static_range(D1 // W):
         x = gl.load(raw_ptr + rows[:, None] + c * W + offs_d[None, :],
                     mask=(ob + offs_o < hi)[:, None], other=0.0)  # fmt: skip

@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_triton.kernels.common import split_program
 from mla_triton.kernels.gluon_decode import BLOCK_H as BLOCK_H  # 64 heads a CTA (wgmma M)
-from mla_triton.kernels.gluon_decode import LN2, _p_hat
+from mla_triton.kernels.gluon_decode import LN2, _p_hat, _tail_v
 
 NUM_WARPS = 4
 """Warps of each partition (the default one is the kernel's ``num_warps``)."""
@@ -72,6 +72,8 @@ _LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
 _CH: gl.constexpr = gl.constexpr(64)  # features a chunk (128 bytes: one swizzle atom)
 _NCH: gl.constexpr = gl.constexpr(512 // 64 + 1)  # chunks a tile: kv_c, then k_pe
 _VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+# the open nvfp4 V block (``V_SEP``), [16, 128] pieces: a column (a block) in 16 lanes of a warp
+_LD16: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [1, NUM_WARPS], [1, 0])
 
 
 @gluon.jit
@@ -95,7 +97,8 @@ def _q_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, dtype:
 def _producer(
     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr, bt_row, lo, hi, n_tiles,
     stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, D1: gl.constexpr,
-    D2: gl.constexpr, PAGE: gl.constexpr, CHUNKED: gl.constexpr,
+    D2: gl.constexpr, PAGE: gl.constexpr, CHUNKED: gl.constexpr, vsec=0,
+    V_SEP: gl.constexpr = False,
 ):  # fmt: skip
     """Copy every tile of the split into its slot (``cp.async``, zero rows past ``hi``)
     once the slot is free. ``CHUNKED``: each 64-feature chunk arrives on its own barrier
@@ -103,7 +106,9 @@ def _producer(
     issued at once; else the tile is waited for and arrives on the slot's first barrier.
     At the end ``bad_smem [BLOCK_N]`` says, per row slot, whether a row used a
     block-table entry outside ``[0, num_blocks)`` (read from page 0 instead); then
-    ``done``."""
+    ``done``. ``V_SEP``: ``vsec = (vh_ring, v_ptr, stride_v_page, stride_v_row, v_hi)``,
+    the tile's V̂ rows (the shadow's V̂ section, zeros at or past ``v_hi``) into the V̂
+    slot in the same commit group, before the rope chunk (whose barrier covers it)."""
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
     row_l: gl.constexpr = gl.SliceLayout(1, _LD)
@@ -129,6 +134,14 @@ def _producer(
             )  # fmt: skip
             if CHUNKED:
                 cp.mbarrier_arrive(landed.index(s * _NCH + c), increment_count=False)
+        if V_SEP:
+            vh_ring, v_ptr, stride_v_page, stride_v_row, v_hi = vsec
+            v_src = v_ptr + (page * stride_v_page + (tok % PAGE).to(gl.int64) * stride_v_row)
+            for c in gl.static_range(D1 // _CH):
+                cp.async_copy_global_to_shared(
+                    vh_ring.index(s).slice(c * _CH, _CH, dim=1),
+                    v_src[:, None] + c * _CH + offs_c[None, :], mask=(tok < v_hi)[:, None],
+                )  # fmt: skip
         cp.async_copy_global_to_shared(
             kpe_ring.index(s), src[:, None] + D1 + offs_d2[None, :], mask=valid[:, None]
         )
@@ -239,7 +252,8 @@ def _pv_other(
     row_s: gl.constexpr, row_o: gl.constexpr, p_sl: gl.constexpr,
 ):  # fmt: skip
     """Wait for the other warpgroup's P of tile ``t`` and its maximum, rescale, issue
-    ``acc += P_t V_t`` (this warpgroup's features; async): ``(acc, l, m)``."""
+    ``acc += P_t V_t`` (this warpgroup's features of ``kv_ring``'s slot: the latent
+    tiles, or the V̂ ring with ``V_SEP``; async): ``(acc, l, m)``."""
     N: gl.constexpr = kv_ring.shape[1]
     s = _slot(t, kv_ring.shape[0], 1 - ROLE)  # the other warpgroup's tile
     mbarrier.wait(pready.index(1 - ROLE), (t // 2) & 1)
@@ -299,11 +313,15 @@ def _own_tile(
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, N], dtype)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if QUANT[3] != 0:  # noqa: SIM108  (static) V_SEP: V̂ tiles of their own
+        v_ring = quant[2]
+    else:
+        v_ring = kv_ring
     s = _slot(t, ST, ROLE)
     phase = (t // ST) & 1
     if HAS_PREV and not EARLY_S:
         acc, l_i, m_i = _pv_other(
-            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
+            acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
         )  # fmt: skip
     # The slot as a value the compiler cannot fold: with a constant one, it hoists the
     # 72 wgmma descriptors of S out of the loop and spills them.
@@ -333,7 +351,7 @@ def _own_tile(
                        is_async=True)  # fmt: skip
     if HAS_PREV and EARLY_S:  # P_{t-1} V_{t-1} behind S_t; S_t waited for, it stays in flight
         acc, l_i, m_i = _pv_other(
-            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
+            acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
         )  # fmt: skip
         sc = warpgroup_mma_wait(1, deps=(sc,))
     else:
@@ -348,6 +366,13 @@ def _own_tile(
     if TMA:  # noqa: SIM102  (static: the tail tile's rows past the split are real rows)
         if lo + t * N + N > hi:
             _zero_tail(kv_ring.index(s), hi - lo - t * N)
+    if QUANT[3] != 0:  # V_SEP: the sequence's open nvfp4 V block, if in this tile
+        raw_ptr, strides, bt_row, stride_bt_p, num_blocks, v_scales = quant[3]
+        v_hi = (hi // 16) * 16
+        start = lo + t * N
+        if (v_hi < hi) & (start <= v_hi) & (v_hi < start + N):
+            _tail_v(v_ring.index(s), raw_ptr, strides, bt_row, start, hi, stride_bt_p,
+                    num_blocks, v_scales, QUANT[3], False, _LD16)  # fmt: skip
     # publish P_t (into the slot's rope columns, read by S_t only) and the maximum
     kpe_ring.index(s)._reinterpret(dtype, [_HEADS, N], p_sl).store(p16)
     m_smem.slice(ROLE * _HEADS, _HEADS).store(m_i)
@@ -359,7 +384,7 @@ def _own_tile(
         gl.barrier()
         mbarrier.arrive(free.index(_slot(t - 1, ST, 1 - ROLE)))
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    v_half = kv_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
+    v_half = v_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
     acc = warpgroup_mma(gl.convert_layout(p16, p_op), v_half, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     gl.barrier()
@@ -416,10 +441,14 @@ def _math(
             acc, l_i, m_i, q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, landed, pready, free,
             2 * k + ROLE, lo, hi, row_scale, quant, ROLE, True, CHUNKED, TMA, EARLY_S, QUANT,
         )  # fmt: skip
+    if QUANT[3] != 0:  # noqa: SIM108  (static) V_SEP: V̂ tiles of their own
+        v_ring = quant[2]
+    else:
+        v_ring = kv_ring
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
         acc, l_i, m_i = _pv_other(
-            acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, last, ROLE, row_s, row_o_, p_sl,
+            acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, last, ROLE, row_s, row_o_, p_sl,
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.barrier()
@@ -510,6 +539,7 @@ def gluon_decode_ws_kernel(
     out_scale,
     kv_desc,
     p_hat_scales,
+    v_tail_scales,
     num_splits,
     num_blocks,
     SHAPE: gl.constexpr,
@@ -523,6 +553,7 @@ def gluon_decode_ws_kernel(
     Q_SCALED: gl.constexpr,
     K_FMT: gl.constexpr,
     P_FMT: gl.constexpr,
+    V_SEP: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
     Q/K/P/V through the float16 shadow (V̂ = K̂).
@@ -547,12 +578,16 @@ def gluon_decode_ws_kernel(
     0, the same code as before these arguments.
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
-    (kv_ptr,) = split[1]
+    if V_SEP:  # (K̂ tiles, V̂ section, raw rows, K scales) and their (page, row) strides
+        kv_ptr, v_ptr, raw_ptr, _ks_ptr = split[1]
+        stride_kv_page, stride_kv_row, stride_v_page, stride_v_row = split[7][:4]
+    else:
+        (kv_ptr,) = split[1]
+        stride_kv_page, stride_kv_row = split[7]
     bt_ptr = split[2]
     out_ptr, lse_ptr = split[4]
     wacc_ptr, wml_ptr = split[5]
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h = split[6]
-    stride_kv_page, stride_kv_row = split[7]
     stride_bt_b, stride_bt_p = split[8]
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h = split[10]
     num_heads, _capacity = split[11]
@@ -565,7 +600,9 @@ def gluon_decode_ws_kernel(
     gl.static_assert((N == 32) | (N == 64), "BLOCK_N: 32- or 64-token tiles")
     gl.static_assert(STAGES % 2 == 0, "STAGES: even (a slot's tiles are one warpgroup's)")
     gl.static_assert((not TMA) or (PAGE % N == 0), "TMA: a page holds whole tiles")
-    gl.static_assert((P_FMT == 0) or (P_FMT == 1), "P_FMT: P none or fp8")
+    gl.static_assert((P_FMT >= 0) and (P_FMT <= 2), "P_FMT: P none, fp8 or nvfp4")
+    gl.static_assert((not V_SEP) or ((not TMA) and (PAGE % 16 == 0)),
+                     "V_SEP: cp.async loads, pages of whole 16-token V blocks")  # fmt: skip
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
 
     n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
@@ -578,6 +615,9 @@ def gluon_decode_ws_kernel(
     kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D2], dtype)
     kv_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D1], kv_layout)
     kpe_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D2], kpe_layout)
+    if V_SEP:  # the V̂ ring (float16, as the K̂ tiles)
+        gl.static_assert(v_ptr.dtype.element_ty == dtype, "V_SEP: V̂ in the K̂ tiles' type")
+        vh_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D1], kv_layout)
     m_smem = gl.allocate_shared_memory(gl.float32, [2 * _HEADS], _VEC)  # a warpgroup's last
     l_smem = gl.allocate_shared_memory(gl.float32, [4 * _HEADS], _VEC)
     bad_smem = gl.allocate_shared_memory(
@@ -599,11 +639,18 @@ def gluon_decode_ws_kernel(
     gl.barrier()
 
     RAW: gl.constexpr = (K_FMT == 0) or (not Q_SCALED)
-    QUANT: gl.constexpr = gl.constexpr((RAW, P_FMT, Q_SCALED))
-    if Q_SCALED or (P_FMT != 0):  # noqa: SIM108  (static: recipe none captures no more)
-        quant = (qgs_ptr, p_hat_scales)
+    QUANT: gl.constexpr = gl.constexpr((RAW, P_FMT, Q_SCALED, PAGE if V_SEP else 0))
+    if V_SEP:  # the V̂ ring, and what the open V block is quantized from
+        tail = (raw_ptr, split[7], bt_ptr + b * stride_bt_b, stride_bt_p, num_blocks,
+                v_tail_scales)  # fmt: skip
+        quant = (qgs_ptr, p_hat_scales, vh_ring, tail)
+        vsec = (vh_ring, v_ptr, stride_v_page, stride_v_row, (hi // 16) * 16)
+    elif Q_SCALED or (P_FMT != 0):
+        quant = (qgs_ptr, p_hat_scales)  # type: ignore[assignment]
+        vsec = 0  # type: ignore[assignment]
     else:
         quant = 0  # type: ignore[assignment]  # a constexpr: nothing reaches the partitions
+        vsec = 0  # type: ignore[assignment]
     math_args = (
         q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free,
         done, lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split_i,
@@ -632,7 +679,7 @@ def gluon_decode_ws_kernel(
                 (_producer, (
                     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_ptr,
                     bt_ptr + b * stride_bt_b, lo, hi, n_tiles, stride_bt_p, stride_kv_page,
-                    stride_kv_row, num_blocks, D1, D2, PAGE, CHUNKED,
+                    stride_kv_row, num_blocks, D1, D2, PAGE, CHUNKED, vsec, V_SEP,
                 )),
             ],
             [_WARPS, _WARPS],
