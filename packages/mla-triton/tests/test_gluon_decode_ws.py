@@ -35,8 +35,8 @@ from test_gluon_decode import _cpu_case, _launched, _plain, as_sm90  # noqa: F40
 import mla_triton.gluon_decode_ws as ws
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import decode
+from mla_triton.gluon_decode import SEPARATE_V_CONFIG, GluonRecipe, max_shared_bytes
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
-from mla_triton.gluon_decode import GluonRecipe, max_shared_bytes
 from mla_triton.gluon_decode_ws import (
     FP8_SHADOW,
     NVFP4_CONFIG,
@@ -772,8 +772,9 @@ def _shadow_config(case: str, config: WsConfig) -> WsConfig:
 def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsConfig) -> None:
     """``decode_shadow(config=config)`` on a pool an engine filled (ragged lengths up to
     1000: a prefill in three chunks, then decode steps) against ``gluon_decode``'s shadow
-    kernel (``config=gluon_decode.VARIANTS[0]``, whatever ``WS_SHADOW_AUTO`` says) at each
-    step and split count (1, 4, the default; ``test_shadow_gpu._agree``'s bounds: the same
+    kernel (``config=gluon_decode.VARIANTS[0]``, a V̂ section's ``SEPARATE_V_CONFIG``,
+    whatever ``WS_SHADOW_AUTO`` says) at each step and split count (1, 4, the default;
+    ``test_shadow_gpu._agree``'s bounds: the same
     quantized operands, another summation order), split invariance (1 against 4), and the
     float64 oracle at the default count (``test_decode_gpu.check``). ``VARIANTS[4]`` (TMA
     loads, S issued early) reads page 64 by TMA, page 16 by ``cp.async``; nvfp4 runs
@@ -787,6 +788,7 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
     from mla_triton.decode import decode_num_splits
 
     config = _shadow_config(case, config)
+    glu_config = SEPARATE_V_CONFIG if case == "nvfp4" else GLUON_VARIANTS[0]
     pool = _pool(case)
     _prefill(pool)
     q = _query(heads)
@@ -801,7 +803,7 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
                                      "num_splits": splits}  # fmt: skip
             got[splits] = decode_shadow(*args, config=config, **kw)
             assert got[splits][0].dtype == torch.bfloat16
-            glu = decode_shadow(*args, config=GLUON_VARIANTS[0], **kw)
+            glu = decode_shadow(*args, config=glu_config, **kw)
             label = f"ws {config.name} {case} h{heads} step {step}, {splits} splits"
             _agree(got[splits], glu, pool, heads, label + " vs gluon_decode's shadow kernel")
             if splits == default:
@@ -814,33 +816,40 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
 
 
 @gpu
-@pytest.mark.parametrize("config", [VARIANTS[0], VARIANTS[3]],
-                         ids=[VARIANTS[i].name for i in (0, 3)])  # fmt: skip
-def test_shadow_nan_rule_as_gluon(config: WsConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the fp8 shadow (V̂ = K̂, scale 3): pages outside the cache, a length outside
-    the table and a non-finite latent element seen (its K̂ is NaN) poison exactly the rows
+@pytest.mark.parametrize(("config", "nvfp4"), [(VARIANTS[0], False), (VARIANTS[3], False),
+                                               (NVFP4_CONFIG, True)],
+                         ids=[VARIANTS[0].name, VARIANTS[3].name, "nvfp4"])  # fmt: skip
+def test_shadow_nan_rule_as_gluon(
+    config: WsConfig, nvfp4: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the fp8 shadow (V̂ = K̂, scale 3), or nvfp4's (its V̂ section; the lengths'
+    open V blocks from the raw rows): pages outside the cache, a length outside the table
+    and a non-finite latent element seen (its K̂ is NaN) poison exactly the rows
     ``gluon_decode``'s shadow kernel poisons (one split and several); a non-finite row past
     a request's end (in its last tile: TMA brings it in) poisons nothing. With
-    ``WS_SHADOW_AUTO`` on, ``decode_shadow()`` is ``decode_shadow(config=VARIANTS[0])``
-    bit for bit."""
+    ``WS_SHADOW_AUTO`` on (and, nvfp4, ``WS_SHADOW_NVFP4_AUTO``), ``decode_shadow()`` is
+    ``decode_shadow(config=...)`` of the switch's configuration bit for bit."""
     from mla_triton import allocate_shadow, decode_shadow, update_cache
+
+    quant = AttentionQuant.uniform("nvfp4") if nvfp4 else FP8_3
+    glu_config = SEPARATE_V_CONFIG if nvfp4 else GLUON_VARIANTS[0]
 
     q, cache, table, seq = _inputs(6, 128, 64, [200, 300, 150, 90, 150, 100], torch.bfloat16)
     cache[table[5, 1], 50, :] = float("nan")  # request 5: token 114 (unseen, same tile)
     cache[table[3, 1], 5, 7] = float("inf")  # request 3: token 69 (seen) is not finite
-    shadow = allocate_shadow(cache.shape[0], 64, FP8_3, device="cuda")
+    shadow = allocate_shadow(cache.shape[0], 64, quant, device="cuda")
     flat = cache.reshape(-1, 576).clone()
     slots = torch.arange(flat.shape[0], device="cuda", dtype=torch.int64)
-    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=FP8_3)
+    update_cache(flat[:, :512], flat[:, 512:], cache, slots, shadow, quant=quant)
     table[0, 1] = -1  # request 0: a page outside the cache
     table[1, 2] = cache.shape[0]  # request 1: too
     seq[2] = table.shape[1] * 64 + 1  # request 2: beyond the table's capacity
-    kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": FP8_3}
+    kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": quant}
     for splits in (1, 3):
         o_w, l_w = decode_shadow(q, cache, shadow, table, seq, num_splits=splits, config=config,
                                  **kw)  # fmt: skip
         o_g, l_g = decode_shadow(q, cache, shadow, table, seq, num_splits=splits,
-                                 config=GLUON_VARIANTS[0], **kw)  # fmt: skip
+                                 config=glu_config, **kw)  # fmt: skip
         assert bool(torch.isnan(o_g[:4]).all())  # requests 0 to 3 are poisoned
         assert bool(torch.isfinite(o_w[4:]).all()) and bool(torch.isfinite(l_w[4:]).all())
         assert torch.equal(torch.isnan(o_w), torch.isnan(o_g))
@@ -851,9 +860,10 @@ def test_shadow_nan_rule_as_gluon(config: WsConfig, monkeypatch: pytest.MonkeyPa
         assert int((err > 4e-3).sum()) <= max(1, math.ceil(0.02 * err.numel())), err.max()
         assert float(err.max()) <= 0.5
     monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
+    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", True)
     for splits in (1, 3):
         auto = decode_shadow(q, cache, shadow, table, seq, num_splits=splits, **kw)
         direct = decode_shadow(q, cache, shadow, table, seq, num_splits=splits,
-                               config=VARIANTS[0], **kw)  # fmt: skip
+                               config=NVFP4_CONFIG if nvfp4 else VARIANTS[0], **kw)  # fmt: skip
         assert torch.equal(auto[0].nan_to_num(7.0), direct[0].nan_to_num(7.0))
         assert torch.equal(auto[1].nan_to_num(7.0), direct[1].nan_to_num(7.0))
