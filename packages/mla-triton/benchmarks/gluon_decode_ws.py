@@ -33,6 +33,10 @@ of the case's cache): ``config=`` a ws variant (``WsShadowFamily``), ``gluon`` i
 ``decode_shadow(impl="gluon")`` runs while ``WS_SHADOW_AUTO`` is off), ``reference`` the
 oracle with the recipe; the bounds are the quantized ones (``_verdict``); files
 ``out-fp8-shadow-NAME.pt``, ``ws-check-fp8-shadow.json``, ``ws-bench-fp8-shadow.json``.
+``--recipe nvfp4-shadow``: the same on nvfp4 Q/K/P/V (the shadow's V̂ section, the open
+V block in the kernel): the ws configurations ``NV_CONFIGS`` (``NVFP4_CONFIG``, and with S
+issued early: bit for bit against it), ``gluon`` is ``gluon_decode``'s
+``SEPARATE_V_CONFIG``; files ``*-nvfp4-shadow*``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,8 +61,9 @@ from gluon_shadow import filled_shadow
 from mla_formats import AttentionQuant
 from mla_triton import decode_shadow
 from mla_triton.decode import decode, decode_num_splits
+from mla_triton.gluon_decode import SEPARATE_V_CONFIG
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
-from mla_triton.gluon_decode_ws import VARIANTS, twin
+from mla_triton.gluon_decode_ws import NVFP4_CONFIG, VARIANTS, twin
 
 SCALE = 576**-0.5
 SKIP = {n for n in os.environ.get("WS_SKIP", "").split(",") if n}
@@ -76,15 +82,27 @@ PAGE_CHECKS = [
 ]
 """The ``outputs`` / ``compare`` plans' cases beyond ``CHECKS`` (two more keys)."""
 BENCH_SHAPES = ("b128-h128-L8192", "b32-h128-L32768")
-BY_NAME = {c.name: c for c in VARIANTS}
+NV_CONFIGS = {c.name: c for c in (NVFP4_CONFIG, replace(NVFP4_CONFIG, early_s=True))}
+"""The ws configurations a V̂ section runs (``--recipe nvfp4-shadow``): 32-token tiles, two
+slots, cp.async; ``twin`` of the second is the first."""
+BY_NAME = {c.name: c for c in VARIANTS} | NV_CONFIGS
 TWINS = {t.name: t for c in VARIANTS if (t := twin(c)) is not None and t.name not in BY_NAME}
 """The ``twin`` configurations outside ``VARIANTS`` (``outputs --variants`` takes them: the
 new variants' bit-for-bit references; checked on the GPU, not timed)."""
 RECIPES: dict[str, AttentionQuant | None] = {
     "none": None,
     "fp8-shadow": AttentionQuant.uniform("fp8"),
+    "nvfp4-shadow": AttentionQuant.uniform("nvfp4"),
 }
-"""``--recipe``: ``decode`` unquantized, or ``decode_shadow`` on a float16 fp8 shadow."""
+"""``--recipe``: ``decode`` unquantized, or ``decode_shadow`` on a float16 fp8 or nvfp4
+shadow."""
+
+
+def _gluon(recipe: str) -> Any:
+    """``gluon_decode``'s configuration for ``recipe`` (a V̂ section: ``SEPARATE_V_CONFIG``)."""
+    return SEPARATE_V_CONFIG if recipe == "nvfp4-shadow" else GLUON_VARIANTS[0]
+
+
 Decoder = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -201,7 +219,7 @@ def outputs(name: str, out_dir: str, recipe: str = "none") -> None:
     if name == "reference":
         config: Any = None
     else:
-        config = GLUON_VARIANTS[0] if name == "gluon" else (BY_NAME | TWINS)[name]
+        config = _gluon(recipe) if name == "gluon" else (BY_NAME | TWINS)[name]
     saved: list[Any] = []
     for batch, heads, page, lens, splits in CHECKS + PAGE_CHECKS:
         q, cache, table, seq = _inputs(batch, heads, page, lens)
@@ -297,11 +315,10 @@ def _bench_kwargs(q: torch.Tensor, splits: int, seq_len: int) -> dict[str, Any]:
 
 def _runs(
     q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-    kw: dict[str, Any], names: list[str], dec: Decoder = decode,
+    kw: dict[str, Any], names: list[str], dec: Decoder = decode, gluon: Any = GLUON_VARIANTS[0],
 ) -> dict[str, Any]:  # fmt: skip
     """The timed closures of one shape (``kw``: ``_bench_kwargs``; ``dec``: ``_decoder``'s):
-    ``gluon_decode``'s kernel (its default config) and each ws variant of ``names``."""
-    gluon = GLUON_VARIANTS[0]
+    ``gluon_decode``'s kernel (``gluon``: its config) and each ws variant of ``names``."""
     runs: dict[str, Any] = {"gluon": lambda: dec(q, cache, table, lens, config=gluon, **kw)}
     for name in names:
         runs[name] = functools.partial(dec, q, cache, table, lens, config=BY_NAME[name], **kw)
@@ -321,13 +338,13 @@ def bench(warmup: int, rep: int, names: list[str], recipe: str = "none") -> list
         kw = _bench_kwargs(q, splits, seq_len)
         out = kw["out"]
         dec = _decoder(recipe, cache)
-        runs = _runs(q, cache, table, lens, kw, names, dec)
+        runs = _runs(q, cache, table, lens, kw, names, dec, _gluon(recipe))
         try:
             runs["flashmla"] = flashmla_run(q, cache, table, lens, 0.1)
         except Exception as exc:  # recorded, the run goes on
             rows.append({"shape": shape, "impl": "flashmla", "error": repr(exc)})
         base = dec(q, cache, table, lens, softmax_scale=0.1, num_splits=splits,
-                   config=GLUON_VARIANTS[0])[0].clone()  # fmt: skip
+                   config=_gluon(recipe))[0].clone()  # fmt: skip
         for name, run in runs.items():
             t0 = time.time()
             try:
@@ -364,8 +381,8 @@ def main() -> int:
                         help="comma-separated: bench, the ws variants to time (default: all); "
                         "outputs, the one producer (a variant, gluon or reference)")  # fmt: skip
     parser.add_argument("--recipe", choices=tuple(RECIPES), default="none",
-                        help="none: decode; fp8-shadow: decode_shadow on an fp8 shadow "
-                        "(plans outputs, compare, bench)")  # fmt: skip
+                        help="none: decode; fp8-shadow, nvfp4-shadow: decode_shadow on an "
+                        "fp8 or nvfp4 shadow (plans outputs, compare, bench)")  # fmt: skip
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=300)
     parser.add_argument("out", help="output folder")
@@ -402,7 +419,8 @@ def main() -> int:
         if os.path.exists(done):
             with open(done) as f:
                 skip |= set(json.load(f)["failed"])
-        names = [n for n in (named or list(BY_NAME)) if n not in skip]
+        default = NV_CONFIGS if args.recipe == "nvfp4-shadow" else [c.name for c in VARIANTS]
+        names = [n for n in (named or list(default)) if n not in skip]
         result = {"info": info, "skipped": sorted(skip),
                   "rows": bench(args.warmup_ms, args.rep_ms, names, args.recipe)}  # fmt: skip
         code = 0

@@ -3,11 +3,14 @@
 # loads; with S issued early; with that and a 4-slot ring of 32-token tiles) on one H200;
 # h39: the same kernel on fp8 Q/K/P/V through the float16 shadow (V̂ = K̂;
 # decode_shadow(config=WsConfig())): checked against decode_shadow's Gluon split kernel and
-# the oracle, timed beside it and FlashMLA. At most ~190 s (timeouts 70 + 20 + 55 + 45 s).
+# the oracle, timed beside it and FlashMLA; h40: the same on nvfp4 Q/K/P/V through the shadow
+# (its V̂ section, the open V block in the kernel; decode_shadow(config=NVFP4_CONFIG), 32-token
+# tiles, two slots). At most ~240 s (timeouts 70 + 20 + 55 + 45 + 40 s, 2 s kill grace each).
 # From the repository root on the device (torch 2.14 + Triton 3.8 + vLLM 0.33 in /tmp/site):
 #   OUT=$OUT bash packages/mla-triton/benchmarks/gpu/decode_ws_next.sh
 # Writes $OUT/{1-out-*.txt,out-*.pt,2-compare*.txt,ws-check*.json,3-bench.txt,ws-bench.json,
-# 4-bench-fp8-shadow.txt,ws-bench-fp8-shadow.json} (the fp8 shadow's files: "-fp8-shadow").
+# 4-bench-fp8-shadow.txt,ws-bench-fp8-shadow.json,5-bench-nvfp4-shadow.txt,
+# ws-bench-nvfp4-shadow.json} (the shadows' files: "-fp8-shadow", "-nvfp4-shadow").
 set -u
 OUT=${OUT:-/tmp/h37-out}
 mkdir -p "$OUT"
@@ -19,6 +22,8 @@ TWIN=ws-r232-p40-tile-tma-n32s4  # the last one's twin (not in VARIANTS: checked
 # fp8 through the shadow: the default, TMA (its twin: the default), TMA + S early (twin: TMA)
 SHADOW=ws-r232-p40-tile,ws-r232-p40-tile-tma,ws-r232-p40-tile-tma-es
 SHADOW_TIMED=ws-r232-p40-tile,ws-r232-p40-tile-tma-es
+# nvfp4 through the shadow: NVFP4_CONFIG and with S issued early (its twin: NVFP4_CONFIG)
+NV=ws-r232-p40-tile-n32s2,ws-r232-p40-tile-n32s2-es
 start=$(date +%s)
 # 1. one process a producer, in parallel (each compiles its own keys; a hung variant costs
 #    only its own process): the float64 oracle, decode(impl="gluon")'s kernel, the default
@@ -27,14 +32,20 @@ start=$(date +%s)
 #    bench's keys
 pids=""
 for name in reference gluon ws-r232-p40-tile ${NEW//,/ } $TWIN; do
-  timeout -k 5 70 python3 $B --plan outputs --variants "$name" "$OUT" > "$OUT/1-out-$name.txt" 2>&1 &
+  timeout -k 2 70 python3 $B --plan outputs --variants "$name" "$OUT" > "$OUT/1-out-$name.txt" 2>&1 &
   pids="$pids $!"
 done
 # the fp8 shadow's producers (decode_shadow on the cases' filled shadows): the oracle with
 # the recipe, gluon_decode's shadow kernel, the three ws variants; then their bench keys
 for name in reference gluon ${SHADOW//,/ }; do
-  timeout -k 5 70 python3 $B --plan outputs --recipe fp8-shadow --variants "$name" "$OUT" \
+  timeout -k 2 70 python3 $B --plan outputs --recipe fp8-shadow --variants "$name" "$OUT" \
     > "$OUT/1-out-fp8-shadow-$name.txt" 2>&1 &
+  pids="$pids $!"
+done
+# the nvfp4 shadow's: the oracle with the recipe, gluon_decode's SEPARATE_V_CONFIG, the two
+for name in reference gluon ${NV//,/ }; do
+  timeout -k 2 70 python3 $B --plan outputs --recipe nvfp4-shadow --variants "$name" "$OUT" \
+    > "$OUT/1-out-nvfp4-shadow-$name.txt" 2>&1 &
   pids="$pids $!"
 done
 for p in $pids; do wait "$p"; done
@@ -43,20 +54,24 @@ echo "outputs: $(( $(date +%s) - start )) s"; for f in "$OUT"/1-out-*.txt; do ec
 #    2% of rows beyond 4e-3, all within 0.5, LSE 2e-5), each new one bit for bit vs its twin
 #    (gluon_decode_ws.twin); writes ws-check.json and ws-check-fp8-shadow.json (failed: not
 #    timed); the two compares in parallel (CPU only)
-timeout -k 5 20 python3 $B --plan compare "$OUT" > "$OUT/2-compare.txt" 2>&1 &
+timeout -k 2 20 python3 $B --plan compare "$OUT" > "$OUT/2-compare.txt" 2>&1 &
 p_none=$!
-timeout -k 5 20 python3 $B --plan compare --recipe fp8-shadow "$OUT" \
+timeout -k 2 20 python3 $B --plan compare --recipe fp8-shadow "$OUT" \
   > "$OUT/2-compare-fp8-shadow.txt" 2>&1 &
 p_shadow=$!
+timeout -k 2 20 python3 $B --plan compare --recipe nvfp4-shadow "$OUT" \
+  > "$OUT/2-compare-nvfp4-shadow.txt" 2>&1 &
+p_nv=$!
 wait $p_none; rc=$?
 wait $p_shadow; rc_shadow=$?
-for f in 2-compare 2-compare-fp8-shadow; do
+wait $p_nv; rc_nv=$?
+for f in 2-compare 2-compare-fp8-shadow 2-compare-nvfp4-shadow; do
   echo "$f: ($(( $(date +%s) - start )) s) $(grep -c ' ok$' "$OUT/$f.txt") rows ok"; grep -E "FAIL|Error|missing" "$OUT/$f.txt" | head -6; tail -1 "$OUT/$f.txt"
 done
 # 3. timing, one process with FlashMLA: the default, the new variants, gluon, FlashMLA at
 #    b128 h128 L8192 and b32 h128 L32768 (page 64; compiled keys from step 1's cache)
 if [ $rc -eq 0 ]; then
-  timeout -k 5 55 python3 $B --plan bench --variants "ws-r232-p40-tile,$NEW" --warmup-ms 50 \
+  timeout -k 2 55 python3 $B --plan bench --variants "ws-r232-p40-tile,$NEW" --warmup-ms 50 \
     --rep-ms 200 "$OUT" > "$OUT/3-bench.txt" 2>&1
   echo "bench: rc=$? ($(( $(date +%s) - start )) s)"; grep -E "TFLOP/s|Error|error" "$OUT/3-bench.txt" | head -16
 else
@@ -66,10 +81,19 @@ fi
 #    shadow kernel (what decode_shadow(impl="gluon") runs today), FlashMLA bf16 on the raw
 #    cache, same shapes (the shadow filled by update_cache over every slot)
 if [ $rc_shadow -eq 0 ]; then
-  timeout -k 5 45 python3 $B --plan bench --recipe fp8-shadow --variants "$SHADOW_TIMED" \
+  timeout -k 2 45 python3 $B --plan bench --recipe fp8-shadow --variants "$SHADOW_TIMED" \
     --warmup-ms 50 --rep-ms 200 "$OUT" > "$OUT/4-bench-fp8-shadow.txt" 2>&1
   echo "bench fp8 shadow: rc=$? ($(( $(date +%s) - start )) s)"; grep -E "TFLOP/s|Error|error" "$OUT/4-bench-fp8-shadow.txt" | head -12
 else
   echo "SKIP timing (fp8 shadow): rc=$rc_shadow, every variant failed or the compare did not finish"
+fi
+# 5. the nvfp4 shadow timed: NVFP4_CONFIG and with S early, gluon_decode's SEPARATE_V_CONFIG
+#    (decode_shadow(impl="gluon") today: 258 TFLOP/s, 0.48-0.50x), FlashMLA bf16, same shapes
+if [ $rc_nv -eq 0 ]; then
+  timeout -k 2 40 python3 $B --plan bench --recipe nvfp4-shadow --variants "$NV" \
+    --warmup-ms 50 --rep-ms 200 "$OUT" > "$OUT/5-bench-nvfp4-shadow.txt" 2>&1
+  echo "bench nvfp4 shadow: rc=$? ($(( $(date +%s) - start )) s)"; grep -E "TFLOP/s|Error|error" "$OUT/5-bench-nvfp4-shadow.txt" | head -12
+else
+  echo "SKIP timing (nvfp4 shadow): rc=$rc_nv, every variant failed or the compare did not finish"
 fi
 echo "total $(( $(date +%s) - start )) s"
