@@ -11,10 +11,13 @@ sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
 recipe none while ``WS_AUTO`` is True (the shipped value).
 
 ``mla_triton.decode_shadow(..., config=WsConfig(...))`` runs it on a float16 shadow with
-V̂ = K̂ (fp8 K and V of one static scale; q none or quantized, P none or fp8:
-``ws_shadow_kind``) through ``WsShadowFamily`` (the shadow's K̂ view as the cache, q̂
-from ``decode_q_kernel``, P̂ fp8 in registers); ``decode_shadow`` without a config, where
-it picked the Gluon kernel, runs it while ``WS_SHADOW_AUTO`` is True (shipped False).
+V̂ = K̂ (fp8 K and V of one static scale) or with an nvfp4 V̂ section (``NVFP4_CONFIG``
+only: a V̂ ring beside the K̂ ring, the open V block quantized in the kernel); q none or
+quantized, P none, fp8 or nvfp4 (``ws_shadow_kind``) through ``WsShadowFamily`` (the
+shadow's K̂ view as the cache, q̂ from ``decode_q_kernel``, P̂ in registers);
+``decode_shadow`` without a config, where it picked the Gluon kernel, runs it while
+``WS_SHADOW_AUTO`` is True (shipped False; a V̂ section also needs
+``WS_SHADOW_NVFP4_AUTO``, shipped False).
 
 ``compile_ws`` compiles the kernel for sm_90a on any machine (Gluon has no
 interpreter): the CPU test and the GPU script's report use it.

@@ -665,10 +665,12 @@ def decode_shadow(
     ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
     (implies ``"gluon"``; with a V̂ section only ``SEPARATE_V_CONFIG``), or a
     ``gluon_decode_ws.WsConfig``: the warp-specialized Gluon kernel on a float16 shadow
-    with V̂ = K̂ (fp8 K and V of one static scale, P none or fp8:
-    ``gluon_decode_ws.ws_shadow_kind``; a ValueError naming ``quant``, ``impl`` or
+    with V̂ = K̂ (fp8 K and V of one static scale) or an nvfp4 V̂ section
+    (``gluon_decode_ws.NVFP4_CONFIG`` only), P none, fp8 or nvfp4
+    (``gluon_decode_ws.ws_shadow_kind``; a ValueError naming ``quant``, ``impl`` or
     ``config`` elsewhere). Without a config, where the Gluon kernel was picked, that
-    kernel runs such a recipe while ``gluon_decode_ws.WS_SHADOW_AUTO`` is on (shipped off).
+    kernel runs such a recipe while ``gluon_decode_ws.WS_SHADOW_AUTO`` is on (shipped off;
+    a V̂ section also needs ``WS_SHADOW_NVFP4_AUTO``, shipped off).
     """
     chosen = check_impl(impl)
     qq = _check_quant(quant)

@@ -1,5 +1,6 @@
 """Absorbed-MLA split-K decode for Hopper (sm90) in Gluon, warp-specialized (recipe none;
-fp8 Q/K/P/V through the float16 shadow, V̂ = K̂: ``gluon_decode_ws_kernel``'s last paragraph).
+fp8 Q/K/P/V through the float16 shadow, V̂ = K̂; nvfp4 Q/K/P/V through its V̂ section, a V̂
+ring beside the K̂ ring: ``gluon_decode_ws_kernel``'s last paragraphs).
 
 The contract (split bounds, base-2 online softmax with an integer running maximum,
 NaN rules, partial outputs) is ``decode_kernel.decode_split_kernel``'s, as in
@@ -299,9 +300,13 @@ def _own_tile(
     slot released. ``EARLY_S``: ``S_t`` is issued first, as soon as tile ``t`` has
     landed, so it runs under the other warpgroup's softmax of ``t - 1``; then ``P_{t-1}
     V_{t-1}``, which runs under this softmax (the other slot released after it). The
-    same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT, _)``
-    (``_softmax``'s rule; P̂ fp8 for both P V, ``gluon_decode._p_hat`` with ``quant[1]``,
-    the denominators summing the unquantized P). Returns ``(acc, l, m)``."""
+    same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT, _,
+    V_PAGE)`` (``_softmax``'s rule; P̂ fp8 or nvfp4 for both P V, ``gluon_decode._p_hat``
+    with ``quant[1]``, the denominators summing the unquantized P; ``V_PAGE`` nonzero
+    (``V_SEP``: the page size): P V reads the V̂ ring ``quant[2]``, into whose slot the
+    sequence's open 16-token V block is quantized from the raw rows first, where
+    ``_zero_tail`` stands, by ``gluon_decode._tail_v`` with ``quant[3]``). Returns ``(acc,
+    l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
@@ -515,8 +520,9 @@ def _math_part(
 ):  # fmt: skip
     """A math warpgroup: ``_math`` then ``_epilogue`` for its features (``args``: the
     kernel's shared buffers, barriers, bounds and output pointers, in this order, then
-    ``quant``: 0 for recipe none, else ``(qgs_ptr, p_scales)``; ``QUANT = (RAW,
-    P_FMT, Q_SCALED)``)."""
+    ``quant``: 0 for recipe none, else ``(qgs_ptr, p_scales)``, with ``V_SEP`` then the
+    V̂ ring and ``(raw_ptr, strides, bt_row, stride_bt_p, num_blocks, v_scales)`` of the
+    open V block; ``QUANT = (RAW, P_FMT, Q_SCALED, V_PAGE)``)."""
     (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
      lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
      n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
@@ -576,6 +582,16 @@ def gluon_decode_ws_kernel(
     (``p_hat_scales = (gs_p, 1 / gs_p, 1 / (6 gs_p))``; None with ``P_FMT`` 0);
     ``out_scale = gs_p gs_v``. Recipe none: ``Q_SCALED`` False, ``K_FMT`` and ``P_FMT``
     0, the same code as before these arguments.
+
+    ``V_SEP`` (nvfp4 V through the shadow; ``cp.async``, pages multiples of 16):
+    ``split[1] = (k_ptr, v_ptr, raw_ptr, ks_ptr)`` with four (page, row) stride pairs, as
+    ``gluon_decode``'s ``V_SEP``: the producer copies each tile's V̂ rows (the section,
+    zeros from the sequence's open 16-token block on) into a V̂ ring of its own (``[STAGES,
+    BLOCK_N, 512]``, float16; ``BLOCK_N`` 32 and two slots fit: 212992 bytes with q̂),
+    the tile's owner quantizes the open block from the raw rows into its slot after
+    ``S_t`` (``v_tail_scales = (gs_v, 1 / gs_v, 1 / (6 gs_v))``, a power of two), and both
+    P V read the V̂ slot; ``P_FMT`` 2: P̂ nvfp4 in 16-token blocks. None and False
+    elsewhere (no code).
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     if V_SEP:  # (K̂ tiles, V̂ section, raw rows, K scales) and their (page, row) strides
