@@ -474,10 +474,11 @@ def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("as_sm90")
 def test_shadow_refusals() -> None:
     """``decode_shadow(config=WsConfig())`` on a shadow the kernel does not read (a V̂
-    section with an exact V scale or a dynamic K, the packed storage, K and V none, bf16
-    q not quantized beside K̂) is a ValueError naming ``quant``; ``impl="triton"``, and
-    an nvfp4 V̂ section with another ring than ``NVFP4_CONFIG``'s or TMA, name ``config``;
-    nothing launches. ``compile_ws`` refuses such a recipe naming ``recipe``."""
+    section with an exact V scale or a dynamic K, the packed storage, K and V none, nvfp4
+    P with V̂ = K̂, bf16 q not quantized beside K̂) is a ValueError naming ``quant``;
+    ``impl="triton"``, and an nvfp4 V̂ section with another ring than ``NVFP4_CONFIG``'s or
+    TMA, name ``config``; nothing launches. ``compile_ws`` refuses such a recipe naming
+    ``recipe``."""
     from test_shadow import RECIPES as TEST_SHADOW_RECIPES
 
     from mla_triton import allocate_shadow, decode_shadow
@@ -489,11 +490,13 @@ def test_shadow_refusals() -> None:
     exact_v = replace(nvfp4, v=OperandQuant("nvfp4", 3.0))
     kdyn = TEST_SHADOW_RECIPES["kdyn-nvfp4-vfp8"][0]
     kv_only = AttentionQuant(k="fp8", v="fp8")
+    p_nvfp4 = AttentionQuant(q="fp8", k="fp8", v="fp8", p="nvfp4")
     cases = [  # quant, storage, q, what the message says
         (exact_v, "fp16", q, "static power-of-two scale"),
         (AttentionQuant.uniform("fp8"), "packed", q, "storage 'packed'"),
         (AttentionQuant(), "fp16", q, "float16 shadow's K̂ only"),
         (kdyn, "fp16", q, "dynamic K"),
+        (p_nvfp4, "fp16", q, "fp8 only with V̂ = K̂"),
         (kv_only, "fp16", q.bfloat16(), "not quantized"),
     ]
     seen: list[str] = []

@@ -281,9 +281,9 @@ WS_SHADOW_NVFP4_AUTO = False
 
 def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
     """``taken`` (``shadow.gluon_shadow_recipe``'s answer) where this kernel reads it, else
-    why not: a float16 shadow's K̂ with V̂ = K̂ (fp8 K and V of one static scale) or with
-    an nvfp4 V̂ section (a static power-of-two V scale, K̂ fp8 or nvfp4 of a static
-    scale); q none or quantized (q̂ float16), P none, fp8 or nvfp4."""
+    why not: a float16 shadow's K̂ with V̂ = K̂ (fp8 K and V of one static scale; P none
+    or fp8) or with an nvfp4 V̂ section (a static power-of-two V scale, K̂ fp8 or nvfp4 of
+    a static scale; P none, fp8 or nvfp4); q none or quantized (q̂ float16)."""
     if isinstance(taken, str):
         return taken
     if not taken.shadow_f16:
@@ -293,6 +293,9 @@ def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
         return ("the warp-specialized Gluon kernel reads a V̂ section for nvfp4 V under a "
                 "static power-of-two scale with a static K scale only (fp8 V̂ sections, "
                 "dynamic K and exact V scales: not built)")  # fmt: skip
+    if not taken.v_sep and taken.p_fmt not in (0, 1):
+        return ("the warp-specialized Gluon kernel quantizes P to fp8 only with V̂ = K̂ "
+                "(nvfp4 P: with an nvfp4 V̂ section)")  # fmt: skip
     return taken
 
 
