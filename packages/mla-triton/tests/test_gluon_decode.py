@@ -326,7 +326,7 @@ def test_decode_impl_refused_before_any_launch() -> None:
         with pytest.raises(ValueError, match=r"^config: a GluonDecodeConfig"):
             decode(q, cache, table, seq, softmax_scale=SCALE, impl="triton",
                    config=GluonDecodeConfig(64, 2))  # fmt: skip
-        with pytest.raises(ValueError, match=r"^config: expected None, DecodeConfig or Gluon"):
+        with pytest.raises(ValueError, match=r"^config: expected None, DecodeConfig, GluonDecode"):
             decode(q, cache, table, seq, softmax_scale=SCALE, config="bn64")  # type: ignore[arg-type]
     assert not keys
     with record_keys() as keys:

@@ -29,7 +29,7 @@ from mla_triton.qdq_device import FORMAT_CODES
 
 if TYPE_CHECKING:
     from mla_triton.gluon_decode import GluonDecodeConfig
-    from mla_triton.gluon_decode_ws import WsConfig
+    from mla_triton.gluon_decode_ws import WsConfig, WsRoute
 
 __all__ = [
     "DecodeConfig",
@@ -752,36 +752,35 @@ def _dispatch(
     kv_lora_rank: int,
     impl: str,
     config: object,
-    families: tuple[SplitFamily, Callable[[GluonDecodeConfig], SplitFamily]] | None = None,
+    families: tuple[SplitFamily, Callable[[GluonDecodeConfig], SplitFamily], WsRoute] | None = None,
     rule: Callable[..., Any] | None = None,
 ) -> tuple[SplitFamily, object]:
     """``decode``'s split family and the config for ``run_decode`` (``impl`` checked):
     the Gluon family where ``gluon_decode.choose_impl`` picks it (without a
-    ``GluonDecodeConfig``, for ``decode``: the warp-specialized one where
-    ``gluon_decode_ws.ws_dispatched`` holds), else on-read Triton. For ``decode``, a
-    ``WsConfig`` selects the warp-specialized family (``gluon_decode_ws.ws_config_family``:
-    its refusals).
+    ``GluonDecodeConfig``: the warp-specialized one where its route's ``default`` gives
+    one), else on-read Triton; a ``WsConfig`` goes to its route's ``configured`` (its
+    refusals).
 
-    ``decode_shadow`` passes its own ``families`` (the Triton one, and the Gluon one of
-    a config), its ``rule`` (``choose_impl``'s) and as ``kv_cache`` the tiles the Gluon
-    kernel reads (the facts' strides and widths)."""
+    ``families``: the Triton family, the Gluon one of a config and the warp-specialized
+    route (``gluon_decode_ws.WsRoute``); None: ``decode``'s (on read, ``gluon_family``,
+    ``gluon_decode_ws.DECODE_ROUTE``). ``decode_shadow`` passes its own, its ``rule``
+    (``choose_impl``'s) and as ``kv_cache`` the tiles the Gluon kernel reads (the facts'
+    strides and widths)."""
     from mla_triton import gluon_decode as gluon
+    from mla_triton import gluon_decode_ws as ws
 
-    triton, make = families if families is not None else (_ON_READ, gluon.gluon_family)
+    triton, make, route = families or (_ON_READ, gluon.gluon_family, ws.DECODE_ROUTE)
 
+    if isinstance(config, ws.WsConfig):
+        return route.configured(config, gluon.gluon_facts(c.q_nope, kv_cache, quant,
+                                                          kv_lora_rank), impl), None  # fmt: skip
     if isinstance(config, gluon.GluonDecodeConfig):
         if impl == "triton":
             raise ValueError("config: a GluonDecodeConfig configures impl='gluon', not 'triton'")
         impl = "gluon"
     elif config is not None and not isinstance(config, DecodeConfig):
-        from mla_triton import gluon_decode_ws as ws
-
-        if families is None and isinstance(config, ws.WsConfig):
-            facts = gluon.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
-            return ws.ws_config_family(config, facts, impl), None
-        also = "" if families is not None else " (decode: or WsConfig)"
         raise ValueError(
-            f"config: expected None, DecodeConfig or GluonDecodeConfig{also}, "
+            "config: expected None, DecodeConfig, GluonDecodeConfig or WsConfig, "
             f"got {type(config).__name__}"
         )
     elif config is not None:
@@ -791,14 +790,9 @@ def _dispatch(
     facts = gluon.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
     if gluon.choose_impl(impl, facts, rule or gluon.gluon_unsupported) == "triton":
         return triton, None
-    gcfg = config if isinstance(config, gluon.GluonDecodeConfig) else None
-    if families is None and gcfg is None:
-        # decode's default Gluon kernel: the warp-specialized one where it is switched on
-        from mla_triton import gluon_decode_ws as ws
-
-        if ws.ws_dispatched(facts):
-            return ws.ws_family(ws.VARIANTS[0]), None
-    return make(gcfg or gluon.gluon_decode_config(c.heads)), None
+    if isinstance(config, gluon.GluonDecodeConfig):
+        return make(config), None
+    return route.default(facts) or make(gluon.gluon_decode_config(c.heads)), None
 
 
 class SplitFamily:

@@ -26,6 +26,7 @@ interpreter): the CPU test and the GPU script's report use it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,10 +34,11 @@ import torch
 
 from mla_formats import AttentionQuant
 from mla_triton import gluon_decode as gd
-from mla_triton.decode import DecodeConfig, _OnRead, _Operands
+from mla_triton.decode import DecodeConfig, _OnRead, _Operands, _scales
 from mla_triton.gluon_decode import GluonRecipe
 
 __all__ = [
+    "DECODE_ROUTE",
     "FP8_SHADOW",
     "NVFP4_CONFIG",
     "NVFP4_SHADOW",
@@ -46,6 +48,7 @@ __all__ = [
     "WS_SHADOW_NVFP4_AUTO",
     "WsConfig",
     "WsFamily",
+    "WsRoute",
     "WsShadowFamily",
     "compile_ws",
     "tma_descriptor",
@@ -57,6 +60,7 @@ __all__ = [
     "ws_shadow_default",
     "ws_shadow_dispatched",
     "ws_shadow_kind",
+    "ws_shadow_route",
 ]
 
 
@@ -205,10 +209,9 @@ class WsShadowFamily(WsFamily):
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: _Operands) -> dict[str, Any]:
         po, vo = ops[3], ops[2]
-        scales = (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs)) if po.code else None
-        extra: dict[str, Any] = {"p_hat_scales": scales}
+        extra: dict[str, Any] = {"p_hat_scales": _scales(po.gs) if po.code else None}
         if self.sections is not None:
-            extra |= {"V_SEP": True, "v_tail_scales": (vo.gs, 1.0 / vo.gs, 1.0 / (6.0 * vo.gs))}
+            extra |= {"V_SEP": True, "v_tail_scales": _scales(vo.gs)}
         return super().extra_args(self.tiles, cfg, ops) | extra
 
     def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
@@ -389,6 +392,48 @@ def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFam
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
                          f"{why.reason}")  # fmt: skip
     return ws_family(config)
+
+
+@dataclass(frozen=True)
+class WsRoute:
+    """How a decode op reaches this kernel through ``decode._dispatch``.
+
+    Attributes:
+        configured: the family for a given ``WsConfig`` (``config, facts, impl``), or a
+            ValueError before any launch.
+        default: where the dispatch picked the Gluon kernel without a config (``facts``),
+            this kernel's family while its switch is on, else None (``gluon_decode``'s).
+    """
+
+    configured: Callable[[WsConfig, gd.GluonFacts, str], WsFamily]
+    default: Callable[[gd.GluonFacts], WsFamily | None]
+
+
+def _decode_default(facts: gd.GluonFacts) -> WsFamily | None:
+    return ws_family(VARIANTS[0]) if ws_dispatched(facts) else None
+
+
+DECODE_ROUTE = WsRoute(ws_config_family, _decode_default)
+"""``decode``'s route: recipe none, ``WS_AUTO``."""
+
+
+def ws_shadow_route(
+    taken: GluonRecipe | str, tiles: torch.Tensor, sections: Sections | None
+) -> WsRoute:
+    """``decode_shadow``'s route for one call (``taken``: ``shadow.gluon_shadow_recipe``'s,
+    ``tiles`` the K̂ tiles, ``sections`` a V̂ section's pointers and strides or None):
+    ``ws_shadow_config_family``, and ``WS_SHADOW_AUTO`` (``ws_shadow_dispatched``)."""
+
+    def configured(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFamily:
+        return ws_shadow_config_family(config, facts, impl, taken, tiles, sections)
+
+    def default(facts: gd.GluonFacts) -> WsFamily | None:
+        del facts  # the shadow's recipe decides (taken)
+        if isinstance(taken, GluonRecipe) and ws_shadow_dispatched(taken):
+            return ws_shadow_family(ws_shadow_default(taken), tiles, sections)
+        return None
+
+    return WsRoute(configured, default)
 
 
 def compile_ws(

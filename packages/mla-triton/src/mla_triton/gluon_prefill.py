@@ -249,8 +249,9 @@ class _Gluon(PrefillFamily):
         )  # fmt: skip
         grid = (triton.cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)
         if config.persistent:  # one program an SM (one fits: the ring fills shared memory)
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            launch: tuple[int, ...] = (min(grid[0] * grid[1] * grid[2], sms),)
+            from mla_triton.decode import _sm_count
+
+            launch: tuple[int, ...] = (min(grid[0] * grid[1] * grid[2], _sm_count(q.device)),)
         else:
             launch = grid
         gluon_prefill_kernel[launch](

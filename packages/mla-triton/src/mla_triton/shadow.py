@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from mla_formats import AttentionQuant, OperandQuant
-from mla_triton import gluon_decode as gd
 from mla_triton import gluon_decode_ws as ws
 from mla_triton.decode import (
     DecodeConfig,
@@ -680,22 +679,11 @@ def decode_shadow(
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
     tiles, gluon = _gluon_tiles(qq, lay, c.q_nope.dtype, cache, (kh, ks, vh), config)
-    family: SplitFamily
-    cfg: object = None
-    if isinstance(config, ws.WsConfig):  # the warp-specialized kernel, V̂ = K̂ (refusals)
-        facts = gd.gluon_facts(c.q_nope, tiles, qq, kv_lora_rank)
-        taken = gluon_shadow_recipe(qq, lay, c.q_nope.dtype)
-        sections = _v_sections(tiles, cache, (kh, ks, vh)) if vh is not None else None
-        family = ws.ws_shadow_config_family(config, facts, chosen, taken, tiles, sections)
-    else:
-        families = (_ShadowFamily(lay, (kh, ks, vh)), gluon)
-        rule = partial(gluon_shadow_unsupported, layout=lay)
-        family, cfg = _dispatch(c, tiles, qq, kv_lora_rank, chosen, config, families, rule)
-        if config is None and isinstance(family, _GluonShadowFamily):
-            taken = gluon_shadow_recipe(qq, lay, c.q_nope.dtype)
-            if isinstance(taken, GluonRecipe) and ws.ws_shadow_dispatched(taken):
-                sections = _v_sections(tiles, cache, (kh, ks, vh)) if vh is not None else None
-                family = ws.ws_shadow_family(ws.ws_shadow_default(taken), tiles, sections)
+    sections = _v_sections(tiles, cache, (kh, ks, vh)) if vh is not None else None
+    route = ws.ws_shadow_route(gluon_shadow_recipe(qq, lay, c.q_nope.dtype), tiles, sections)
+    families = (_ShadowFamily(lay, (kh, ks, vh)), gluon, route)
+    rule = partial(gluon_shadow_unsupported, layout=lay)
+    family, cfg = _dispatch(c, tiles, qq, kv_lora_rank, chosen, config, families, rule)
     return run_decode(
         c, cache, block_table, seq_lens, qq, family, out=out, lse=lse, num_splits=num_splits,
         workspace=workspace, max_seq_len=max_seq_len, check_values=check_values, config=cfg,
@@ -715,19 +703,18 @@ def _verified_kind(recipe: GluonRecipe) -> GluonRecipe:
     return replace(recipe, k_gs=1.0, v_gs=1.0, p_gs=1.0)
 
 
-# a V̂ section: nvfp4 Q/K/P/V, power-of-two static scales, the open V block
-_NVFP4_SECTION = GluonRecipe(q_scaled=True, p_fmt=2, shadow_f16=True, k_fmt=2, v_sep=True,
-                             v_f16=True, v_tail=True, q_fmt=2, v_fmt=2)  # fmt: skip
 _GPU_VERIFIED = frozenset(
     {
         # V̂ = K̂: fp8 Q/K/P/V under one static scale (any: scale 1 and 3 ran)
-        GluonRecipe(q_scaled=True, p_fmt=1, shadow_f16=True, k_fmt=1, q_fmt=1, v_fmt=1),
-        _NVFP4_SECTION,
+        ws.FP8_SHADOW,
+        # a V̂ section: nvfp4 Q/K/P/V, power-of-two static scales, the open V block
+        ws.NVFP4_SHADOW,
         # a V̂ section: fp8 q, each token's dynamic nvfp4 K scale, fp8 V̂ (no open block),
         # nvfp4 P (kdyn-nvfp4-vfp8-fp16 at 16 and 128 heads, results/gpu-suites-flips)
-        replace(_NVFP4_SECTION, v_tail=False, k_dyn=True, q_fmt=1, v_fmt=1),
+        replace(ws.NVFP4_SHADOW, v_tail=False, k_dyn=True, q_fmt=1, v_fmt=1),
     }
 )
+"""The Gluon shadow variants (recipes without global scales) that passed on an H200."""
 
 
 def gluon_shadow_verified(recipe: GluonRecipe) -> bool:
