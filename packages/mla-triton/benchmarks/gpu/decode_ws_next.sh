@@ -68,32 +68,28 @@ wait $p_nv; rc_nv=$?
 for f in 2-compare 2-compare-fp8-shadow 2-compare-nvfp4-shadow; do
   echo "$f: ($(( $(date +%s) - start )) s) $(grep -c ' ok$' "$OUT/$f.txt") rows ok"; grep -E "FAIL|Error|missing" "$OUT/$f.txt" | head -6; tail -1 "$OUT/$f.txt"
 done
-# 3. timing, one process with FlashMLA: the default, the new variants, gluon, FlashMLA at
-#    b128 h128 L8192 and b32 h128 L32768 (page 64; compiled keys from step 1's cache)
-if [ $rc -eq 0 ]; then
-  timeout -k 2 55 python3 $B --plan bench --variants "ws-r232-p40-tile,$NEW" --warmup-ms 50 \
-    --rep-ms 200 "$OUT" > "$OUT/3-bench.txt" 2>&1
-  echo "bench: rc=$? ($(( $(date +%s) - start )) s)"; grep -E "TFLOP/s|Error|error" "$OUT/3-bench.txt" | head -16
-else
-  echo "SKIP timing (none): rc=$rc, every variant failed or the compare did not finish"
-fi
-# 4. the fp8 shadow timed: the ws default and TMA + S early through decode_shadow, gluon's
-#    shadow kernel (what decode_shadow(impl="gluon") runs today), FlashMLA bf16 on the raw
-#    cache, same shapes (the shadow filled by update_cache over every slot)
-if [ $rc_shadow -eq 0 ]; then
-  timeout -k 2 45 python3 $B --plan bench --recipe fp8-shadow --variants "$SHADOW_TIMED" \
-    --warmup-ms 50 --rep-ms 200 "$OUT" > "$OUT/4-bench-fp8-shadow.txt" 2>&1
-  echo "bench fp8 shadow: rc=$? ($(( $(date +%s) - start )) s)"; grep -E "TFLOP/s|Error|error" "$OUT/4-bench-fp8-shadow.txt" | head -12
-else
-  echo "SKIP timing (fp8 shadow): rc=$rc_shadow, every variant failed or the compare did not finish"
-fi
-# 5. the nvfp4 shadow timed: NVFP4_CONFIG and with S early, gluon_decode's SEPARATE_V_CONFIG
-#    (decode_shadow(impl="gluon") today: 258 TFLOP/s, 0.48-0.50x), FlashMLA bf16, same shapes
-if [ $rc_nv -eq 0 ]; then
-  timeout -k 2 40 python3 $B --plan bench --recipe nvfp4-shadow --variants "$NV" \
-    --warmup-ms 50 --rep-ms 200 "$OUT" > "$OUT/5-bench-nvfp4-shadow.txt" 2>&1
-  echo "bench nvfp4 shadow: rc=$? ($(( $(date +%s) - start )) s)"; grep -E "TFLOP/s|Error|error" "$OUT/5-bench-nvfp4-shadow.txt" | head -12
-else
-  echo "SKIP timing (nvfp4 shadow): rc=$rc_nv, every variant failed or the compare did not finish"
-fi
+# bench NAME RC TIMEOUT FILE ARGS...: one timing step of benchmarks/gluon_decode_ws.py
+# --plan bench (one process with FlashMLA bf16, b128 h128 L8192 and b32 h128 L32768,
+# page 64; compiled keys from step 1's cache) into $OUT/FILE, skipped where its
+# correctness step RC failed
+bench() {
+  local name=$1 rc=$2 limit=$3 file=$4; shift 4
+  if [ "$rc" -ne 0 ]; then
+    echo "SKIP timing ($name): rc=$rc, every variant failed or the compare did not finish"
+    return
+  fi
+  timeout -k 2 "$limit" python3 $B --plan bench "$@" --warmup-ms 50 --rep-ms 200 "$OUT" \
+    > "$OUT/$file" 2>&1
+  echo "bench $name: rc=$? ($(( $(date +%s) - start )) s)"
+  grep -E "TFLOP/s|Error|error" "$OUT/$file" | head -16
+}
+# 3. recipe none: the default, the new variants, gluon_decode's kernel, FlashMLA
+bench none $rc 55 3-bench.txt --variants "ws-r232-p40-tile,$NEW"
+# 4. the fp8 shadow: the ws default and TMA + S early through decode_shadow, gluon's shadow
+#    kernel (what decode_shadow(impl="gluon") runs today), FlashMLA on the raw cache (the
+#    shadow filled by update_cache over every slot)
+bench "fp8 shadow" $rc_shadow 45 4-bench-fp8-shadow.txt --recipe fp8-shadow --variants "$SHADOW_TIMED"
+# 5. the nvfp4 shadow: NVFP4_CONFIG and with S early, gluon_decode's SEPARATE_V_CONFIG
+#    (decode_shadow(impl="gluon") today: 258 TFLOP/s, 0.48-0.50x), FlashMLA
+bench "nvfp4 shadow" $rc_nv 40 5-bench-nvfp4-shadow.txt --recipe nvfp4-shadow --variants "$NV"
 echo "total $(( $(date +%s) - start )) s"
