@@ -35,7 +35,7 @@ oracle with the recipe; the bounds are the quantized ones (``_verdict``); files
 ``out-fp8-shadow-NAME.pt``, ``ws-check-fp8-shadow.json``, ``ws-bench-fp8-shadow.json``.
 ``--recipe nvfp4-shadow``: the same on nvfp4 Q/K/P/V (the shadow's V̂ section, the open
 V block in the kernel): the ws configurations ``NV_CONFIGS`` (``NVFP4_CONFIG``, and with S
-issued early: bit for bit against it), ``gluon`` is ``gluon_decode``'s
+issued early or TMA loads: bit for bit against it), ``gluon`` is ``gluon_decode``'s
 ``SEPARATE_V_CONFIG``; files ``*-nvfp4-shadow*``.
 """
 
@@ -63,7 +63,7 @@ from mla_triton import decode_shadow
 from mla_triton.decode import decode, decode_num_splits
 from mla_triton.gluon_decode import SEPARATE_V_CONFIG
 from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
-from mla_triton.gluon_decode_ws import NVFP4_CONFIG, VARIANTS, twin
+from mla_triton.gluon_decode_ws import NVFP4_CONFIG, NVFP4_TMA_CONFIG, VARIANTS, twin
 
 SCALE = 576**-0.5
 SKIP = {n for n in os.environ.get("WS_SKIP", "").split(",") if n}
@@ -82,9 +82,11 @@ PAGE_CHECKS = [
 ]
 """The ``outputs`` / ``compare`` plans' cases beyond ``CHECKS`` (two more keys)."""
 BENCH_SHAPES = ("b128-h128-L8192", "b32-h128-L32768")
-NV_CONFIGS = {c.name: c for c in (NVFP4_CONFIG, replace(NVFP4_CONFIG, early_s=True))}
+NV_CONFIGS = {c.name: c for c in (NVFP4_CONFIG, replace(NVFP4_CONFIG, early_s=True),
+                                   NVFP4_TMA_CONFIG)}  # fmt: skip
 """The ws configurations a V̂ section runs (``--recipe nvfp4-shadow``): 32-token tiles, two
-slots, cp.async; ``twin`` of the second is the first."""
+slots, cp.async, and with TMA loads (``NVFP4_TMA_CONFIG``; page 16: cp.async); ``twin`` of
+the second and the third is the first."""
 BY_NAME = {c.name: c for c in VARIANTS} | NV_CONFIGS
 TWINS = {t.name: t for c in VARIANTS if (t := twin(c)) is not None and t.name not in BY_NAME}
 """The ``twin`` configurations outside ``VARIANTS`` (``outputs --variants`` takes them: the

@@ -41,6 +41,7 @@ from mla_triton.gluon_decode_ws import (
     FP8_SHADOW,
     NVFP4_CONFIG,
     NVFP4_SHADOW,
+    NVFP4_TMA_CONFIG,
     VARIANTS,
     WsConfig,
     WsFamily,
@@ -56,7 +57,7 @@ COMPILED = (VARIANTS[0], *VARIANTS[3:])
 chunked ones, ``[1:3]``: compiled by the GPU script's check; each compile is 3 to 5 s)."""
 UNQ = GluonRecipe()
 COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [
-    (VARIANTS[0], FP8_SHADOW), (NVFP4_CONFIG, NVFP4_SHADOW),
+    (VARIANTS[0], FP8_SHADOW), (NVFP4_CONFIG, NVFP4_SHADOW), (NVFP4_TMA_CONFIG, NVFP4_SHADOW),
 ]  # fmt: skip
 """``(config, recipe)``: recipe none for every compiled variant, fp8 Q/K/P/V through the
 float16 shadow (V̂ = K̂) for the default (what ``decode_shadow(config=WsConfig())`` runs),
@@ -94,8 +95,9 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     warpgroup's own tile (16 ``cvt.rn.satfinite.e4m3x2`` a copy: 32 scores a thread),
     q̂'s global scales loaded once a warpgroup; recipe none converts nothing to E4M3. The
     nvfp4 shadow (32-token tiles, two slots): a V̂ ring beside the K̂ ring (212992 bytes
-    with q̂), its rows copied by the producer, P̂'s and the open V block's E4M3 block
-    scales (102 conversions, Triton 3.8)."""
+    with q̂), its rows copied by the producer (``NVFP4_TMA_CONFIG``: K̂'s nine boxes and
+    V̂'s eight, each on an expect-tx barrier of its own), P̂'s and the open V block's E4M3
+    block scales (102 conversions, Triton 3.8)."""
     assert not cfg.chunked
     c = compile_ws(cfg, num_splits=2, recipe=recipe)
     assert c.num_warps == 12  # the default partition and two workers of four warps
@@ -128,7 +130,10 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     boxes = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.mbarrier", c.ptx)
     expects = re.findall(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (\d+);",
                          c.ptx)  # fmt: skip
-    if cfg.tma:  # 8 kv_c boxes and k_pe's, the tile's bytes expected on one barrier
+    if cfg.tma and recipe.v_sep:  # K̂'s nine boxes on one barrier, then V̂'s eight on another
+        assert len(boxes) == 17 and not cp_async
+        assert expects == [str(9 * cfg.block_n * 128), str(8 * cfg.block_n * 128)], expects
+    elif cfg.tma:  # 8 kv_c boxes and k_pe's, the tile's bytes expected on one barrier
         assert len(boxes) == 9 and not cp_async
         assert expects == [str(9 * cfg.block_n * 64 * 2)], expects
     else:
@@ -469,6 +474,23 @@ def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [(n, _plain(a), g) for n, a, g in _launched(call())] == [
         (n, _plain(a), g) for n, a, g in launched
     ]
+    # NVFP4_TMA_CONFIG: a descriptor of the K̂ view and one of the V̂ section, each over
+    # the shadow's own rows ([7 * 64, width], its row stride), 32-token boxes; all else as
+    # NVFP4_CONFIG's launch
+    tma_args = _launched(call(config=NVFP4_TMA_CONFIG))[1][1]
+    kd, vd = tma_args["kv_desc"]
+    assert tma_args["TMA"] and (kd.base, vd.base) == tma_args["split"][1][:2]
+    assert (kd.base.data_ptr(), vd.base.data_ptr()) == (kh.data_ptr(), vh.data_ptr())
+    for d, view in ((kd, kh), (vd, vh)):
+        assert (list(d.shape), list(d.strides), list(d.block_shape)) == (
+            [7 * 64, view.shape[2]], [view.stride(1), 1], [32, 64],
+        )  # fmt: skip
+    assert vh.data_ptr() + (7 * 64 - 1) * vh.stride(1) * 2 + 1024 <= (
+        shadow.data_ptr() + shadow.numel()
+    )  # the V̂ descriptor's last row ends inside the shadow
+    assert {k: v for k, v in _plain(tma_args).items() if k not in ("TMA", "kv_desc")} == {
+        k: v for k, v in _plain(args).items() if k not in ("TMA", "kv_desc")
+    }
 
 
 @pytest.mark.usefixtures("as_sm90")
@@ -477,7 +499,7 @@ def test_shadow_refusals() -> None:
     section with an exact V scale or a dynamic K, the packed storage, K and V none, nvfp4
     P with V̂ = K̂, bf16 q not quantized beside K̂) is a ValueError naming ``quant``;
     ``impl="triton"``, and an nvfp4 V̂ section with another ring than ``NVFP4_CONFIG``'s or
-    TMA, name ``config``; nothing launches. ``compile_ws`` refuses such a recipe naming
+    chunked TMA, name ``config``; nothing launches. ``compile_ws`` refuses such a recipe naming
     ``recipe``."""
     from test_shadow import RECIPES as TEST_SHADOW_RECIPES
 
@@ -516,7 +538,7 @@ def test_shadow_refusals() -> None:
                           config=WsConfig(), impl="triton")  # fmt: skip
         # nvfp4 (a V̂ section): NVFP4_CONFIG's ring only, cp.async loads
         shadow = allocate_shadow(7, 64, nvfp4)
-        for cfg in (WsConfig(), replace(NVFP4_CONFIG, tma=True), VARIANTS[5]):
+        for cfg in (WsConfig(), replace(NVFP4_TMA_CONFIG, chunked=True), VARIANTS[5]):
             with pytest.raises(ValueError, match=r"^config: a V̂ section .*block_n=32, stages=2"):
                 decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, quant=nvfp4,
                               config=cfg)  # fmt: skip
@@ -819,9 +841,11 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
 
 
 @gpu
-@pytest.mark.parametrize(("config", "nvfp4"), [(VARIANTS[0], False), (VARIANTS[3], False),
-                                               (NVFP4_CONFIG, True)],
-                         ids=[VARIANTS[0].name, VARIANTS[3].name, "nvfp4"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "nvfp4"),
+    [(VARIANTS[0], False), (VARIANTS[3], False), (NVFP4_CONFIG, True), (NVFP4_TMA_CONFIG, True)],
+    ids=[VARIANTS[0].name, VARIANTS[3].name, "nvfp4", "nvfp4-tma"],
+)
 def test_shadow_nan_rule_as_gluon(
     config: WsConfig, nvfp4: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

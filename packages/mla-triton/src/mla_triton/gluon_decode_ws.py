@@ -11,8 +11,9 @@ sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
 recipe none while ``WS_AUTO`` is True (the shipped value).
 
 ``mla_triton.decode_shadow(..., config=WsConfig(...))`` runs it on a float16 shadow with
-V̂ = K̂ (fp8 K and V of one static scale) or with an nvfp4 V̂ section (``NVFP4_CONFIG``
-only: a V̂ ring beside the K̂ ring, the open V block quantized in the kernel); q none or
+V̂ = K̂ (fp8 K and V of one static scale) or with an nvfp4 V̂ section (``NVFP4_CONFIG``'s
+ring, ``cp.async`` or TMA: a V̂ ring beside the K̂ ring, the open V block quantized in the
+kernel); q none or
 quantized, P none, fp8 or nvfp4 (``ws_shadow_kind``) through ``WsShadowFamily`` (the
 shadow's K̂ view as the cache, q̂ from ``decode_q_kernel``, P̂ in registers);
 ``decode_shadow`` without a config, where it picked the Gluon kernel, runs it while
@@ -42,6 +43,7 @@ __all__ = [
     "FP8_SHADOW",
     "NVFP4_CONFIG",
     "NVFP4_SHADOW",
+    "NVFP4_TMA_CONFIG",
     "VARIANTS",
     "WS_AUTO",
     "WS_SHADOW_AUTO",
@@ -194,7 +196,9 @@ class WsShadowFamily(WsFamily):
     ``gs_p gs_v`` on the output (``decode.split_kernel_args``). V̂ = K̂'s first 512
     features, or with ``sections`` (nvfp4 V: ``shadow._v_sections``' ``(K̂, V̂, raw rows,
     K scales)`` and their strides) the V̂ section in a ring of its own (``V_SEP``), the
-    open 16-token V block quantized from the raw rows under ``v_tail_scales``."""
+    open 16-token V block quantized from the raw rows under ``v_tail_scales``; with
+    ``config.tma`` the K̂ view's and the V̂ section's descriptors (``kv_desc``, a pair)
+    where both views allow one, else ``cp.async``."""
 
     def __init__(
         self, config: WsConfig, tiles: torch.Tensor,
@@ -212,7 +216,12 @@ class WsShadowFamily(WsFamily):
         extra: dict[str, Any] = {"p_hat_scales": _scales(po.gs) if po.code else None}
         if self.sections is not None:
             extra |= {"V_SEP": True, "v_tail_scales": _scales(vo.gs)}
-        return super().extra_args(self.tiles, cfg, ops) | extra
+        args = super().extra_args(self.tiles, cfg, ops) | extra
+        if self.sections is not None and args["TMA"]:  # the V̂ section's descriptor too
+            v_desc = tma_descriptor(self.sections[0][1], self.config.block_n)
+            args["kv_desc"] = None if v_desc is None else (args["kv_desc"], v_desc)
+            args["TMA"] = v_desc is not None
+        return args
 
     def cache_args(self, cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
         if self.sections is not None:
@@ -268,6 +277,11 @@ in the kernel; power-of-two global scales, here 1): ``compile_ws(recipe=...)``'s
 NVFP4_CONFIG = WsConfig(block_n=32, stages=2)
 """The ring a V̂ section runs with (``ws-r232-p40-tile-n32s2``): q̂ 73728 bytes and two
 slots of a 32-token K̂ tile (36864) and V̂ tile (32768), 212992 bytes of 232448."""
+
+NVFP4_TMA_CONFIG = replace(NVFP4_CONFIG, tma=True)
+"""``NVFP4_CONFIG`` with TMA loads (``ws-r232-p40-tile-tma-n32s2``: K̂ and V̂ tiles by
+their own descriptors, two expect-tx barriers a slot; pages multiples of 32, else
+``cp.async``); compiled for sm_90a, not yet timed, not a default. ``twin``: ``NVFP4_CONFIG``."""
 
 WS_SHADOW_AUTO = False
 """Whether ``decode_shadow`` (``impl="auto"`` and ``"gluon"``, no config), where it picked
@@ -338,7 +352,7 @@ def ws_shadow_config_family(
     tiles, ``impl`` checked, ``taken``: ``shadow.gluon_shadow_recipe``'s, ``sections``: a
     V̂ section's pointers and strides). Raises ValueError before any launch: ``config``
     under ``impl="triton"``, or a V̂ section with another ring than ``NVFP4_CONFIG``'s
-    (32-token tiles, two slots: shared memory) or TMA; ``quant`` for a recipe
+    (32-token tiles, two slots: shared memory) or TMA with ``chunked``; ``quant`` for a recipe
     ``ws_shadow_kind`` refuses, ``impl`` where the Gluon kernels cannot run (the platform,
     the widths, strides not multiples of 8 elements)."""
     if impl == "triton":
@@ -346,11 +360,12 @@ def ws_shadow_config_family(
     kind = ws_shadow_kind(taken)
     if isinstance(kind, str):
         raise ValueError(f"quant: {kind}")
-    if kind.v_sep and ((config.block_n, config.stages) != (32, 2) or config.tma):
+    ring = (config.block_n, config.stages)
+    if kind.v_sep and (ring != (32, 2) or (config.tma and config.chunked)):
         raise ValueError(
             f"config: a V̂ section runs the warp-specialized kernel with block_n=32, stages=2 "
-            f"and cp.async loads only (K̂ and V̂ rings: 212992 of 232448 bytes of shared "
-            f"memory), got {config.name}"
+            f"only (K̂ and V̂ rings: 212992 of 232448 bytes of shared memory), TMA with "
+            f"whole-tile barriers only, got {config.name}"
         )
     if kind.v_sep and sections is None:
         raise ValueError("quant: a V̂ section's recipe, but the shadow has no V̂ section")
@@ -477,7 +492,9 @@ def compile_ws(
     tma = config.tma and page % config.block_n == 0
     block = [config.block_n, 64]
     layout = _box_layout(block, torch.bfloat16 if tile == "bf16" else torch.float16)
-    desc = f"tensordesc<{tile}[{block[0]},{block[1]}],{layout!r}>"
+    desc: Any = f"tensordesc<{tile}[{block[0]},{block[1]}],{layout!r}>"
+    if recipe.v_sep:  # K̂ and the V̂ section (float16), the same boxes
+        desc = (desc, f"tensordesc<fp16[{block[0]},{block[1]}],{layout!r}>")
     p_hat = ("fp32", "fp32", "fp32") if recipe.p_fmt else "constexpr"
     v_tail = ("fp32", "fp32", "fp32") if recipe.v_sep else "constexpr"
     scalars = {"out_scale": "fp32", "kv_desc": desc if tma else "constexpr", "p_hat_scales": p_hat,

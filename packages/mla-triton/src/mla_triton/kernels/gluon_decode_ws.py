@@ -163,7 +163,8 @@ def _producer(
 @gluon.jit
 def _producer_tma(
     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc, bt_row, lo, n_tiles, stride_bt_p,
-    num_blocks, D1: gl.constexpr, PAGE: gl.constexpr, CHUNKED: gl.constexpr,
+    num_blocks, D1: gl.constexpr, PAGE: gl.constexpr, CHUNKED: gl.constexpr, vsec=0,
+    V_SEP: gl.constexpr = False,
 ):  # fmt: skip
     """TMA variant of ``_producer`` (a page holds whole tiles: one block-table entry a
     tile): tile ``t`` is nine ``[BLOCK_N, 64]`` boxes of ``kv_desc`` (the cache as its
@@ -172,7 +173,10 @@ def _producer_tma(
     each box on its chunk's barrier. Rows past ``hi`` are the page's real rows: the math
     warpgroup that owns the tile zeroes them (``_zero_tail``) before V is read. A page
     outside ``[0, num_blocks)`` is read as page 0 and flagged in ``bad_smem`` (every row
-    slot: the flag is the tile's); then ``done``."""
+    slot: the flag is the tile's); then ``done``. ``V_SEP`` (not ``CHUNKED``): ``vsec =
+    (vh_ring, v_desc)``, the tile's V̂ rows (eight boxes of the V̂ section's descriptor,
+    ``[num_blocks * PAGE, 512]``, the same row) into the V̂ slot on the slot's second
+    barrier (an expect-tx of their own, issued after K̂'s: S needs only K̂)."""
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
     BOX: gl.constexpr = kv_desc.block_type.nbytes
@@ -204,6 +208,14 @@ def _producer_tma(
                     kv_desc, [row, c * _CH], bar, kv_ring.index(s).slice(c * _CH, _CH, dim=1)
                 )
             tma.async_copy_global_to_shared(kv_desc, [row, D1], bar, kpe_ring.index(s))
+            if V_SEP:
+                vh_ring, v_desc = vsec
+                v_bar = landed.index(s * _NCH + 1)
+                mbarrier.expect(v_bar, (D1 // _CH) * v_desc.block_type.nbytes)
+                for c in gl.static_range(D1 // _CH):
+                    tma.async_copy_global_to_shared(
+                        v_desc, [row, c * _CH], v_bar, vh_ring.index(s).slice(c * _CH, _CH, dim=1)
+                    )
     bad_smem.store(gl.full([N], n_bad, gl.int32, gl.SliceLayout(1, _LD)))
     gl.barrier()
     mbarrier.arrive(done)
@@ -305,8 +317,9 @@ def _own_tile(
     with ``quant[1]``, the denominators summing the unquantized P; ``V_PAGE`` nonzero
     (``V_SEP``: the page size): P V reads the V̂ ring ``quant[2]``, into whose slot the
     sequence's open 16-token V block is quantized from the raw rows first, where
-    ``_zero_tail`` stands, by ``gluon_decode._tail_v`` with ``quant[3]``). Returns ``(acc,
-    l, m)``."""
+    ``_zero_tail`` stands, by ``gluon_decode._tail_v`` with ``quant[3]``; with ``TMA``
+    the V̂ tile's barrier is waited for there and its rows past the open block zeroed).
+    Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
@@ -368,7 +381,12 @@ def _own_tile(
         p16 = _p_hat(p, quant[1], QUANT[1]).to(dtype)
     else:
         p16 = p.to(dtype)
-    if TMA:  # noqa: SIM102  (static: the tail tile's rows past the split are real rows)
+    if TMA and QUANT[3] != 0:  # V_SEP: the V̂ tile (its own barrier), rows past its blocks
+        mbarrier.wait(landed.index(s * _NCH + 1), phase)
+        v_end = (hi + 15) // 16 * 16 - lo - t * N  # the open block (if any): _tail_v's
+        if v_end < N:
+            _zero_tail(v_ring.index(s), v_end)
+    elif TMA:  # noqa: SIM102  (static: the tail tile's rows past the split are real rows)
         if lo + t * N + N > hi:
             _zero_tail(kv_ring.index(s), hi - lo - t * N)
     if QUANT[3] != 0:  # V_SEP: the sequence's open nvfp4 V block, if in this tile
@@ -583,15 +601,17 @@ def gluon_decode_ws_kernel(
     ``out_scale = gs_p gs_v``. Recipe none: ``Q_SCALED`` False, ``K_FMT`` and ``P_FMT``
     0, the same code as before these arguments.
 
-    ``V_SEP`` (nvfp4 V through the shadow; ``cp.async``, pages multiples of 16):
+    ``V_SEP`` (nvfp4 V through the shadow; pages multiples of 16):
     ``split[1] = (k_ptr, v_ptr, raw_ptr, ks_ptr)`` with four (page, row) stride pairs, as
     ``gluon_decode``'s ``V_SEP``: the producer copies each tile's V̂ rows (the section,
     zeros from the sequence's open 16-token block on) into a V̂ ring of its own (``[STAGES,
     BLOCK_N, 512]``, float16; ``BLOCK_N`` 32 and two slots fit: 212992 bytes with q̂),
     the tile's owner quantizes the open block from the raw rows into its slot after
     ``S_t`` (``v_tail_scales = (gs_v, 1 / gs_v, 1 / (6 gs_v))``, a power of two), and both
-    P V read the V̂ slot; ``P_FMT`` 2: P̂ nvfp4 in 16-token blocks. None and False
-    elsewhere (no code).
+    P V read the V̂ slot; ``P_FMT`` 2: P̂ nvfp4 in 16-token blocks. With ``TMA`` (whole
+    tiles): ``kv_desc = (K̂ descriptor, V̂ descriptor)``, the V̂ tile on the slot's second
+    barrier, its rows past the open block zeroed by the owner (``_zero_tail``) before
+    ``_tail_v``. None and False elsewhere (no code).
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     if V_SEP:  # (K̂ tiles, V̂ section, raw rows, K scales) and their (page, row) strides
@@ -617,8 +637,8 @@ def gluon_decode_ws_kernel(
     gl.static_assert(STAGES % 2 == 0, "STAGES: even (a slot's tiles are one warpgroup's)")
     gl.static_assert((not TMA) or (PAGE % N == 0), "TMA: a page holds whole tiles")
     gl.static_assert((P_FMT >= 0) and (P_FMT <= 2), "P_FMT: P none, fp8 or nvfp4")
-    gl.static_assert((not V_SEP) or ((not TMA) and (PAGE % 16 == 0)),
-                     "V_SEP: cp.async loads, pages of whole 16-token V blocks")  # fmt: skip
+    gl.static_assert((not V_SEP) or ((not (TMA and CHUNKED)) and (PAGE % 16 == 0)),
+                     "V_SEP: whole-tile loads, pages of whole 16-token V blocks")  # fmt: skip
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
 
     n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
@@ -674,14 +694,20 @@ def gluon_decode_ws_kernel(
         stride_lse_h, out_scale, quant,
     )  # fmt: skip
     if TMA:
+        if V_SEP:  # (K̂ tiles, V̂ section): a descriptor each, the same rows
+            k_desc, v_desc = kv_desc
+            vsec_tma = (vh_ring, v_desc)
+        else:
+            k_desc = kv_desc
+            vsec_tma = 0  # type: ignore[assignment]
         gl.warp_specialize(
             [
                 (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
                 (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
                 (_producer_tma, (
-                    kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc,
+                    kv_ring, kpe_ring, landed, free, done, bad_smem, k_desc,
                     bt_ptr + b * stride_bt_b, lo, n_tiles, stride_bt_p, num_blocks, D1, PAGE,
-                    CHUNKED,
+                    CHUNKED, vsec_tma, V_SEP,
                 )),
             ],
             [_WARPS, _WARPS],
