@@ -36,6 +36,7 @@ from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.decode import DecodeConfig
 from mla_triton.gluon_decode import (
     IMPLS,
+    ON_READ_BLOCKS_CONFIG,
     SEPARATE_V_CONFIG,
     UNQUANTIZED,
     VARIANTS,
@@ -78,6 +79,8 @@ COMPILED += [(SEPARATE_V_CONFIG, SHADOW_NVFP4), (SEPARATE_V_CONFIG, SHADOW_KDYN)
 ON_READ_NVFP4 = gluon_recipe(AttentionQuant.uniform("nvfp4"))
 assert isinstance(ON_READ_NVFP4, GluonRecipe) and ON_READ_NVFP4.v_own
 COMPILED += [(SEPARATE_V_CONFIG, ON_READ_NVFP4)]
+# the same with whole blocks a thread (V_OWN == 2, off by default): no shuffles in the QDQ
+COMPILED += [(ON_READ_BLOCKS_CONFIG, ON_READ_NVFP4)]
 
 
 def _label(recipe: GluonRecipe) -> str:
@@ -138,6 +141,8 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
         assert "wgmma.wait_group.sync.aligned 1;" in c.ptx
     assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
+    if recipe.v_own:  # V̂'s block maxima: 4 shuffles an element (287 in all), none whole-block
+        assert (c.ptx.count("shfl.sync") < 40) == config.v_blocks, c.ptx.count("shfl.sync")
     assert "ttng.warp_group_dot" in c.ttgir
     # ptxas: no spills, and no serialized wgmma (C7515: an accumulator written by other
     # instructions inside a wgmma pipeline stage, e.g. an async one across the loop's edge)
@@ -458,9 +463,16 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     assert a["split"][1][0] is cache and a["split"][0][0].dtype == torch.float16
     same = _launched(call("gluon", SEPARATE_V_CONFIG))[1][1]
     assert _plain(same) == _plain(a)
+    # whole blocks a thread: asked for by config only, V_OWN 2, everything else the same
+    vb = _launched(call("gluon", ON_READ_BLOCKS_CONFIG))[1][1]
+    assert vb["V_OWN"] == 2 and _plain(vb | {"V_OWN": True}) == _plain(a)
     want = r"^config: V quantized into its own tiles .*bn32-st2"
     with record_keys() as keys, pytest.raises(ValueError, match=want):
         call("gluon", VARIANTS[2])()
+    assert not keys
+    with record_keys() as keys, pytest.raises(ValueError, match=r"^config: bn32-st2-vb is for"):
+        decode(q, cache, table, seq, softmax_scale=SCALE, impl="gluon",
+               config=ON_READ_BLOCKS_CONFIG)  # fmt: skip
     assert not keys
 
 
@@ -725,6 +737,9 @@ def test_config_checks() -> None:
         GluonDecodeConfig(block_n=64, stages=5)
     with pytest.raises(ValueError, match=r"config\.overlap"):
         GluonDecodeConfig(block_n=32, stages=2, overlap=True)
+    with pytest.raises(ValueError, match=r"config\.v_blocks"):
+        GluonDecodeConfig(block_n=32, stages=4, v_blocks=True)
+    assert ON_READ_BLOCKS_CONFIG.name == "bn32-st2-vb"
 
 
 # ------------------------------------------------------------------------------ GPU

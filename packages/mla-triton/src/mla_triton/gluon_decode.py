@@ -29,6 +29,7 @@ from mla_triton.decode import DecodeConfig, _OnRead, _operand, _Operands
 __all__ = [
     "GLUON_ON_READ_AUTO",
     "IMPLS",
+    "ON_READ_BLOCKS_CONFIG",
     "SEPARATE_V_CONFIG",
     "UNQUANTIZED",
     "GluonDecodeConfig",
@@ -61,11 +62,15 @@ class GluonDecodeConfig:
         stages: shared-memory ring depth (2 to 4); ``stages - 1`` tiles are in flight.
         overlap: issue ``S`` of the next tile before the softmax of this one (needs
             ``stages >= 3``: two tiles resident while copies run ahead).
+        v_blocks: nvfp4 on read (``V_OWN``) with whole 16-element blocks a thread
+            (``V_OWN == 2``: no shuffles, the block scales once a block; the same bits).
+            Off by default; ``ON_READ_BLOCKS_CONFIG`` only, for a V̂-of-its-own recipe.
     """
 
     block_n: int
     stages: int
     overlap: bool = False
+    v_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
@@ -74,11 +79,14 @@ class GluonDecodeConfig:
             raise ValueError(f"config.stages: expected 2 to 4, got {self.stages}")
         if self.overlap and self.stages < 3:
             raise ValueError(f"config.overlap: needs stages >= 3, got {self.stages}")
+        if self.v_blocks and (self.block_n, self.stages, self.overlap) != (32, 2, False):
+            raise ValueError("config.v_blocks: the bn32-st2 tiling only (V̂ tiles of their own)")
 
     @property
     def name(self) -> str:
         """A short label: ``bn64-st2``, ``bn32-st4-ov``."""
-        return f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "")
+        return (f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "")
+                + ("-vb" if self.v_blocks else ""))  # fmt: skip
 
 
 VARIANTS: tuple[GluonDecodeConfig, ...] = (
@@ -92,6 +100,11 @@ SEPARATE_V_CONFIG = GluonDecodeConfig(block_n=32, stages=2)
 """The one tiling of ``decode_shadow`` with V̂ tiles of their own (``GluonRecipe.v_sep``):
 per stage a K̂ tile (36 KiB) and a V̂ tile (32 KiB) beside q (72 KiB); 64-token tiles or a
 third stage exceed the 227 KiB of a CTA."""
+
+ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, v_blocks=True)
+"""``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
+``decode(..., config=ON_READ_BLOCKS_CONFIG)`` for a V̂-of-its-own recipe (nvfp4 on read);
+not picked by the dispatch."""
 
 
 def gluon_decode_config(num_heads: int) -> GluonDecodeConfig:
@@ -419,12 +432,16 @@ class _GluonFamily(_OnRead):
 
         cfg = self.config
         if self.v_own(recipe):  # two tiles a stage: SEPARATE_V_CONFIG (or the default)
-            if cfg not in (VARIANTS[0], SEPARATE_V_CONFIG):
+            if cfg not in (VARIANTS[0], SEPARATE_V_CONFIG, ON_READ_BLOCKS_CONFIG):
                 raise ValueError(
                     f"config: V quantized into its own tiles runs the Gluon kernel as "
                     f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {cfg.name}"
                 )
-            cfg = SEPARATE_V_CONFIG
+            cfg = cfg if cfg.v_blocks else SEPARATE_V_CONFIG
+        elif cfg.v_blocks:
+            raise ValueError(
+                f"config: {cfg.name} is for V quantized into its own tiles (nvfp4 on read)"
+            )
         return DecodeConfig(block_h=BLOCK_H, block_n=cfg.block_n, num_warps=NUM_WARPS,
                             num_stages=cfg.stages)  # fmt: skip
 
@@ -439,7 +456,8 @@ class _GluonFamily(_OnRead):
         return {"k_inv_gs": 1.0 / ko.gs, "k_scales": (ko.gs, 1.0 / ko.gs, 1.0 / (6.0 * ko.gs)),
                 "K_EXACT": not ko.pow2, "STAGES": cfg.num_stages,
                 "OVERLAP": self.config.overlap and not own, "KV_FP8": self.v_shares_k(ops),
-                "V_SEP": False, "V_TAIL": False, "V_OWN": own}  # fmt: skip
+                "V_SEP": False, "V_TAIL": False,
+                "V_OWN": 2 if own and self.config.v_blocks else own}  # fmt: skip
 
 
 @functools.cache
@@ -513,7 +531,8 @@ def compile_variant(
         "SHAPE": (512, 64, page, BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
         "STAGES": config.stages, "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled,
         "K_FMT": k_fmt, "KV_FP8": recipe.kv_fp8, "V_SEP": recipe.v_sep,
-        "V_TAIL": recipe.v_tail, "V_EXACT": recipe.v_exact, "V_OWN": recipe.v_own,
+        "V_TAIL": recipe.v_tail, "V_EXACT": recipe.v_exact,
+        "V_OWN": 2 if recipe.v_own and config.v_blocks else recipe.v_own,
         "K_EXACT": recipe.k_exact, "V_FMT": recipe.v_fmt, "K_DYN": recipe.k_dyn,
         "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
     }  # fmt: skip

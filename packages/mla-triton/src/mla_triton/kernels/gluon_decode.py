@@ -61,6 +61,12 @@ _ROWS: gl.constexpr = gl.SliceLayout(1, _LD)
 _LD16: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, NUM_WARPS // 4], [1, 0])
 # V̂ on read, [32, 64] pieces: a 16-token block's column lies in 16 lanes of one warp.
 _LDV: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [2, NUM_WARPS // 2], [1, 0])
+# On read with whole blocks a thread (``V_OWN == 2``): V̂'s [32, 256] pieces, a thread
+# holding 16 tokens (one block) of 2 columns; K̂'s [32, 128] pieces, a thread holding 16
+# features (one block) of a row. The block maxima need no shuffles and the block-scale
+# arithmetic runs once a block instead of once an element (V) or half-block (K).
+_LDVB: gl.constexpr = gl.BlockedLayout([16, 2], [1, 32], [2, NUM_WARPS // 2], [1, 0])
+_LDKB: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
 
 
 @gluon.jit
@@ -221,26 +227,32 @@ def _qdq_tile_fp8(kv_raw, kpe_raw, kv_mma, kpe_mma, k_inv_gs):
 @gluon.jit
 def _qdq_tile_kv(kv_raw, kpe_raw, kv_mma, kpe_mma, vh_tile, k_scales, v_scales,
                  K_FMT: gl.constexpr, K_EXACT: gl.constexpr, V_FMT: gl.constexpr,
-                 V_EXACT: gl.constexpr):  # fmt: skip
+                 V_EXACT: gl.constexpr, BLOCKS: gl.constexpr = False):  # fmt: skip
     """On read with V̂ of its own (``V_OWN``): V̂ of the resident raw tile along the tokens
     (16-token blocks from the tile's start, a multiple of 16; rows past the sequence's
     end are the copy's zeros) into ``vh_tile``, then K̂ along the features in place (its
     16-bit MMA type), both by ``common.qdq_latent`` (the Triton kernel's arithmetic:
     bitwise ``mla_formats``). ``*_scales = (gs, 1 / gs, 1 / (6 gs))``, static. 64 columns
-    a piece; the caller fences and meets at a barrier."""
+    a piece; ``BLOCKS`` (``V_OWN == 2``): whole blocks a thread, V̂ in [32, 256] pieces and
+    K̂ in [32, 128] (``_LDVB``, ``_LDKB``; the same arithmetic, so the same bits). The
+    caller fences and meets at a barrier."""
     BN: gl.constexpr = kv_raw.shape[0]
     D1: gl.constexpr = kv_raw.shape[1]
     W: gl.constexpr = 64
-    for c in gl.static_range(D1 // W):
-        x = kv_raw.slice(c * W, W, dim=1).load(_LDV).to(gl.float32)
-        y = common.qdq_latent(x, v_scales, V_FMT, V_EXACT, True, BN, W, common.AXIS_TOKENS)
-        vh_tile.slice(c * W, W, dim=1).store(y.to(vh_tile.dtype))
+    WV: gl.constexpr = 256 if BLOCKS else W
+    WK: gl.constexpr = 128 if BLOCKS else W
+    lv: gl.constexpr = _LDVB if BLOCKS else _LDV
+    lk: gl.constexpr = _LDKB if BLOCKS else _LD
+    for c in gl.static_range(D1 // WV):
+        x = kv_raw.slice(c * WV, WV, dim=1).load(lv).to(gl.float32)
+        y = common.qdq_latent(x, v_scales, V_FMT, V_EXACT, True, BN, WV, common.AXIS_TOKENS)
+        vh_tile.slice(c * WV, WV, dim=1).store(y.to(vh_tile.dtype))
     if K_FMT != 0:
         gl.barrier()  # every thread has read the raw rows V̂ needs before K̂ overwrites them
-        for c in gl.static_range(D1 // W):
-            x = kv_raw.slice(c * W, W, dim=1).load(_LD).to(gl.float32)
-            y = common.qdq_latent(x, k_scales, K_FMT, K_EXACT, True, BN, W, common.AXIS_FEATURES)
-            kv_mma.slice(c * W, W, dim=1).store(y.to(kv_mma.dtype))
+        for c in gl.static_range(D1 // WK):
+            x = kv_raw.slice(c * WK, WK, dim=1).load(lk).to(gl.float32)
+            y = common.qdq_latent(x, k_scales, K_FMT, K_EXACT, True, BN, WK, common.AXIS_FEATURES)
+            kv_mma.slice(c * WK, WK, dim=1).store(y.to(kv_mma.dtype))
         x2 = kpe_raw.load(_LD).to(gl.float32)
         D2: gl.constexpr = kpe_raw.shape[1]
         y2 = common.qdq_latent(x2, k_scales, K_FMT, K_EXACT, True, BN, D2, common.AXIS_FEATURES)
@@ -502,7 +514,7 @@ def gluon_decode_split_kernel(
                 _qdq_tile_kv(
                     kv_ring.index(cur), kpe_ring.index(cur), kv_mma.index(cur),
                     kpe_mma.index(cur), vh_ring.index(cur), k_scales, v_scales, K_FMT, K_EXACT,
-                    V_FMT, V_EXACT,
+                    V_FMT, V_EXACT, V_OWN == 2,
                 )  # fmt: skip
             if V_TAIL:  # noqa: SIM102 (a constexpr branch, then the tile holding the block)
                 if (v_hi < hi) & (start <= v_hi) & (v_hi < start + BLOCK_N):
