@@ -1,0 +1,160 @@
+"""nvfp4 on read in the Gluon decode: whole blocks a thread (``ON_READ_BLOCKS_CONFIG``,
+``V_OWN == 2``) against today's V_OWN kernel (``SEPARATE_V_CONFIG``), the oracle and
+FlashMLA bf16, in one process.
+
+Run on an H200 from the repository root (``benchmarks/gpu/on_read_sit8.sh`` does)::
+
+    PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
+        python packages/mla-triton/benchmarks/on_read_blocks.py --plan check|bench OUTDIR
+
+``--plan check``: ragged lengths, splits 1 to 3 and the policy's, pages 16 and 64, 20, 64
+and 128 heads, uniform nvfp4 and nvfp4 with global scales that are not powers of two (the
+exact divisions); per case both kernels against ``mla_reference.decode`` (CPU, the quantized
+recipe: ``gluon_decode.py``'s bounds for a quantized P) and the new kernel against the
+current one bit for bit (the QDQ's arithmetic is the same, only its register layout moves,
+and everything after it is the same code). ``--plan bench``: b128 h128 L8192 and b32 h128
+L32768 (``decode.py``'s inputs), median of ``do_bench``, TFLOP/s with FlashMLA's count.
+JSON: ``OUTDIR/on_read_{plan}.json``; one line a case or run on stdout.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import SHAPES, flashmla_run, flops
+from decode import make_inputs as bench_inputs
+from gluon_decode import _ok, compare
+from gluon_decode import make_inputs as case_inputs
+from gluon_shadow import bench
+
+from mla_formats import AttentionQuant, OperandQuant
+from mla_triton.gluon_decode import ON_READ_BLOCKS_CONFIG, SEPARATE_V_CONFIG
+
+SCALE = 576**-0.5
+NV = AttentionQuant.uniform("nvfp4")
+NV3 = AttentionQuant(q="nvfp4", k=OperandQuant("nvfp4", 3.0), v=OperandQuant("nvfp4", 3.0),
+                     p="nvfp4")  # fmt: skip
+CONFIGS = {"v-own": SEPARATE_V_CONFIG, "v-own-blocks": ON_READ_BLOCKS_CONFIG}
+# (name, heads, lens, page, num_splits (None: the policy), quant)
+CASES: list[tuple[str, int, list[int], int, int | None, AttentionQuant]] = [
+    ("h128-mixed-s1", 128, [1, 65, 1000, 2049], 64, 1, NV),
+    ("h128-mixed-s3", 128, [0, 63, 700, 2100], 64, 3, NV),
+    ("h20-page16-s2", 20, [15, 300, 1500], 16, 2, NV),
+    ("h64-page16-policy", 64, [16, 129, 1024], 16, None, NV),
+    ("h128-scale3-s2", 128, [777, 1500], 64, 2, NV3),
+]
+BENCH = ["b128-h128-L8192", "b32-h128-L32768"]
+
+
+def check(deadline: float) -> list[dict[str, Any]]:
+    """Every case of ``CASES``: both kernels vs the oracle, the new one vs the current."""
+    import mla_reference
+    from mla_triton.decode import decode
+
+    rows: list[dict[str, Any]] = []
+    for ci, (name, heads, lens, page, splits, quant) in enumerate(CASES):
+        rec: dict[str, Any] = {"case": name}
+        rows.append(rec)
+        if time.monotonic() > deadline:
+            rec["status"] = "not run: time budget spent"
+            print(f"{name:20s} NOT RUN (budget)", flush=True)
+            continue
+        try:
+            q, cache, table, seq = case_inputs(lens, heads, page, ci)
+            ref, rlse = mla_reference.decode(
+                q.cpu(), cache.cpu(), table.cpu(), seq.cpu(), softmax_scale=SCALE, quant=quant
+            )
+            ref, rlse = ref.to(q.device), rlse.to(q.device)
+            outs = {}
+            for key, cfg in CONFIGS.items():
+                outs[key] = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant,
+                                   num_splits=splits, config=cfg)  # fmt: skip
+                rec[key] = e = compare(*outs[key], ref, rlse)
+                e["ok"] = _ok(e, p_quantized=True)
+            (o1, l1), (o2, l2) = outs["v-own"], outs["v-own-blocks"]
+            rec["bitwise"] = bool(torch.equal(o1, o2) and torch.equal(l1, l2))
+            good = rec["bitwise"] and rec["v-own-blocks"]["ok"]
+            rec["status"] = "pass" if good else "FAIL"
+            e1, e2 = rec["v-own"], rec["v-own-blocks"]
+            print(
+                f"{name:20s} {rec['status']:4s} bitwise {rec['bitwise']} | blocks row "
+                f"{e2['max_row_err']:.2e} lse {e2['lse_max_abs']:.1e} | v-own row "
+                f"{e1['max_row_err']:.2e} ok {e1['ok']}",
+                flush=True,
+            )
+        except Exception as exc:  # one case's failure must not end the run
+            rec["status"] = "ERROR"
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"{name:20s} ERROR\n{traceback.format_exc()}", flush=True)
+    return rows
+
+
+def run_bench(deadline: float) -> list[dict[str, Any]]:
+    """Both kernels and FlashMLA bf16 at each shape of ``BENCH`` (the policy's splits)."""
+    from mla_triton.decode import decode, decode_num_splits, decode_workspace_size
+
+    rows: list[dict[str, Any]] = []
+    for shape in BENCH:
+        batch, heads, seq_len, _ = SHAPES[shape]
+        rec: dict[str, Any] = {"shape": shape, "ms": {}, "tflops": {}}
+        rows.append(rec)
+        q, cache, table, lens = bench_inputs(shape, "cuda")
+        splits = decode_num_splits(batch, heads, seq_len, device=q.device)
+        size = decode_workspace_size(batch, heads, seq_len, num_splits=splits, device=q.device)
+        kw: dict[str, Any] = {
+            "softmax_scale": SCALE, "quant": NV, "num_splits": splits, "check_values": False,
+            "workspace": torch.empty(size, dtype=torch.uint8, device="cuda"),
+            "out": torch.empty(batch, heads, 512, dtype=q.dtype, device="cuda"),
+            "lse": torch.empty(batch, heads, dtype=torch.float32, device="cuda"),
+        }  # fmt: skip
+        runs: dict[str, Any] = {
+            key: functools.partial(decode, q, cache, table, lens, config=cfg, **kw)
+            for key, cfg in CONFIGS.items()
+        }
+        try:
+            runs["flashmla-bf16"] = flashmla_run(q, cache, table, lens, SCALE)
+        except Exception as exc:
+            rec["flashmla_error"] = f"{type(exc).__name__}: {exc}"
+        rec["splits"] = splits
+        for key, fn in runs.items():
+            if time.monotonic() > deadline:
+                rec["ms"][key] = None
+                print(f"{shape:17s} {key:14s} NOT RUN (budget)", flush=True)
+                continue
+            try:
+                ms = bench(fn)
+            except Exception as exc:
+                rec[f"{key}_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"{shape:17s} {key:14s} ERROR {exc}", flush=True)
+                continue
+            rec["ms"][key] = ms
+            rec["tflops"][key] = tf = flops(batch, heads, seq_len) / ms / 1e9
+            fm = rec["ms"].get("flashmla-bf16")
+            ratio = f" ({fm / ms:.3f}x FlashMLA)" if fm else ""
+            print(f"{shape:17s} {key:14s} {ms:8.3f} ms {tf:7.1f} TFLOP/s{ratio}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    plan, out = argv[argv.index("--plan") + 1], Path(argv[-1])
+    budget = 55.0 if plan == "check" else 50.0
+    deadline = time.monotonic() + budget
+    rows = check(deadline) if plan == "check" else run_bench(deadline)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"on_read_{plan}.json").write_text(json.dumps(rows, indent=1))
+    bad = [r for r in rows if r.get("status") in ("FAIL", "ERROR")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
