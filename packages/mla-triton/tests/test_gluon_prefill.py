@@ -42,7 +42,8 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # third step: K released after Q K^T (early_k) with the row-minimum -inf check at 128-key
 # ping-pong, FA3's head-dim-192 schedule (128 x 128 x 2, two consumers without turns,
 # early_k) with nvfp4 P, early_k on the warp-specialized 128 x 64 tiling with 2:4 in a
-# persistent loop, and the persistent ping-pong 128 x 64 tiling (not causal).
+# persistent loop, and the persistent ping-pong 128 x 64 tiling (not causal); 2:4's rank by
+# pair maxima and minima (nm_pairs) on the warp-specialized 128 x 128 x 2 early_k tiling.
 DEFAULT = gp.GluonPrefillConfig()
 AUTO = gp.AUTO_CONFIGS
 FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1}
@@ -70,12 +71,15 @@ VARIANTS = [
         128, 64, 3, True, early_k=True, persistent=True), True, True, NVFP4 | NM24),
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
         128, 64, 3, True, True, persistent=True), False, True, {}),
+    (torch.float16, 192, 128, gp.GluonPrefillConfig(
+        128, 128, 2, True, early_k=True, nm_pairs=True), True, True, NVFP4 | NM24),
 ]  # fmt: skip
 SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     4,  # fp8 P at 128 x 128: 72 B
     7,  # nvfp4 P + 2:4 at 128 x 128
     9,  # ping-pong 128 x 128
     10,  # ping-pong 128 x 128, early_k: 32 B
+    14,  # nm_pairs, 2:4 with dense windows at 128 x 128: 56 B (its twin without: 32 B)
 }
 
 
@@ -196,6 +200,7 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("early_k", 1),
         ("row_inf_check", None),
         ("persistent", "yes"),
+        ("nm_pairs", 1),
     ],
 )
 def test_config_rejects(field: str, value: object) -> None:
@@ -363,3 +368,41 @@ def test_launch_passes_factored_operands_and_scales(
     # auto's tiling for P fp8 (AUTO_CONFIGS)
     assert capture.kwargs["BLOCK_N"] == gp.AUTO_CONFIGS["fp8"].block_n
     assert capture.kwargs["WARP_SPEC"] == gp.AUTO_CONFIGS["fp8"].warp_specialize
+
+
+def _sort_keys(s: torch.Tensor) -> torch.Tensor:
+    """The kernels' unique int32 sort keys of float32 scores ``s [R, N]`` (``_nm_keep``:
+    float order as int order, the low two bits ``3 - member``: ties to the lower index)."""
+    bits = s.view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    member = torch.arange(s.shape[1], dtype=torch.int32) % 4
+    return (key & -4) | (3 - member)
+
+
+def test_nm_pairs_keeps_the_two_largest_of_four() -> None:
+    """``nm_pairs``' rule (``kernels.gluon_prefill._keep_2_of_4``, on the same sort keys):
+    the group's second largest is ``max(min(max a b, max c d), max(min a b, min c d))``,
+    every key at or above it kept. The same mask as the general rank (``_nm_keep``: two
+    rounds of group maxima) on every group of four drawn from seven scores with exact
+    ties, ``-inf`` and both zeros (7^4 groups) and on random ones; the same keys as
+    ``mla_reference.nm_keep`` (2:4, every key visible) where no group holds both zeros
+    (the sort keys rank -0 below +0, the reference ties them)."""
+    from mla_reference import nm_keep
+
+    values = torch.tensor([float("-inf"), -2.0, -0.5, -0.0, 0.0, 0.75, 3.0])
+    index = torch.cartesian_prod(*[torch.arange(7)] * 4)  # [2401, 4]
+    gen = torch.Generator().manual_seed(5)
+    rand = torch.randn(4096, 4, generator=gen).round(decimals=1) + 0.0  # ties, no -0
+    for s in (values[index], rand):
+        key = _sort_keys(s)
+        key4 = key.reshape(-1, 2, 2)
+        second = torch.maximum(key4.amax(2).amin(1), key4.amin(2).amax(1))
+        keep = (key4 >= second[:, None, None]).reshape(-1, 4)
+        first = key.amax(1, keepdim=True)  # the general rank's two rounds
+        general = key >= torch.where(key < first, key, -(2**31)).amax(1, keepdim=True)
+        assert keep.sum(1).eq(2).all() and torch.equal(keep, general)
+        zeros = (s == 0).any(1) & s.signbit().logical_and(s == 0).any(1)
+        zeros &= (s == 0).logical_and(~s.signbit()).any(1)  # both -0 and +0 in the group
+        want = nm_keep(s[None].double(), torch.ones_like(keep), torch.full((s.shape[0],), 10**6),
+                       NMSparsity(2, 4))[0]  # fmt: skip
+        assert torch.equal(keep[~zeros], want[~zeros]) and (~zeros).sum() > 1000

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -327,7 +328,24 @@ NEXT_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | 
         128, 128, 2, True, True, early_k=True, persistent=True), "nvfp4", None),
     "ws64-ek-per-fp8": (_WSPER64, "fp8", None),
 }  # fmt: skip
-GLUON_CASES |= NEXT_CASES
+# Issue 17, sitting 8 (benchmarks/gpu/prefill_sit8.sh): two consumers without turns with
+# early_k and row_inf_check at 128 x 64 (nvfp4), row_inf_check on the warp-specialized
+# 128 x 128 tiling (2:4), and nm_pairs (2:4 ranked by pair maxima and minima)
+_NT64_EK_RI = gluon_prefill.GluonPrefillConfig(
+    128, 64, 3, True, True, turns=False, early_k=True, row_inf_check=True
+)
+_WS128_EK_RI = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, early_k=True,
+                                                row_inf_check=True)  # fmt: skip
+_WS128_EK = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, early_k=True)
+SIT8_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
+    "s8-nt64-ek-ri-nvfp4": (_NT64_EK_RI, "nvfp4", None),
+    "s8-nt64-ek-ri-fp8": (_NT64_EK_RI, "fp8", None),
+    "s8-ws128-ek-ri-nvfp4-2:4": (_WS128_EK_RI, "nvfp4", _NM),
+    "s8-ws128-ek-np-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True), "nvfp4", _NM),
+    "s8-ws64-ek-np-none-2:4": (gluon_prefill.GluonPrefillConfig(
+        128, 64, 3, True, early_k=True, nm_pairs=True), "none", NMSparsity(2, 4)),
+}  # fmt: skip
+GLUON_CASES |= NEXT_CASES | SIT8_CASES
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
@@ -349,9 +367,10 @@ def test_gluon_tilings(case: str) -> None:
     "config",
     [_PP64, _PP128, _EK128, _NT128, _RI64, gluon_prefill.GluonPrefillConfig(row_inf_check=True),
      gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True,
-                                      row_inf_check=True), _PER64, _WSPER64],
+                                      row_inf_check=True), _PER64, _WSPER64, _NT64_EK_RI,
+     _WS128_EK_RI],
     ids=["pp64", "pp128", "pp128-ek", "nt128", "pp64-ri", "plain-ri", "pp128-ek-ri", "pp64-per",
-         "ws64-ek-per"],
+         "ws64-ek-per", "s8-nt64-ek-ri", "s8-ws128-ek-ri"],
 )  # fmt: skip
 def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> None:
     """The NaN rule on the ping-pong tilings: a masked V tile is checked and zeroed by
@@ -360,6 +379,27 @@ def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> Non
     K element (key 70: on an unmasked tile for the queries of the second 128-row tile)
     poisons its rows through the row minimum."""
     _nan_rule("gluon", config)
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
+@pytest.mark.parametrize(
+    ("name", "sparsity"),
+    [("nvfp4", _NM), ("none", NMSparsity(2, 4))],
+    ids=["s8-np-nvfp4-2:4-dense", "s8-np-none-2:4"],
+)
+def test_nm_pairs_bit_for_bit(name: str, sparsity: NMSparsity) -> None:
+    """``nm_pairs`` keeps the same keys as the general rank: out and LSE bit for bit
+    against the same tiling without it (varlen causal, GQA; and a chunked context)."""
+    batches = {True: make_batch(LENS, LENS, 16, 4, seed=3),
+               False: make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)}  # fmt: skip
+    for causal, (q, k, v, cu_q, cu_k, scale) in batches.items():
+        kwargs = {"softmax_scale": scale, "return_lse": True, "causal": causal,
+                  "quant": QUANTS[name], "sparsity": sparsity, "impl": "gluon"}  # fmt: skip
+        got = [prefill(q, k, v, cu_q, cu_k, config=replace(_WS128_EK, nm_pairs=pairs), **kwargs)
+               for pairs in (True, False)]  # fmt: skip
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a, b), (name, causal)
+        assert not torch.isnan(got[0][0]).any()
 
 
 class _Spy:

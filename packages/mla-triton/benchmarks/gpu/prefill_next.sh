@@ -26,12 +26,15 @@
 #     cu_seqlens), one process; ratio to FA3 per row, fastest per recipe.
 #     ABLATE=1 (with a larger BUDGET_S, about +90 s): then the same tilings without the
 #     softmax step (recipe "none-no-softmax"): each schedule's MMA-issue bound against FA3.
+# Parameters (the environment; prefill_sit8.sh sets them): TAG, BUDGET, NEW, REF, KEXPR
+# (step 2's -k on the tilings' test ids), TESTK (step 2's whole -k), PACK=1 (at the end
+# every output but summary.txt and the sweep's JSON packed into all.tgz).
 set -u
-TAG=h38 BUDGET=165
+TAG=${TAG:-h38} BUDGET=${BUDGET:-165}
 . "$(dirname "$0")/prefill_env.sh"
 BENCH=packages/mla-triton/benchmarks/gluon_prefill.py
-NEW="pp-128x64x3-ek pp-128x128x2-ek pp-128x128x2-ek-ri nt-128x64x3 nt-128x128x2-ek ws-128x64x3-ek ws-128x128x2-ek pp-128x64x3-per pp-128x128x2-ek-per ws-128x64x3-ek-per"
-REF="pp-128x64x3 ws-128x64x3"  # AUTO_CONFIGS' tilings (none / fp8 / nvfp4; N:M)
+NEW=${NEW:-"pp-128x64x3-ek pp-128x128x2-ek pp-128x128x2-ek-ri nt-128x64x3 nt-128x128x2-ek ws-128x64x3-ek ws-128x128x2-ek pp-128x64x3-per pp-128x128x2-ek-per ws-128x64x3-ek-per"}
+REF=${REF:-"pp-128x64x3 ws-128x64x3"}  # AUTO_CONFIGS' tilings (none / fp8 / nvfp4; N:M)
 csv() { echo "$*" | tr ' ' ','; }
 
 # 1. smoke: each new tiling in its own process, in parallel; REF compiles beside them
@@ -57,9 +60,9 @@ note "passed the smoke:$GOOD"
 
 # 2. GPU tests, sharded (ids round robin); the surviving tilings' compiles side by side
 TS=packages/mla-triton/tests
-KEXPR="pp128-ek or nt128 or nt64 or ws64-ek or pp64-ri or plain-ri or per"
-collect_ids "$TMP/ids.txt" $TS/test_prefill_gpu.py \
-  -k "(gluon_tilings or nan_rule_gluon_tilings) and ($KEXPR)"
+KEXPR=${KEXPR:-"pp128-ek or nt128 or nt64 or ws64-ek or pp64-ri or plain-ri or per"}
+TESTK=${TESTK:-"(gluon_tilings or nan_rule_gluon_tilings) and ($KEXPR)"}
+collect_ids "$TMP/ids.txt" $TS/test_prefill_gpu.py -k "$TESTK"
 SHARDS=6
 note "tests: $(wc -l <"$TMP/ids.txt") ids in $SHARDS shards"
 T=$(left 55)
@@ -91,4 +94,9 @@ note "sweep rc=$?"
 sed -n '/fastest Gluon tiling/,$p' "$OUT/sweep.txt" | tee -a "$S"
 grep -E "x FA3$" "$OUT/sweep.txt" | awk '{printf "%-17s %-10s %-20s %8s ms %7s TFLOP/s %s FA3\n", $1, $2, $3, $4, $6, $8}' >>"$S"
 note "total"
+if [ "${PACK:-0}" = 1 ]; then  # the device returns at most 8 files
+  ( cd "$OUT" && tar czf all.tgz --exclude=summary.txt --exclude=all.tgz . && \
+    find . -type f ! -name summary.txt ! -name all.tgz ! -name '*.json' -delete )
+  note "packed: $(ls "$OUT" | tr '\n' ' ')"
+fi
 rm -rf "$TMP"

@@ -63,7 +63,11 @@ class GluonPrefillConfig:
     query tiles (heaviest first over every head), the K/V ring and the turns running on
     across them, the producer loading the next tile's Q once the consumers' last ``Q Kᵀ``
     of a tile is done (FA3's persistent scheduler): a tile's epilogue runs under the next
-    tile's loads."""
+    tile's loads; ``nm_pairs``: 2:4 sparsity's rank of a group of four keys by its two pairs'
+    maxima and minima (the second largest is ``max(min(max a b, max c d), max(min a b,
+    min c d))``: a pair is one thread's two adjacent accumulator columns), about 3 integer
+    instructions a key pair fewer than the general rank's two rounds of group maxima; the
+    same kept keys (other N:M and no sparsity: no effect)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -74,13 +78,17 @@ class GluonPrefillConfig:
     early_k: bool = False
     row_inf_check: bool = False
     persistent: bool = False
+    nm_pairs: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m: expected 64 or 128, got {self.block_m!r}")
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
-        names = ("warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "persistent")
+        names = (
+            "warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "persistent",
+            "nm_pairs",
+        )  # fmt: skip
         for name in names:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}: expected a bool, got {getattr(self, name)!r}")
@@ -299,6 +307,7 @@ class Variant:
             "NUM_STAGES": config.num_stages, "CAUSAL": self.causal,
             "Q_DYNAMIC": self.q_dynamic, "K_DYNAMIC": self.k_dynamic, "P_FMT": self.p_fmt,
             "NM_N": self.nm_n, "NM_M": self.nm_m, "NM_DENSE": self.nm_dense,
+            "NM_PAIRS": config.nm_pairs,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
             "PINGPONG": config.pingpong, "TURNS": config.turns, "EARLY_K": config.early_k,
             "ROW_INF": config.row_inf_check, "PERSISTENT": config.persistent,

@@ -116,6 +116,24 @@ def _issue_qk(
 
 
 @gluon.jit
+def _keep_2_of_4(key, dense_all, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """2:4's kept keys from unique int32 sort keys ``key [ROWS, BLOCK_N]`` (groups of 4
+    consecutive columns): those at or above the group's second largest, taken as
+    ``max(min(max a b, max c d), max(min a b, min c d))`` for the group's pairs ``(a, b)``
+    and ``(c, d)`` (one of them holds the largest: either the other pair's maximum or
+    this pair's minimum is second). In the wgmma accumulator layout a pair is one
+    thread's two adjacent columns, so that is two in-thread min/max, one shuffle each for
+    the pair maximum and minimum and three min/max, against two rounds of a group
+    maximum with a compare and a select a key between them (``_nm_keep``'s general
+    rank). Every key of a ``dense_all`` row is kept. Same mask as the general rank."""
+    key4 = gl.reshape(key, [ROWS, BLOCK_N // 4, 2, 2])
+    second = gl.maximum(gl.min(gl.max(key4, axis=3), axis=2), gl.max(gl.min(key4, axis=3), axis=2))
+    second = gl.where(dense_all, -2147483648, second)
+    keep4 = key4 >= gl.expand_dims(gl.expand_dims(second, 2), 3)
+    return gl.convert_layout(gl.reshape(keep4, [ROWS, BLOCK_N]), layout)
+
+
+@gluon.jit
 def _nm_keep(
     s, key_pos, q_pos, nm, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NM: gl.constexpr
 ):  # fmt: skip
@@ -125,7 +143,8 @@ def _nm_keep(
     ``NM_M``), unique int32 sort keys (the float32 bits made order-preserving, the
     lowest log2(NM_M) bits ``NM_M - 1 - member``: ties to the lower index), the kept
     ones at or above the ``NM_N``-th largest; the sink and recent keys with
-    ``NM_DENSE``; every key for a single-query sequence (``dense_all``)."""
+    ``NM_DENSE``; every key for a single-query sequence (``dense_all``). ``NM[3]``
+    (``NM_PAIRS``): 2:4 through ``_keep_2_of_4`` (other N:M: the general rank)."""
     NM_N: gl.constexpr = NM[0]
     NM_M: gl.constexpr = NM[1]
     n_sink, n_recent, dense_all = nm
@@ -133,14 +152,17 @@ def _nm_keep(
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int order
     member = key_pos % NM_M
     key = (key & -NM_M) | gl.expand_dims(NM_M - 1 - member, 0)
-    key3 = gl.reshape(key, [ROWS, BLOCK_N // NM_M, NM_M])
-    nth = gl.max(key3, axis=2)
-    for _ in gl.static_range(NM_N - 1):
-        nth = gl.max(gl.where(key3 < gl.expand_dims(nth, 2), key3, -2147483648), axis=2)
-    nth = gl.where(dense_all, -2147483648, nth)  # every key is at or above that
-    keep = gl.convert_layout(
-        gl.reshape(key3 >= gl.expand_dims(nth, 2), [ROWS, BLOCK_N]), s.type.layout
-    )  # fmt: skip
+    if NM[3] and NM_N == 2 and NM_M == 4:  # 2:4 by pair maxima and minima (NM_PAIRS)
+        keep = _keep_2_of_4(key, dense_all, ROWS, BLOCK_N, s.type.layout)
+    else:
+        key3 = gl.reshape(key, [ROWS, BLOCK_N // NM_M, NM_M])
+        nth = gl.max(key3, axis=2)
+        for _ in gl.static_range(NM_N - 1):
+            nth = gl.max(gl.where(key3 < gl.expand_dims(nth, 2), key3, -2147483648), axis=2)
+        nth = gl.where(dense_all, -2147483648, nth)  # every key is at or above that
+        keep = gl.convert_layout(
+            gl.reshape(key3 >= gl.expand_dims(nth, 2), [ROWS, BLOCK_N]), s.type.layout
+        )  # fmt: skip
     if NM[2]:
         distance = gl.expand_dims(q_pos, 1) - gl.expand_dims(key_pos, 0)
         recent = (distance >= 0) & (distance < n_recent)
@@ -768,6 +790,7 @@ def gluon_prefill_kernel(
     NM_N: gl.constexpr,
     NM_M: gl.constexpr,
     NM_DENSE: gl.constexpr,
+    NM_PAIRS: gl.constexpr,
     RETURN_LSE: gl.constexpr,
     WARP_SPEC: gl.constexpr,
     PINGPONG: gl.constexpr,
@@ -791,7 +814,8 @@ def gluon_prefill_kernel(
     ``p_inv_gs`` ``1 / p_gs`` (fp8) or ``1 / (6 p_gs)`` (nvfp4);
     ``out_scale`` = P's times V's global scale; ``group`` = H / Hkv. N:M sparsity
     (``NM_N > 0``): ``NM_N`` of every ``NM_M`` keys, plus the ``n_sink`` first and the
-    ``n_recent`` latest keys of each row when ``NM_DENSE`` (SPEC 5). ``PINGPONG``
+    ``n_recent`` latest keys of each row when ``NM_DENSE`` (SPEC 5). ``NM_PAIRS``: 2:4's rank by
+    pair maxima and minima (``_keep_2_of_4``; the same mask). ``PINGPONG``
     (with ``WARP_SPEC``): two consumer warpgroups of ``num_warps`` = 4 warps, 64 rows
     each, in ping-pong (``_attend``), ``CONSUMER_REGS`` registers for the second;
     ``grid_m, grid_h, grid_b``: the one-tile grid (query tiles, heads, sequences), read by
@@ -804,7 +828,7 @@ def gluon_prefill_kernel(
     NQ: gl.constexpr = DQK // CHUNK
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
     QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
-    NM: gl.constexpr = (NM_N, NM_M, NM_DENSE)
+    NM: gl.constexpr = (NM_N, NM_M, NM_DENSE, NM_PAIRS)
     gl.static_assert(DQK % CHUNK == 0)
     gl.static_assert(16 * num_warps == ROWS)
     gl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0)
