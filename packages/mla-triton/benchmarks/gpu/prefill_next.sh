@@ -96,8 +96,8 @@ sed -n '/fastest Gluon tiling/,$p' "$OUT/sweep.txt" | tee -a "$S"
 grep -E "x FA3$" "$OUT/sweep.txt" | awk '{printf "%-17s %-10s %-20s %8s ms %7s TFLOP/s %s FA3\n", $1, $2, $3, $4, $6, $8}' >>"$S"
 note "total"
 if [ "${PACK:-0}" = 1 ]; then  # the device returns at most 8 files
-  ( cd "$OUT" && tar czf all.tgz --exclude=summary.txt --exclude=all.tgz . && \
-    find . -type f ! -name summary.txt ! -name all.tgz ! -name '*.json' -delete )
+  tar czf "$TMP/all.tgz" -C "$OUT" --exclude=summary.txt . && mv "$TMP/all.tgz" "$OUT/" && \
+    find "$OUT" -type f ! -name summary.txt ! -name all.tgz ! -name '*.json' -delete
   note "packed: $(ls "$OUT" | tr '\n' ' ')"
 fi
 rm -rf "$TMP"
