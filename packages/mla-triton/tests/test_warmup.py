@@ -404,6 +404,41 @@ def test_compile_only_launches_nothing() -> None:
     assert bool((out == 7.0).all())
 
 
+def test_compile_only_leaves_other_threads_launching() -> None:
+    """A ``compile_only`` open in another thread (mla_vllm's early warm-up) intercepts
+    only that thread's launches: this thread's decode runs and writes its output."""
+    import threading
+
+    opened, done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def background() -> None:
+        try:
+            with compile_only(threads=1):
+                opened.set()
+                done.wait(60)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            opened.set()
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        heads = 16
+        cache = torch.randn(1, PAGE, RANK + ROPE).to(torch.float16)
+        q = torch.randn(1, heads, RANK + ROPE).to(torch.float16)
+        out = torch.full((1, heads, RANK), 7.0, dtype=torch.float16)
+        table = torch.zeros(1, 1, dtype=torch.int32)
+        lens = torch.full((1,), 4, dtype=torch.int32)
+        decode(q, cache, table, lens, softmax_scale=SCALE, out=out, num_splits=1)
+    finally:
+        done.set()
+        thread.join()
+    assert not errors, errors
+    assert not bool((out == 7.0).any())  # launched: every output written
+
+
 # ---------------------------------------------------------------------------- GPU
 
 _GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")

@@ -26,6 +26,7 @@ last tests pin both down.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -193,10 +194,17 @@ def test_profile_pass_keys_do_not_follow_the_block_count(tmp_path: Path, real: i
 
 
 @contextmanager
-def _recording(compiled: list[Keys], *, compiles: bool = True) -> Iterator[None]:
+def _recording(
+    compiled: list[Keys], *, compiles: bool = True, early: bool = False
+) -> Iterator[None]:
     """``compile_only`` replaced: each warm-up's keys, appended to ``compiled``; with
-    ``compiles``, Triton's interpreter is taken for a compiler (as on a GPU)."""
+    ``compiles``, Triton's interpreter is taken for a compiler (as on a GPU); the early
+    warm-up (``MLA_QUANT_WARMUP_EARLY``) off unless ``early``."""
     from mla_triton.warmup import record_keys
+    from mla_vllm.warmup import EARLY_ENV
+
+    saved = os.environ.get(EARLY_ENV)
+    os.environ[EARLY_ENV] = "1" if early else "0"
 
     @contextmanager
     def recording(threads: int | None = None) -> Iterator[None]:
@@ -213,7 +221,12 @@ def _recording(compiled: list[Keys], *, compiles: bool = True) -> Iterator[None]
     try:
         yield
     finally:
+        warmup.join_early()
         warmup.compile_only, warmup._compiles = original
+        if saved is None:
+            os.environ.pop(EARLY_ENV, None)
+        else:
+            os.environ[EARLY_ENV] = saved
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -72,21 +72,24 @@ def _ours(kernel: Any) -> bool:
 
 @contextmanager
 def _intercept(action: _Action) -> Iterator[None]:
-    """Replace every launch of an ``mla_triton`` kernel by ``action(...)``.
+    """Replace every launch of an ``mla_triton`` kernel *from this thread* by ``action(...)``.
 
     ``action(run, kernel, args, kwargs, grid)`` gets the class's own ``run``.
     Patches ``run`` of Triton's ``JITFunction`` (Gluon's kernels included) and
-    ``InterpretedFunction`` for the duration; other packages' kernels launch as usual.
+    ``InterpretedFunction`` for the duration; other packages' kernels, and launches
+    from other threads (a warm-up in a background thread while the engine serves or
+    compiles in the main one), launch as usual.
     """
     if not _LOCK.acquire(blocking=False):
         raise RuntimeError("mla_triton.warmup: compile_only/record_keys do not nest")
     originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+    owner = threading.get_ident()
 
     def patched(cls: type) -> Callable[..., Any]:
         original = originals[cls]
 
         def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-            if not _ours(self):
+            if not _ours(self) or threading.get_ident() != owner:
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
             return action(original, self, args, kwargs, grid)
 
@@ -119,7 +122,9 @@ def compile_only(threads: int | None = None) -> Iterator[None]:
     the current device; nothing runs on the device. With ``threads > 1`` (default:
     the CPU count, at most 16) the compilations run in a pool of that many threads
     (``triton.AsyncCompileMode``) and are all finished when the block exits. Under
-    Triton's interpreter nothing is compiled (the calls return at once).
+    Triton's interpreter nothing is compiled (the calls return at once). Only this
+    thread's launches are intercepted, and Triton's ``AsyncCompileMode`` is a context
+    variable (this thread's): another thread's launches run and compile as usual.
     """
     workers = _threads(threads)
 

@@ -41,8 +41,8 @@ from mla_vllm.plugin import BACKEND_NAME
 from mla_vllm.prefill import MLAQuantPrefillBackend
 from mla_vllm.shadow import LayerShadow, layer_shadow, shadow_spec, split_cache
 from mla_vllm.state import LayerState, layer_errors
+from mla_vllm.warmup import join_early, start_early, warm_before_capture
 from mla_vllm.warmup import register as register_warmup
-from mla_vllm.warmup import warm_before_capture
 from mla_vllm.workspace import reserve_decode_workspace
 
 __all__ = [
@@ -332,6 +332,7 @@ class MLAQuantMetadataBuilder(TritonMLAMetadataBuilder):
         vllm_config: VllmConfig,
         device: torch.device,
     ) -> None:
+        join_early()  # the early warm-up binds recipes and compiles: done before this
         context = vllm_config.compilation_config.static_forward_context
         layers = mla_layers(context, layer_names)
         bind_layers(layers, config_from_vllm(vllm_config), vllm_config)
@@ -385,7 +386,10 @@ class MLAQuantBackend(TritonMLABackend):
         """TRITON_MLA's spec; with ``kv_path: "shadow"`` each token also holds its shadow.
 
         ``customize_spec`` receives no config: it plans for ``_spec_config()`` and
-        the ``MLA_QUANT`` layers of that config's forward context.
+        the ``MLA_QUANT`` layers of that config's forward context. vLLM asks for the
+        specs once the model is loaded and the block size final, before its memory
+        profile: the first call starts the engine's early warm-up there
+        (``warmup.start_early``, once per engine).
         """
         spec = super().customize_spec(spec)
         vllm_config = _spec_config()
@@ -397,7 +401,9 @@ class MLAQuantBackend(TritonMLABackend):
             for name, layer in mla_layers(context).items()
             if isinstance(layer.impl, MLAQuantImpl)
         }
-        return shadow_spec(spec, config_from_vllm(vllm_config), layers)
+        spec = shadow_spec(spec, config_from_vllm(vllm_config), layers)
+        start_early(vllm_config, layers)
+        return spec
 
     @classmethod
     def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:

@@ -22,6 +22,11 @@ memory profile, which runs before ``kernel_warmup`` on a minimal KV cache, then 
 its variants compiled (the log line ends in ``(first metadata build)``), and
 ``kernel_warmup`` on the real cache finds them too (the kernels do not specialize the
 cache's block count).
+Earlier still, when vLLM asks for the KV-cache specs (after the model is loaded, before
+its memory profile and torch.compile), ``start_early`` compiles the same plans for
+stand-in caches of the real geometry in a background thread, while vLLM compiles the
+model (``MLA_QUANT_WARMUP_EARLY=0`` turns that off); the metadata builder and every later
+warm-up wait for it first (``join_early``) and compile only what it left.
 vLLM skips the registry when ``kernel_config.enable_jit_warmup`` is off (eager
 mode). An in-place ``install`` (``mla_vllm.install``) comes after the registry
 ran: it calls ``warm_layers`` on each worker, the same plans and calls for the
@@ -31,12 +36,14 @@ inference); that runs in eager mode too.
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,12 +60,17 @@ from mla_triton.warmup import (
 )
 
 __all__ = [
+    "EARLY_ENV",
     "ENGINE_WARMUP",
     "ENV",
+    "EarlyWarmup",
     "EngineWarmup",
     "Plan",
     "block_table_width",
+    "join_early",
     "register",
+    "standin_caches",
+    "start_early",
     "warm_before_capture",
     "warm_layers",
 ]
@@ -106,6 +118,7 @@ class EngineWarmup(VllmJitKernel[Plan]):
         super().__init__()
         self._layers: dict[str, Any] = {}
         self._config: Any = None
+        self._caches: Mapping[str, torch.Tensor] = {}
 
     def get_warmup_keys(self, vllm_config: Any) -> list[Plan]:
         """One plan per distinct variant set of the config's ``MLA_QUANT`` layers."""
@@ -114,13 +127,21 @@ class EngineWarmup(VllmJitKernel[Plan]):
             return []
         return self.plan(vllm_config.compilation_config.static_forward_context, vllm_config)
 
-    def plan(self, layers: Mapping[str, Any], vllm_config: Any) -> list[Plan]:
+    def plan(
+        self,
+        layers: Mapping[str, Any],
+        vllm_config: Any,
+        caches: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[Plan]:
         """One plan per distinct variant set of the ``MLA_QUANT`` layers among ``layers``.
 
         ``layers``: name to layer (others than ``MLAAttention`` with a quantized impl
-        are left out); a failure is logged and gives no plans.
+        are left out); ``caches``: name to the KV cache to plan and compile for instead
+        of the layer's bound ``kv_cache`` (the early warm-up's stand-ins); a failure is
+        logged and gives no plans.
         """
         self._config = vllm_config
+        self._caches = dict(caches or {})
         self._layers = {
             name: layer
             for name, layer in layers.items()
@@ -129,7 +150,7 @@ class EngineWarmup(VllmJitKernel[Plan]):
         seen: dict[tuple[Any, ...], Plan] = {}
         try:
             for name, layer in self._layers.items():
-                for kind, signature in _signatures(layer):
+                for kind, signature in _signatures(layer, self.cache(name)):
                     seen.setdefault((kind, *signature), Plan(kind, name))
         except Exception:  # as in compile_many: serving goes on, compiling on first use
             logger.exception("MLA_QUANT warmup failed; kernels will compile during inference")
@@ -140,7 +161,9 @@ class EngineWarmup(VllmJitKernel[Plan]):
         self.compile_many([compile_key])
 
     def compile_many(self, compile_keys: Iterable[Plan]) -> None:
-        """Compile every plan's variants in one thread pool; log the count and time."""
+        """Compile every plan's variants in one thread pool; log the count and time
+        (after the early warm-up, if one runs: ``join_early``)."""
+        join_early()
         self.compile_plans(compile_keys)
 
     def compile_plans(self, compile_keys: Iterable[Plan], where: str = "") -> int | None:
@@ -175,7 +198,16 @@ class EngineWarmup(VllmJitKernel[Plan]):
         """
         with torch.inference_mode():
             for plan in plans:
-                _compile(plan, self._layers[plan.layer], self._config)
+                layer = self._layers[plan.layer]
+                _compile(plan, layer, self.cache(plan.layer), self._config)
+
+    def cache(self, name: str) -> torch.Tensor | None:
+        """The KV cache planned for layer ``name``: the stand-in given to ``plan``, else
+        the layer's bound ``kv_cache`` (None or empty: none bound yet)."""
+        found = self._caches.get(name)
+        if found is None:
+            found = getattr(self._layers.get(name), "kv_cache", None)
+        return found if isinstance(found, torch.Tensor) and found.numel() else None
 
 
 ENGINE_WARMUP = EngineWarmup()
@@ -199,6 +231,7 @@ def warm_layers(layers: Mapping[str, Any], vllm_config: Any) -> int | None:
     if not enabled():
         logger.info("MLA_QUANT warmup after install: off (%s=0)", ENV)
         return None
+    join_early()
     warmup = EngineWarmup()
     plans = warmup.plan(layers, vllm_config)
     if not plans:
@@ -207,19 +240,183 @@ def warm_layers(layers: Mapping[str, Any], vllm_config: Any) -> int | None:
         return warmup.compile_plans(plans)
 
 
-_EARLY: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) -> the config, warmed early
+_BUILT: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) -> the config, warmed at a build
+_STARTED: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) -> the config, warmed early
 
 
-def _first_time(vllm_config: Any) -> bool:
-    """True the first time for ``vllm_config`` (the object: one engine), then False."""
-    for key, old in list(_EARLY.items()):
+def _first_time(vllm_config: Any, seen_for: dict[int, weakref.ref[Any]]) -> bool:
+    """True the first time for ``vllm_config`` (the object: one engine) in ``seen_for``,
+    then False."""
+    for key, old in list(seen_for.items()):
         if old() is None:
-            del _EARLY[key]  # that engine's config is gone: its id may be reused
-    seen = _EARLY.get(id(vllm_config))
+            del seen_for[key]  # that engine's config is gone: its id may be reused
+    seen = seen_for.get(id(vllm_config))
     if seen is not None and seen() is vllm_config:
         return False
-    _EARLY[id(vllm_config)] = weakref.ref(vllm_config)
+    seen_for[id(vllm_config)] = weakref.ref(vllm_config)
     return True
+
+
+def _may_warm(vllm_config: Any) -> bool:
+    """The warm-up's switches: ``MLA_QUANT_WARMUP`` on, a compiler (not Triton's
+    interpreter), vLLM's JIT warm-up on (off in eager mode), no CUDA-graph capture under
+    way and vLLM's JIT monitor off (a compilation now would be inference)."""
+    from vllm.utils import jit_monitor
+
+    kernel_config = getattr(vllm_config, "kernel_config", None)
+    if not enabled() or not _compiles() or not getattr(kernel_config, "enable_jit_warmup", True):
+        return False
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return not capturing and not jit_monitor.is_active()
+
+
+# ---------------------------------------------------------------------------- early
+
+
+EARLY_ENV = "MLA_QUANT_WARMUP_EARLY"
+
+
+def early_enabled() -> bool:
+    """False when ``MLA_QUANT_WARMUP_EARLY`` is ``0`` (or ``false``/``off``); default on."""
+    return os.environ.get(EARLY_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass
+class EarlyWarmup:
+    """One engine's warm-up compiling in a background thread (``start_early``)."""
+
+    plans: int
+    thread: threading.Thread | None = None
+    started: float = field(default_factory=time.perf_counter)
+    added: int | None = None
+    """Kernel variants it added (None: not finished, or failed: logged)."""
+    seconds: float | None = None
+
+
+_RUNNING: list[EarlyWarmup] = []  # started, not yet joined
+
+
+def start_early(vllm_config: Any, layers: Mapping[str, Any] | None = None) -> EarlyWarmup | None:
+    """Start compiling the engine warm-up's plans in a background thread; once per engine.
+
+    For ``MLAQuantBackend.customize_spec``: vLLM asks each layer's KV-cache spec after
+    the model is built and loaded and the block size is final, before its memory
+    profile (which runs torch.compile). The plans are made for stand-in caches of the
+    spec's geometry (``standin_caches``: the page, row width and dtype vLLM allocates;
+    the kernels do not key the block count), in the main thread, and compiled in a
+    daemon thread (its own ``compile_only`` pool) while vLLM goes on. Every later
+    warm-up (``warm_before_capture`` at the first metadata build, ``kernel_warmup``,
+    ``warm_layers``) and the metadata builder's construction (before any CUDA-graph
+    capture) first wait for it (``join_early``), then compile what is still missing.
+    ``layers``: default the config's forward context. Returns None when off
+    (``MLA_QUANT_WARMUP_EARLY=0``, or any switch of ``_may_warm``), already started
+    for ``vllm_config``, no ``MLA_QUANT`` layer or block size yet, or nothing to plan.
+    """
+    if vllm_config is None or not early_enabled() or not _may_warm(vllm_config):
+        return None
+    if layers is None:
+        layers = vllm_config.compilation_config.static_forward_context
+    quantized = {
+        name: layer
+        for name, layer in layers.items()
+        if isinstance(layer, MLAAttention) and _quantized(layer.impl)
+    }
+    block_size = getattr(vllm_config.cache_config, "block_size", None)
+    if not quantized or not isinstance(block_size, int) or block_size < 1:
+        return None
+    if not _first_time(vllm_config, _STARTED):
+        return None
+    try:
+        caches = standin_caches(quantized, vllm_config)
+    except Exception:  # the first metadata build then warms up as without this
+        logger.exception("MLA_QUANT early warmup failed; the first metadata build warms up")
+        return None
+    warmup = EngineWarmup()
+    plans = warmup.plan(quantized, vllm_config, caches)
+    if not plans:
+        return None
+    device = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        device = torch.cuda.current_device()  # the worker's: a new thread starts on device 0
+        from triton.runtime.driver import driver
+
+        driver.active.get_current_device()  # Triton's driver made here, not raced with the thread
+    run = EarlyWarmup(len(plans))
+    run.thread = threading.Thread(
+        target=_early_body, args=(run, warmup, plans, device), name="mla-quant-early-warmup",
+        daemon=True,
+    )  # fmt: skip
+    _RUNNING.append(run)
+    run.thread.start()
+    return run
+
+
+def _early_body(
+    run: EarlyWarmup, warmup: EngineWarmup, plans: list[Plan], device: int | None
+) -> None:
+    """The early warm-up's thread: compile ``plans``, drop the stand-in caches."""
+    try:
+        if device is not None:
+            torch.cuda.set_device(device)
+        run.added = warmup.compile_plans(plans, where=" (early, in the background)")
+    except Exception:  # compile_plans logs its own failures; this is anything around it
+        logger.exception("MLA_QUANT early warmup failed; the first metadata build warms up")
+    finally:
+        warmup._caches = {}
+        run.seconds = time.perf_counter() - run.started
+
+
+def join_early() -> float:
+    """Wait for every early warm-up of this process (``start_early``); returns the seconds
+    waited. Called in the thread that started them, before any other warm-up."""
+    start = time.perf_counter()
+    while _RUNNING:
+        run = _RUNNING.pop(0)
+        if run.thread is not None and run.thread is not threading.current_thread():
+            run.thread.join()
+    return time.perf_counter() - start
+
+
+def standin_caches(layers: Mapping[str, Any], vllm_config: Any) -> dict[str, torch.Tensor]:
+    """A KV cache per ``MLA_QUANT`` layer of the geometry vLLM will allocate for it.
+
+    The layer's spec as the worker makes it (``get_kv_cache_spec``, then the backend's
+    ``customize_spec``: the shadow bytes), viewed as ``MLAAttention.bind_kv_cache``
+    binds it: ``[blocks, page, row]`` in the spec's dtype, rows contiguous (vLLM's
+    LBNHC layout), on the device of the layer's weights; ``blocks`` as the minimal
+    cache of vLLM's CUDA-graph memory profile (``min(max_num_seqs, largest capture
+    size)``). Layers with the same shape share one tensor (1.2 MB at DeepSeek-V3's
+    576-wide bf16 rows, pages of 16, 64 blocks).
+    """
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    seqs = int(vllm_config.scheduler_config.max_num_seqs)
+    largest = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
+    blocks = max(1, min(seqs, int(largest)) if largest else seqs)
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
+    caches: dict[str, torch.Tensor] = {}
+    for name, layer in layers.items():
+        if not (isinstance(layer, MLAAttention) and _quantized(layer.impl)):
+            continue
+        spec: Any = layer.get_kv_cache_spec(vllm_config)
+        spec = customize_attention_spec(layer.get_attn_backend(), spec)
+        shape = tuple(int(x) for x in compute_layer_kv_cache_shape_bytes(spec, blocks))
+        device = _device(layer)
+        key = (shape, spec.dtype, device)
+        if key not in made:
+            flat = torch.zeros(math.prod(shape), dtype=torch.int8, device=device)
+            made[key] = flat.view(shape).view(spec.dtype).squeeze(1)
+        caches[name] = made[key]
+    return caches
+
+
+def _device(layer: Any) -> torch.device:
+    """The device of ``layer``'s weights (the worker's); the current CUDA device if none."""
+    for param in layer.parameters():
+        device: torch.device = param.device
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def warm_before_capture(layers: Mapping[str, Any], vllm_config: Any) -> int | None:
@@ -231,29 +428,31 @@ def warm_before_capture(layers: Mapping[str, Any], vllm_config: Any) -> int | No
     would compile every decode variant it reaches there, one after another. Warmed
     here in the pool instead, that pass and ``kernel_warmup`` (on the real cache)
     then find them compiled: the split kernels do not specialize the cache's block
-    count. Returns the variants added; None when off (``MLA_QUANT_WARMUP=0``, or
+    count. It first waits for the early warm-up (``start_early``), whose variants are
+    then found compiled: what it compiles is what that one did not. Returns the
+    variants added; None when off (``MLA_QUANT_WARMUP=0``, or
     vLLM's JIT warm-up off: eager), done before for ``vllm_config``, no KV cache bound
     yet, during a CUDA-graph capture, with vLLM's JIT monitor on (this would be
     inference), under Triton's interpreter (nothing compiles there), nothing to plan,
     or failed (logged; ``kernel_warmup`` then runs as before).
     """
-    from vllm.utils import jit_monitor
-
-    kernel_config = getattr(vllm_config, "kernel_config", None)
-    if not enabled() or not _compiles() or not getattr(kernel_config, "enable_jit_warmup", True):
+    waited = join_early()
+    if not _may_warm(vllm_config):
         return None
     bound = any(
         isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and layer.kv_cache.numel()
         for layer in layers.values()
     )  # before the caches are bound there is no decode to plan: wait for them
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if not bound or capturing or jit_monitor.is_active() or not _first_time(vllm_config):
+    if not bound or not _first_time(vllm_config, _BUILT):
         return None
     warmup = EngineWarmup()
     plans = warmup.plan(layers, vllm_config)
     if not plans:
         return None
-    added = warmup.compile_plans(plans, where=" (first metadata build)")
+    where = " (first metadata build)"
+    if waited >= 0.05:
+        where = f" (first metadata build, after {waited:.1f} s waiting for the early warm-up)"
+    added = warmup.compile_plans(plans, where=where)
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         # the warm-up's small inputs and workspaces go back to the device before vLLM's
         # profile measures what its CUDA graphs take
@@ -320,18 +519,18 @@ def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.data_ptr() % 16)
 
 
-def _signatures(layer: Any) -> list[tuple[str, tuple[Any, ...]]]:
-    """``(kind, what keys its kernels)`` of one bound ``MLA_QUANT`` layer."""
+def _signatures(layer: Any, cache: torch.Tensor | None) -> list[tuple[str, tuple[Any, ...]]]:
+    """``(kind, what keys its kernels)`` of one ``MLA_QUANT`` layer with KV cache ``cache``."""
     impl = layer.impl
     state = impl._state(layer)
     recipe = state.recipe
     observe = bool(state.observe.enabled)
     dims = (impl.num_heads, impl.qk_nope_head_dim + impl.qk_rope_head_dim, impl.v_head_dim)
+    dtype = cache.dtype if cache is not None else torch.get_default_dtype()
     out: list[tuple[str, tuple[Any, ...]]] = [
-        ("prefill", (recipe.prefill, recipe.sparsity, dims, observe, str(_dtype(layer))))
+        ("prefill", (recipe.prefill, recipe.sparsity, dims, observe, str(dtype)))
     ]
-    cache = getattr(layer, "kv_cache", None)
-    if isinstance(cache, torch.Tensor) and cache.numel():
+    if cache is not None:
         raw, shadow = impl._split(cache)
         layout = None if impl.mla_shadow is None else impl.mla_shadow.layout
         geometry = (*_geometry(raw), None if shadow is None else _geometry(shadow))
@@ -341,22 +540,15 @@ def _signatures(layer: Any) -> list[tuple[str, tuple[Any, ...]]]:
     return out
 
 
-def _dtype(layer: Any) -> torch.dtype:
-    cache = getattr(layer, "kv_cache", None)
-    if isinstance(cache, torch.Tensor) and cache.numel():
-        return cache.dtype
-    return torch.get_default_dtype()
-
-
-def _compile(plan: Plan, layer: Any, vllm_config: Any) -> None:
-    """Run ``mla_triton.warmup`` for one plan (inside ``compile_only``)."""
+def _compile(plan: Plan, layer: Any, cache: torch.Tensor | None, vllm_config: Any) -> None:
+    """Run ``mla_triton.warmup`` for one plan of ``layer`` with KV cache ``cache`` (inside
+    ``compile_only``)."""
     impl = layer.impl
     state = impl._state(layer)
     recipe = state.recipe
     observe = bool(state.observe.enabled)
     if plan.kind == "prefill":
-        cache = getattr(layer, "kv_cache", None)
-        if isinstance(cache, torch.Tensor) and cache.numel():
+        if cache is not None:
             device = cache.device
         else:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -373,7 +565,8 @@ def _compile(plan: Plan, layer: Any, vllm_config: Any) -> None:
         if observe and (quant is not None or recipe.sparsity is not None):
             warmup_prefill(context=False, **dims)  # the observed call's unquantized reference
         return
-    raw, shadow = impl._split(layer.kv_cache)
+    assert cache is not None  # decode and update plans exist only for a bound cache
+    raw, shadow = impl._split(cache)
     decode_quant = None if recipe.decode.is_identity else recipe.decode
     if plan.kind == "update":
         assert impl.mla_shadow is not None and shadow is not None
