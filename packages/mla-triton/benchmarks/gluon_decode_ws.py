@@ -37,6 +37,9 @@ oracle with the recipe; the bounds are the quantized ones (``_verdict``); files
 V block in the kernel): the ws configurations ``NV_CONFIGS`` (``NVFP4_CONFIG``, and with S
 issued early or TMA loads: bit for bit against it), ``gluon`` is ``gluon_decode``'s
 ``SEPARATE_V_CONFIG``; files ``*-nvfp4-shadow*``.
+``bench --graph``: each timed call also replayed from a CUDA graph of one call
+(``graph_ms``, ``graph_tflops``, ``graph_vs_flashmla``: the kernels without the host
+between them) and the host's time to issue one call (``host_ms``).
 """
 
 from __future__ import annotations
@@ -327,9 +330,42 @@ def _runs(
     return runs
 
 
-def bench(warmup: int, rep: int, names: list[str], recipe: str = "none") -> list[dict[str, Any]]:
+def _graph_and_host(run: Any, warmup: int, rep: int) -> dict[str, Any]:
+    """``run``'s time as the replay of a CUDA graph of one call (``graph_ms``: no host work
+    between the kernels, as vLLM's decode graphs run it) and the host's time to issue one
+    call (``host_ms``: ten calls, no synchronization; a call whose ``host_ms`` reaches its
+    ``ms`` is timed at the host's pace by ``do_bench``)."""
+    import triton.testing
+
+    t0 = time.perf_counter()
+    for _ in range(10):
+        run()
+    host_ms = (time.perf_counter() - t0) * 100.0
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm on a side stream, as graph capture wants
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+    except Exception as exc:  # recorded; the eager time stands
+        return {"host_ms": host_ms, "graph_error": repr(exc)}
+    return {"host_ms": host_ms, "graph_ms": ms}
+
+
+def bench(
+    warmup: int, rep: int, names: list[str], recipe: str = "none", graph: bool = False
+) -> list[dict[str, Any]]:
     """Median times at the two long-context shapes: the ws variants ``names``, gluon,
-    FlashMLA (bf16, on the raw cache; ``recipe`` fp8-shadow: ours through its shadow)."""
+    FlashMLA (bf16, on the raw cache; ``recipe`` fp8-shadow: ours through its shadow);
+    ``graph``: also each call replayed from a CUDA graph, and the host's issue time
+    (``_graph_and_host``)."""
     import triton.testing
 
     rows: list[dict[str, Any]] = []
@@ -356,12 +392,16 @@ def bench(warmup: int, rep: int, names: list[str], recipe: str = "none") -> list
                 if name != "flashmla":
                     agree = float((out.float() - base.float()).abs().max())
                 ms = triton.testing.do_bench(run, warmup=warmup, rep=rep, return_mode="median")
+                timed = _graph_and_host(run, warmup, rep) if graph else {}
             except Exception as exc:
                 rows.append({"shape": shape, "impl": name, "error": repr(exc)})
                 continue
+            if "graph_ms" in timed:
+                timed["graph_tflops"] = flops(batch, heads, seq_len) / timed["graph_ms"] / 1e9
             rows.append({"shape": shape, "impl": name, "splits": splits, "ms": ms,
                          "tflops": flops(batch, heads, seq_len) / ms / 1e9,
-                         "max_abs_diff_vs_gluon": agree, "wall_s": time.time() - t0})  # fmt: skip
+                         "max_abs_diff_vs_gluon": agree, "wall_s": time.time() - t0,
+                         **timed})  # fmt: skip
         fl = next((r for r in rows if r["shape"] == shape and r["impl"] == "flashmla"
                    and "ms" in r), None)  # fmt: skip
         del runs, dec  # the shadow's memory before the next shape
@@ -369,10 +409,15 @@ def bench(warmup: int, rep: int, names: list[str], recipe: str = "none") -> list
         for r in rows:
             if r["shape"] == shape and "ms" in r and fl is not None:
                 r["vs_flashmla"] = fl["ms"] / r["ms"]
+                if "graph_ms" in r and "graph_ms" in fl:
+                    r["graph_vs_flashmla"] = fl["graph_ms"] / r["graph_ms"]
             if r["shape"] == shape and "ms" in r:
+                graphed = (f" | graph {r['graph_ms']:7.3f} ms {r['graph_tflops']:6.1f} TFLOP/s "
+                           f"{r.get('graph_vs_flashmla', float('nan')):5.2f}x, host "
+                           f"{r['host_ms']:.3f} ms a call") if "graph_ms" in r else ""  # fmt: skip
                 print(f"{shape:17s} {r['impl']:26s} {r['ms']:7.3f} ms {r['tflops']:6.1f} TFLOP/s "
                       f"{r.get('vs_flashmla', float('nan')):5.2f}x FlashMLA "
-                      f"diff {r.get('max_abs_diff_vs_gluon')}", flush=True)  # fmt: skip
+                      f"diff {r.get('max_abs_diff_vs_gluon')}{graphed}", flush=True)  # fmt: skip
     return rows
 
 
@@ -387,6 +432,9 @@ def main() -> int:
                         "fp8 or nvfp4 shadow (plans outputs, compare, bench)")  # fmt: skip
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=300)
+    parser.add_argument("--graph", action="store_true",
+                        help="bench: also time each call replayed from a CUDA graph, and the "
+                        "host's time to issue one call")  # fmt: skip
     parser.add_argument("out", help="output folder")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -424,7 +472,8 @@ def main() -> int:
         default = NV_CONFIGS if args.recipe == "nvfp4-shadow" else [c.name for c in VARIANTS]
         names = [n for n in (named or list(default)) if n not in skip]
         result = {"info": info, "skipped": sorted(skip),
-                  "rows": bench(args.warmup_ms, args.rep_ms, names, args.recipe)}  # fmt: skip
+                  "rows": bench(args.warmup_ms, args.rep_ms, names, args.recipe,
+                                args.graph)}  # fmt: skip
         code = 0
         plan = "bench"
     with open(os.path.join(args.out, f"ws-{plan}{tag}.json"), "w") as f:

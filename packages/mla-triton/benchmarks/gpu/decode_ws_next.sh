@@ -11,19 +11,26 @@
 # Writes $OUT/{1-out-*.txt,out-*.pt,2-compare*.txt,ws-check*.json,3-bench.txt,ws-bench.json,
 # 4-bench-fp8-shadow.txt,ws-bench-fp8-shadow.json,5-bench-nvfp4-shadow.txt,
 # ws-bench-nvfp4-shadow.json} (the shadows' files: "-fp8-shadow", "-nvfp4-shadow").
+# The variant lists, the step timeouts and GRAPH (1: the bench steps also time CUDA-graph
+# replays and the host's issue time, --graph) may be set in the environment
+# (decode_ws_sit8.sh does); the defaults are sitting 7's run.
 set -u
 OUT=${OUT:-/tmp/h37-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${SITE:-/tmp/site}:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
 export TRITON_INTERPRET=0
 B=packages/mla-triton/benchmarks/gluon_decode_ws.py
-NEW=ws-r232-p40-tile-tma,ws-r232-p40-tile-tma-es,ws-r232-p40-tile-tma-n32s4-es
-TWIN=ws-r232-p40-tile-tma-n32s4  # the last one's twin (not in VARIANTS: checked, not timed)
+NEW=${NEW-ws-r232-p40-tile-tma,ws-r232-p40-tile-tma-es,ws-r232-p40-tile-tma-n32s4-es}
+TWIN=${TWIN-ws-r232-p40-tile-tma-n32s4}  # the last one's twin (not in VARIANTS: checked, not timed)
 # fp8 through the shadow: the default, TMA (its twin: the default), TMA + S early (twin: TMA)
-SHADOW=ws-r232-p40-tile,ws-r232-p40-tile-tma,ws-r232-p40-tile-tma-es
-SHADOW_TIMED=ws-r232-p40-tile,ws-r232-p40-tile-tma-es
+SHADOW=${SHADOW-ws-r232-p40-tile,ws-r232-p40-tile-tma,ws-r232-p40-tile-tma-es}
+SHADOW_TIMED=${SHADOW_TIMED-ws-r232-p40-tile,ws-r232-p40-tile-tma-es}
 # nvfp4 through the shadow: NVFP4_CONFIG and with S issued early (its twin: NVFP4_CONFIG)
-NV=ws-r232-p40-tile-n32s2,ws-r232-p40-tile-n32s2-es
+NV=${NV-ws-r232-p40-tile-n32s2,ws-r232-p40-tile-n32s2-es}
+# step timeouts (s): outputs, compare, bench none, bench fp8 shadow, bench nvfp4 shadow
+T_OUT=${T_OUT:-70} T_CMP=${T_CMP:-20} T_NONE=${T_NONE:-55} T_FP8=${T_FP8:-45} T_NV=${T_NV:-40}
+GRAPH_ARG=""
+if [ "${GRAPH:-0}" = 1 ]; then GRAPH_ARG=--graph; fi
 start=$(date +%s)
 # 1. one process a producer, in parallel (each compiles its own keys; a hung variant costs
 #    only its own process): the float64 oracle, decode(impl="gluon")'s kernel, the default
@@ -32,19 +39,19 @@ start=$(date +%s)
 #    bench's keys
 pids=""
 for name in reference gluon ws-r232-p40-tile ${NEW//,/ } $TWIN; do
-  timeout -k 2 70 python3 $B --plan outputs --variants "$name" "$OUT" > "$OUT/1-out-$name.txt" 2>&1 &
+  timeout -k 2 "$T_OUT" python3 $B --plan outputs --variants "$name" "$OUT" > "$OUT/1-out-$name.txt" 2>&1 &
   pids="$pids $!"
 done
 # the fp8 shadow's producers (decode_shadow on the cases' filled shadows): the oracle with
 # the recipe, gluon_decode's shadow kernel, the three ws variants; then their bench keys
 for name in reference gluon ${SHADOW//,/ }; do
-  timeout -k 2 70 python3 $B --plan outputs --recipe fp8-shadow --variants "$name" "$OUT" \
+  timeout -k 2 "$T_OUT" python3 $B --plan outputs --recipe fp8-shadow --variants "$name" "$OUT" \
     > "$OUT/1-out-fp8-shadow-$name.txt" 2>&1 &
   pids="$pids $!"
 done
 # the nvfp4 shadow's: the oracle with the recipe, gluon_decode's SEPARATE_V_CONFIG, the two
 for name in reference gluon ${NV//,/ }; do
-  timeout -k 2 70 python3 $B --plan outputs --recipe nvfp4-shadow --variants "$name" "$OUT" \
+  timeout -k 2 "$T_OUT" python3 $B --plan outputs --recipe nvfp4-shadow --variants "$name" "$OUT" \
     > "$OUT/1-out-nvfp4-shadow-$name.txt" 2>&1 &
   pids="$pids $!"
 done
@@ -54,12 +61,12 @@ echo "outputs: $(( $(date +%s) - start )) s"; for f in "$OUT"/1-out-*.txt; do ec
 #    2% of rows beyond 4e-3, all within 0.5, LSE 2e-5), each new one bit for bit vs its twin
 #    (gluon_decode_ws.twin); writes ws-check.json and ws-check-fp8-shadow.json (failed: not
 #    timed); the two compares in parallel (CPU only)
-timeout -k 2 20 python3 $B --plan compare "$OUT" > "$OUT/2-compare.txt" 2>&1 &
+timeout -k 2 "$T_CMP" python3 $B --plan compare "$OUT" > "$OUT/2-compare.txt" 2>&1 &
 p_none=$!
-timeout -k 2 20 python3 $B --plan compare --recipe fp8-shadow "$OUT" \
+timeout -k 2 "$T_CMP" python3 $B --plan compare --recipe fp8-shadow "$OUT" \
   > "$OUT/2-compare-fp8-shadow.txt" 2>&1 &
 p_shadow=$!
-timeout -k 2 20 python3 $B --plan compare --recipe nvfp4-shadow "$OUT" \
+timeout -k 2 "$T_CMP" python3 $B --plan compare --recipe nvfp4-shadow "$OUT" \
   > "$OUT/2-compare-nvfp4-shadow.txt" 2>&1 &
 p_nv=$!
 wait $p_none; rc=$?
@@ -78,18 +85,18 @@ bench() {
     echo "SKIP timing ($name): rc=$rc, every variant failed or the compare did not finish"
     return
   fi
-  timeout -k 2 "$limit" python3 $B --plan bench "$@" --warmup-ms 50 --rep-ms 200 "$OUT" \
+  timeout -k 2 "$limit" python3 $B --plan bench "$@" $GRAPH_ARG --warmup-ms 50 --rep-ms 200 "$OUT" \
     > "$OUT/$file" 2>&1
   echo "bench $name: rc=$? ($(( $(date +%s) - start )) s)"
-  grep -E "TFLOP/s|Error|error" "$OUT/$file" | head -16
+  grep -E "TFLOP/s|Error|error" "$OUT/$file" | head -16 | cut -c1-220
 }
 # 3. recipe none: the default, the new variants, gluon_decode's kernel, FlashMLA
-bench none $rc 55 3-bench.txt --variants "ws-r232-p40-tile,$NEW"
+bench none $rc "$T_NONE" 3-bench.txt --variants "ws-r232-p40-tile,$NEW"
 # 4. the fp8 shadow: the ws default and TMA + S early through decode_shadow, gluon's shadow
 #    kernel (what decode_shadow(impl="gluon") runs today), FlashMLA on the raw cache (the
 #    shadow filled by update_cache over every slot)
-bench "fp8 shadow" $rc_shadow 45 4-bench-fp8-shadow.txt --recipe fp8-shadow --variants "$SHADOW_TIMED"
+bench "fp8 shadow" $rc_shadow "$T_FP8" 4-bench-fp8-shadow.txt --recipe fp8-shadow --variants "$SHADOW_TIMED"
 # 5. the nvfp4 shadow: NVFP4_CONFIG and with S early, gluon_decode's SEPARATE_V_CONFIG
 #    (decode_shadow(impl="gluon") today: 258 TFLOP/s, 0.48-0.50x), FlashMLA
-bench "nvfp4 shadow" $rc_nv 40 5-bench-nvfp4-shadow.txt --recipe nvfp4-shadow --variants "$NV"
+bench "nvfp4 shadow" $rc_nv "$T_NV" 5-bench-nvfp4-shadow.txt --recipe nvfp4-shadow --variants "$NV"
 echo "total $(( $(date +%s) - start )) s"
