@@ -92,6 +92,11 @@ JIT_LINE = re.compile(r"during inference: ([\w<>]+(?:\.[\w<>]+)*)")  # vllm.util
 WARMUP_LINE = re.compile(r"MLA_QUANT warmup: .*")
 INIT_LINE = re.compile(r"init engine \(.*?\) took ([\d.]+) s(?: \(compilation: ([\d.]+) s\))?")
 CAPTURE_LINE = re.compile(r"Graph capturing finished in ([\d.]+) secs")
+KV_TOKENS_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+# vLLM's log time stamps ("INFO 12-02 01:32:44 [startup.py:96] non-default args ...")
+STAMP = r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) \[[^\]]*\] "
+ARGS_LINE = re.compile(STAMP + "non-default args")
+ARCH_LINE = re.compile(STAMP + "Resolved architecture")
 
 
 @dataclass(frozen=True)
@@ -312,8 +317,11 @@ def run_child(args: argparse.Namespace) -> int:
 
 def scan_log(text: str) -> dict[str, Any]:
     """vLLM's JIT-monitor warnings (kernel names, in order), MLA_QUANT's warmup lines, and
-    the engine's init time (``init_engine_s``, its torch.compile part ``compile_s``) and
-    CUDA-graph capture passes (``capture_s``, seconds each) as vLLM logs them."""
+    the engine's init time (``init_engine_s``, its torch.compile part ``compile_s``),
+    CUDA-graph capture passes (``capture_s``, seconds each), KV-cache size
+    (``kv_cache_tokens``) and the seconds from "non-default args" to "Resolved
+    architecture" (``inspect_s``: vLLM's model inspection, paid by the first engine of a
+    machine only) as vLLM logs them."""
     # only the per-kernel warnings: the monitor's own start line also says "during inference"
     kernels = [m.group(1) for line in text.splitlines() if (m := JIT_LINE.search(line))]
     warmups = [m.group(0).strip() for m in WARMUP_LINE.finditer(text)]
@@ -325,7 +333,19 @@ def scan_log(text: str) -> dict[str, Any]:
         if init.group(2) is not None:
             found["compile_s"] = float(init.group(2))
     found["capture_s"] = [float(m.group(1)) for m in CAPTURE_LINE.finditer(text)]
+    tokens = KV_TOKENS_LINE.search(text)
+    if tokens is not None:
+        found["kv_cache_tokens"] = int(tokens.group(1).replace(",", ""))
+    args, arch = ARGS_LINE.search(text), ARCH_LINE.search(text)
+    if args is not None and arch is not None:
+        found["inspect_s"] = _stamp(arch) - _stamp(args)
     return found
+
+
+def _stamp(match: re.Match[str]) -> int:
+    """Seconds since the month's start of a vLLM log time stamp (1 s resolution)."""
+    day, hour, minute, second = (int(match.group(i)) for i in range(2, 6))
+    return ((day * 24 + hour) * 60 + minute) * 60 + second
 
 
 def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:
@@ -496,7 +516,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out = args.out.resolve()
     if args.child is not None:
-        return run_child(args)
+        code = 1
+        try:
+            code = run_child(args)
+        except BaseException:  # printed to the engine's log; the parent records the status
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            # the results are written: skip vLLM's teardown at exit (seconds of wall
+            # per engine, and the exit hang of docs/vllm.md)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     problem = preflight()
     if problem is not None:
         print(f"serve_bench: FAIL: {problem}", flush=True)

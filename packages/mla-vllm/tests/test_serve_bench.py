@@ -96,6 +96,11 @@ def test_model_is_deepseek_v3_attention(serve: ModuleType) -> None:
 
 def test_log_scan(serve: ModuleType) -> None:
     log = (
+        "(MainProcess pid=3888) INFO 12-02 01:32:44 [startup.py:96] non-default args: {}\n"
+        "(MainProcess pid=3888) INFO 12-02 01:33:14 [model.py:744] Resolved architecture: "
+        "DeepseekV2ForCausalLM\n"
+        "INFO 12-02 01:33:51 [kv_cache_utils.py:1147] GPU KV cache size: 25,751,424 tokens, "
+        "Maximum concurrency for 4,352 tokens per request: 5917.15x\n"
         "INFO 12-01 14:23:35 [jit_monitor.py:84] Kernel JIT monitor activated; monitored JIT "
         "compilations during inference will use mode=warn.\n"
         "INFO 12-01 mla_vllm.warmup: MLA_QUANT warmup: 3 plans (decode, prefill, update) over 4 "
@@ -121,7 +126,13 @@ def test_log_scan(serve: ModuleType) -> None:
         22.46,
         [14, 2],
     )
+    assert (found["inspect_s"], found["kv_cache_tokens"]) == (30, 25751424)
     assert serve.scan_log("no warnings")["jit_warnings"] == 0
+    over_midnight = (
+        "INFO 12-02 23:59:50 [startup.py:96] non-default args: {}\n"
+        "INFO 12-03 00:00:05 [model.py:744] Resolved architecture: X\n"
+    )
+    assert serve.scan_log(over_midnight)["inspect_s"] == 15
 
 
 def test_results_json_and_plot(serve: ModuleType, tmp_path: Path) -> None:

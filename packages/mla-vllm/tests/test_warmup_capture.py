@@ -27,6 +27,7 @@ last tests pin both down.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -276,3 +277,138 @@ def test_first_build_warmup_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         make_builder(model)  # all on: this engine has not been warmed yet
         _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
         assert len(compiled) == 1
+
+
+# ------------------------------------------------------------------ early warm-up
+
+EARLY_CONFIGS: dict[str, Any] = {
+    "none": {},
+    "fp8": {"recipe": "fp8"},
+    "nvfp4": {"recipe": "nvfp4"},
+    "nvfp4-shadow": {"recipe": "nvfp4", "kv_path": "shadow"},
+}
+
+
+def _unbuilt(tmp_path: Path, mla_quant: object) -> Model:
+    """Layers built and loaded, no builder and no cache yet (where vLLM asks the specs)."""
+    from conftest import build_model, make_vllm_config
+
+    from mla_vllm.backend import MLAQuantBackend
+
+    config = make_vllm_config(tmp_path, SMALL, mla_quant=mla_quant)
+    model = build_model(config, SMALL, MLAQuantBackend, num_layers=2, num_blocks=1)
+    for layer in model.layers.values():
+        layer.kv_cache = torch.tensor([])  # as vLLM's layers before the cache is bound
+    model.caches.clear()
+    return model
+
+
+@pytest.mark.parametrize("name", list(EARLY_CONFIGS))
+def test_early_plans_cover_the_first_build(tmp_path: Path, name: str) -> None:
+    """The early warm-up's stand-in caches key every kernel as the caches vLLM allocates
+    (its planner and allocator, ``test_shadow._allocate``) do: the first build's keys are
+    among the early ones, and the stand-ins have the real rows' shape and strides."""
+    from test_shadow import _allocate
+
+    from mla_vllm.warmup import EngineWarmup, standin_caches
+
+    model = _unbuilt(tmp_path, EARLY_CONFIGS[name])
+    standins = standin_caches(model.layers, model.config)
+    early = EngineWarmup()
+    with record_keys() as early_keys:
+        early.run_plans(early.plan(model.layers, model.config, standins))
+    make_builder(model)
+    _allocate(model)  # vLLM's own views of one buffer, bound to the layers
+    for layer_name, cache in model.caches.items():
+        standin = standins[layer_name]
+        assert standin.shape[1:] == cache.shape[1:] and standin.dtype == cache.dtype
+        assert standin.stride()[1:] == cache.stride()[1:], (standin.stride(), cache.stride())
+    first = EngineWarmup()
+    with record_keys() as first_keys:
+        first.run_plans(first.plan(model.layers, model.config))
+    kernels = _kernels(first_keys)
+    assert any("split" in k for k in kernels), kernels
+    assert ("shadow_update_kernel" in kernels) == ("shadow" in name), kernels
+    assert first_keys <= early_keys, _kernels(first_keys - early_keys)
+
+
+def test_early_warmup_starts_once_and_is_joined(tmp_path: Path) -> None:
+    """vLLM's spec request starts it (a background thread, once per engine); the metadata
+    builder waits for it; the first build then runs the plans again, for keys all
+    compiled early; later builds and builders warm nothing."""
+    from test_shadow import _allocate, _specs
+
+    import mla_vllm.warmup as warmup
+
+    compiled: list[Keys] = []
+    with _recording(compiled, early=True):
+        model = _unbuilt(tmp_path, EARLY_CONFIGS["nvfp4-shadow"])
+        _specs(model)  # the worker's get_kv_cache_spec: customize_spec starts it
+        assert len(warmup._RUNNING) == 1
+        run = warmup._RUNNING[0]
+        assert run.thread is not None and run.thread.daemon
+        _specs(model)  # asked again (the allocator does): no second start
+        assert len(warmup._RUNNING) == 1
+        make_builder(model)  # joins
+        assert warmup._RUNNING == [] and not run.thread.is_alive()
+        assert run.added == 0 and run.seconds is not None  # the interpreter compiles nothing
+        assert len(compiled) == 1
+        _allocate(model)
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))  # the first build
+        assert len(compiled) == 2
+        make_builder(model)
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
+        _specs(model)
+        assert len(compiled) == 2 and warmup._RUNNING == []
+    early, first = compiled
+    assert "shadow_update_kernel" in _kernels(early), _kernels(early)
+    assert first <= early, _kernels(first - early)
+
+
+@pytest.mark.parametrize("switch", ["early-off", "warmup-off", "eager", "interpreter"])
+def test_early_warmup_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
+    """``MLA_QUANT_WARMUP_EARLY=0``, ``MLA_QUANT_WARMUP=0``, vLLM's JIT warm-up off
+    (eager) and Triton's interpreter: the spec request starts nothing."""
+    from test_shadow import _specs
+
+    import mla_vllm.warmup as warmup
+
+    compiled: list[Keys] = []
+    with _recording(compiled, compiles=switch != "interpreter", early=switch != "early-off"):
+        model = _unbuilt(tmp_path, EARLY_CONFIGS["nvfp4"])
+        if switch == "warmup-off":
+            monkeypatch.setenv(warmup.ENV, "0")
+        if switch == "eager":
+            model.config.kernel_config.enable_jit_warmup = False
+        _specs(model)
+        assert warmup._RUNNING == []
+    assert compiled == []
+
+
+def test_failed_early_warmup_leaves_the_first_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An early warm-up that fails is logged and joined; the first build warms up."""
+    from test_shadow import _allocate, _specs
+
+    import mla_vllm.warmup as warmup
+
+    original = warmup._compile
+    main = threading.get_ident()
+
+    def failing(*args: Any) -> None:
+        if threading.get_ident() != main:
+            raise RuntimeError("early compile failed")
+        original(*args)
+
+    monkeypatch.setattr(warmup, "_compile", failing)
+    compiled: list[Keys] = []
+    with _recording(compiled, early=True):
+        model = _unbuilt(tmp_path, EARLY_CONFIGS["nvfp4"])
+        _specs(model)
+        run = warmup._RUNNING[0]
+        make_builder(model)
+        assert run.added is None  # failed (logged)
+        _allocate(model)
+        _dummy_batch(model, [(0, 1)], full=False, width=_width(model))
+    assert len(compiled) == 1 and any("split" in k for k in _kernels(compiled[0]))
