@@ -57,20 +57,23 @@ _TAIL = {"_tail_v", "_nvfp4_v_block", "_zero_tail"}
 
 def sass(config: ws.WsConfig, recipe: Any) -> str:
     """``nvdisasm -c -g`` of the kernel compiled for sm_90a (one split, page 64)."""
+    kw = {} if recipe is None else {"recipe": recipe}
+    return ptx_sass(ws.compile_ws(config, num_splits=1, **kw).ptx, "-g")
+
+
+def ptx_sass(ptx: str, *flags: str) -> str:
+    """sm_90a SASS of ``ptx``: Triton's ``ptxas -lineinfo``, then ``nvdisasm -c`` with
+    ``flags`` (``-g``: each instruction's inlining chain; ``-gi``: the innermost line)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    kw = {} if recipe is None else {"recipe": recipe}
-    ptx = ws.compile_ws(config, num_splits=1, **kw).ptx
-    ptxas = get_ptxas(90).path
-    nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
+    tools = os.path.dirname(get_ptxas(90).path)
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(src).write_text(ptx)
-        cmd = [ptxas, "-lineinfo", "--gpu-name", "sm_90a", src, "-o", src + ".cubin"]
-        subprocess.run(cmd, check=True, capture_output=True)
-        out = subprocess.run([nvdisasm, "-c", "-g", src + ".cubin"], check=True,
-                             capture_output=True, text=True)  # fmt: skip
-    return out.stdout
+        run = [os.path.join(tools, "ptxas"), "-lineinfo", "--gpu-name", "sm_90a", src, "-o", cubin]
+        subprocess.run(run, check=True, capture_output=True)
+        dis = [os.path.join(tools, "nvdisasm"), "-c", *flags, cubin]
+        return subprocess.run(dis, check=True, capture_output=True, text=True).stdout
 
 
 @functools.cache
