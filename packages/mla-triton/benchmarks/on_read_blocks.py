@@ -1,6 +1,7 @@
 """nvfp4 on read in the Gluon decode: whole blocks a thread (``ON_READ_BLOCKS_CONFIG``,
-``V_OWN == 2``) against today's V_OWN kernel (``SEPARATE_V_CONFIG``), the oracle and
-FlashMLA bf16, in one process.
+``V_OWN == 2``) and with V̂ quantized under the S MMA (``ON_READ_OVERLAP_CONFIG``, ``V_OWN
+== 3``) against today's V_OWN kernel (``SEPARATE_V_CONFIG``), the oracle and FlashMLA bf16,
+in one process.
 
 Run on an H200 from the repository root (``benchmarks/gpu/on_read_sit8.sh`` does)::
 
@@ -10,10 +11,11 @@ Run on an H200 from the repository root (``benchmarks/gpu/on_read_sit8.sh`` does
 ``--plan check``: ragged lengths, splits 1 to 3 and the policy's, pages 16 and 64, 20, 64
 and 128 heads, uniform nvfp4 and nvfp4 with global scales that are not powers of two (the
 exact divisions); per case both kernels against ``mla_reference.decode`` (CPU, the quantized
-recipe: ``gluon_decode.py``'s bounds for a quantized P) and the new kernel against the
-current one bit for bit (the QDQ's arithmetic is the same, only its register layout moves,
-and everything after it is the same code). ``--plan bench``: b128 h128 L8192 and b32 h128
-L32768 (``decode.py``'s inputs), median of ``do_bench``, TFLOP/s with FlashMLA's count.
+recipe: ``gluon_decode.py``'s bounds for a quantized P) and the new kernels against the
+current one bit for bit (the QDQ's arithmetic is the same, only its register layout, its
+buffers and its place in the schedule move; the MMAs read the same bits). ``--plan
+bench``: b128 h128 L8192 and b32 h128 L32768 (``decode.py``'s inputs), median of
+``do_bench``, TFLOP/s with FlashMLA's count.
 JSON: ``OUTDIR/on_read_{plan}.json``; one line a case or run on stdout.
 """
 
@@ -37,13 +39,18 @@ from gluon_decode import make_inputs as case_inputs
 from gluon_shadow import bench
 
 from mla_formats import AttentionQuant, OperandQuant
-from mla_triton.gluon_decode import ON_READ_BLOCKS_CONFIG, SEPARATE_V_CONFIG
+from mla_triton.gluon_decode import (
+    ON_READ_BLOCKS_CONFIG,
+    ON_READ_OVERLAP_CONFIG,
+    SEPARATE_V_CONFIG,
+)
 
 SCALE = 576**-0.5
 NV = AttentionQuant.uniform("nvfp4")
 NV3 = AttentionQuant(q="nvfp4", k=OperandQuant("nvfp4", 3.0), v=OperandQuant("nvfp4", 3.0),
                      p="nvfp4")  # fmt: skip
-CONFIGS = {"v-own": SEPARATE_V_CONFIG, "v-own-blocks": ON_READ_BLOCKS_CONFIG}
+CONFIGS = {"v-own": SEPARATE_V_CONFIG, "v-own-blocks": ON_READ_BLOCKS_CONFIG,
+           "v-own-under-s": ON_READ_OVERLAP_CONFIG}  # fmt: skip
 # (name, heads, lens, page, num_splits (None: the policy), quant)
 CASES: list[tuple[str, int, list[int], int, int | None, AttentionQuant]] = [
     ("h128-mixed-s1", 128, [1, 65, 1000, 2049], 64, 1, NV),
@@ -80,17 +87,19 @@ def check(deadline: float) -> list[dict[str, Any]]:
                                    num_splits=splits, config=cfg)  # fmt: skip
                 rec[key] = e = compare(*outs[key], ref, rlse)
                 e["ok"] = _ok(e, p_quantized=True)
-            (o1, l1), (o2, l2) = outs["v-own"], outs["v-own-blocks"]
-            rec["bitwise"] = bool(torch.equal(o1, o2) and torch.equal(l1, l2))
-            good = rec["bitwise"] and rec["v-own-blocks"]["ok"]
+            o1, l1 = outs["v-own"]
+            rec["bitwise"] = {
+                k: bool(torch.equal(o1, outs[k][0]) and torch.equal(l1, outs[k][1]))
+                for k in ("v-own-blocks", "v-own-under-s")
+            }
+            good = all(rec["bitwise"].values()) and rec["v-own-blocks"]["ok"]
             rec["status"] = "pass" if good else "FAIL"
-            e1, e2 = rec["v-own"], rec["v-own-blocks"]
-            print(
-                f"{name:20s} {rec['status']:4s} bitwise {rec['bitwise']} | blocks row "
-                f"{e2['max_row_err']:.2e} lse {e2['lse_max_abs']:.1e} | v-own row "
-                f"{e1['max_row_err']:.2e} ok {e1['ok']}",
-                flush=True,
+            errs = " | ".join(
+                f"{k} row {rec[k]['max_row_err']:.2e} lse {rec[k]['lse_max_abs']:.1e} ok "
+                f"{rec[k]['ok']}"
+                for k in CONFIGS
             )
+            print(f"{name:20s} {rec['status']:4s} bitwise {rec['bitwise']} | {errs}", flush=True)
         except Exception as exc:  # one case's failure must not end the run
             rec["status"] = "ERROR"
             rec["error"] = f"{type(exc).__name__}: {exc}"

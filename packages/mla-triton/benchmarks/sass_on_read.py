@@ -3,11 +3,12 @@
 From the repository root::
 
     PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
-        python packages/mla-triton/benchmarks/sass_on_read.py [--blocks] [--sass FILE]
+        python packages/mla-triton/benchmarks/sass_on_read.py [--mode 1|2|3] [--sass FILE]
 
 Compiles ``gluon_decode_split_kernel`` for sm_90a as ``test_compiles_for_sm90a
 [bn32-st2-on-read-nvfp4]`` does (uniform nvfp4 on read, bf16, page 64, two splits;
-``--blocks``: ``ON_READ_BLOCKS_CONFIG``, ``V_OWN == 2``), reassembles its PTX with line
+``--mode 2``: ``ON_READ_BLOCKS_CONFIG``, ``V_OWN == 2``; ``--mode 3``:
+``ON_READ_OVERLAP_CONFIG``, ``V_OWN == 3``), reassembles its PTX with line
 information (Triton's ``ptxas -lineinfo``) and disassembles it (``nvdisasm -gi``). Each
 instruction of the main loop (from the loop's top barrier to its back edge: one warp, one
 32-token tile) is charged to the kernel line it was inlined into: V̂ QDQ, K̂ QDQ (and its
@@ -61,14 +62,20 @@ def pipe(op: str) -> str:
     return "ctl"
 
 
-def compile_sass(blocks: bool) -> str:
-    """The kernel's SASS with inline line information (``nvdisasm -c -gi``)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
+def compile_sass(mode: int) -> str:
+    """The kernel's SASS with inline line information (``nvdisasm -c -gi``); ``mode``:
+    ``V_OWN`` (1 today, 2 whole blocks, 3 whole blocks with V̂ under the S MMA)."""
     recipe = gd.gluon_recipe(AttentionQuant.uniform("nvfp4"))
     assert isinstance(recipe, gd.GluonRecipe)
-    cfg = gd.ON_READ_BLOCKS_CONFIG if blocks else gd.SEPARATE_V_CONFIG
-    ptx = gd.compile_variant(cfg, num_splits=2, recipe=recipe).ptx
+    cfg = {1: gd.SEPARATE_V_CONFIG, 2: gd.ON_READ_BLOCKS_CONFIG, 3: gd.ON_READ_OVERLAP_CONFIG}[mode]
+    return ptx_sass(gd.compile_variant(cfg, num_splits=2, recipe=recipe).ptx)
+
+
+def ptx_sass(ptx: str, inline: bool = True) -> str:
+    """sm_90a SASS of ``ptx`` with line information (Triton's ``ptxas -lineinfo``, then
+    ``nvdisasm -c -gi``, or ``-g`` without ``inline``: the innermost line only)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
     ptxas = get_ptxas(90).path
     nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,8 +83,9 @@ def compile_sass(blocks: bool) -> str:
         Path(src).write_text(ptx)
         cmd = [ptxas, "-lineinfo", "--gpu-name", "sm_90a", src, "-o", src + ".cubin"]
         subprocess.run(cmd, check=True, capture_output=True)
-        out = subprocess.run([nvdisasm, "-c", "-gi", src + ".cubin"], check=True,
-                             capture_output=True, text=True)  # fmt: skip
+        flags = ["-c", "-gi" if inline else "-g"]
+        out = subprocess.run([nvdisasm, *flags, src + ".cubin"], check=True, capture_output=True,
+                             text=True)  # fmt: skip
     return out.stdout
 
 
@@ -112,6 +120,8 @@ class Lines:
             return next(k + 1 for k in range(after, len(src)) if text in src[k])
 
         q0 = at("def _qdq_tile_kv(")
+        k3 = at("def _qdq_k(")
+        self.k3 = (k3, at("kpe_mma.store(y2", k3))
         self.v0 = at("for c in gl.static_range(D1 // WV)", q0)
         self.k0 = at("if K_FMT != 0:", self.v0)
         self.kbar = at("gl.barrier()", self.k0)
@@ -121,13 +131,15 @@ class Lines:
         self.adv = (at("nxt = i + STAGES - 1", plain), at("n_bad |= bad", plain))
         self.wait = at("cp.wait_group(STAGES - 1)", plain)
         self.own_bar = at("gl.barrier()", at("if V_OWN:", plain))
-        self.qcall = at("_qdq_tile_kv(", plain)
+        self.qcall = self.own_bar + 1
         self.fence = at("fence_async_shared()", self.qcall)
         self.s0 = at("s = _scores(", self.fence)
+        self.v3 = at("_qdq_v_in_place(kv_ring", self.s0)
+        self.s1 = at("s = _scores(", self.v3)
         self.sm0 = at("valid = (start + offs_n) < hi", self.s0)
         self.res = at("acc = acc * gl.convert_layout(alpha", self.sm0)
         self.pst = at("p_smem.store(_p_hat(", self.res)
-        self.pv = (at("acc = warpgroup_mma(p_smem", self.pst),
+        self.pv = (at("acc = warpgroup_mma(p_smem", self.pst) - 1,
                    at("acc = warpgroup_mma_wait(0, deps=(acc,))", self.pst))  # fmt: skip
 
     def phase(self, chain: list[int]) -> str:
@@ -137,6 +149,8 @@ class Lines:
         if self.qcall <= outer < self.fence and outer != self.own_bar:
             if any(self.v0 <= n < self.k0 for n in chain):
                 return "V_qdq"
+            if any(self.k3[0] <= n <= self.k3[1] for n in chain):
+                return "K_qdq"
             if self.kbar in chain:
                 return "waits_barriers"
             return "K_qdq" if any(self.k0 <= n <= self.kend for n in chain) else "other"
@@ -145,7 +159,9 @@ class Lines:
         waits = (self.top, self.wait, self.own_bar, self.fence, self.fence + 1)
         if outer in (*waits, self.pst + 1, self.pst + 2):
             return "waits_barriers"
-        if outer in (self.s0, self.s0 + 1):
+        if outer == self.v3:
+            return "V_qdq"
+        if outer in (self.s0, self.s1, self.s1 + 1):
             return "S_wgmma"
         if self.sm0 <= outer < self.res:
             return "softmax"
@@ -202,13 +218,13 @@ def report(sass: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", action="store_true", help="ON_READ_BLOCKS_CONFIG (V_OWN == 2)")
+    ap.add_argument("--mode", type=int, default=1, choices=(1, 2, 3), help="V_OWN (see above)")
     ap.add_argument("--sass", default=None, help="also write the SASS here")
     args = ap.parse_args(argv)
-    sass = compile_sass(args.blocks)
+    sass = compile_sass(args.mode)
     if args.sass:
         Path(args.sass).write_text(sass)
-    print(f"Triton {triton.__version__}, sm_90a, {'blocks' if args.blocks else 'V_OWN'}")
+    print(f"Triton {triton.__version__}, sm_90a, V_OWN {args.mode}")
     print(report(sass))
     return 0
 

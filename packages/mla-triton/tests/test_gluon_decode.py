@@ -37,6 +37,7 @@ from mla_triton.decode import DecodeConfig
 from mla_triton.gluon_decode import (
     IMPLS,
     ON_READ_BLOCKS_CONFIG,
+    ON_READ_OVERLAP_CONFIG,
     SEPARATE_V_CONFIG,
     UNQUANTIZED,
     VARIANTS,
@@ -80,7 +81,7 @@ ON_READ_NVFP4 = gluon_recipe(AttentionQuant.uniform("nvfp4"))
 assert isinstance(ON_READ_NVFP4, GluonRecipe) and ON_READ_NVFP4.v_own
 COMPILED += [(SEPARATE_V_CONFIG, ON_READ_NVFP4)]
 # the same with whole blocks a thread (V_OWN == 2, off by default): no shuffles in the QDQ
-COMPILED += [(ON_READ_BLOCKS_CONFIG, ON_READ_NVFP4)]
+COMPILED += [(ON_READ_BLOCKS_CONFIG, ON_READ_NVFP4), (ON_READ_OVERLAP_CONFIG, ON_READ_NVFP4)]
 
 
 def _label(recipe: GluonRecipe) -> str:
@@ -466,6 +467,8 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     # whole blocks a thread: asked for by config only, V_OWN 2, everything else the same
     vb = _launched(call("gluon", ON_READ_BLOCKS_CONFIG))[1][1]
     assert vb["V_OWN"] == 2 and _plain(vb | {"V_OWN": True}) == _plain(a)
+    vs = _launched(call("gluon", ON_READ_OVERLAP_CONFIG))[1][1]
+    assert vs["V_OWN"] == 3 and _plain(vs | {"V_OWN": True}) == _plain(a)
     want = r"^config: V quantized into its own tiles .*bn32-st2"
     with record_keys() as keys, pytest.raises(ValueError, match=want):
         call("gluon", VARIANTS[2])()
@@ -473,6 +476,10 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     with record_keys() as keys, pytest.raises(ValueError, match=r"^config: bn32-st2-vb is for"):
         decode(q, cache, table, seq, softmax_scale=SCALE, impl="gluon",
                config=ON_READ_BLOCKS_CONFIG)  # fmt: skip
+    assert not keys
+    with record_keys() as keys, pytest.raises(ValueError, match=r"needs K and q quantized"):
+        decode(q, cache, table, seq, softmax_scale=SCALE, impl="gluon",
+               quant=AttentionQuant(v="nvfp4"), config=ON_READ_OVERLAP_CONFIG)  # fmt: skip
     assert not keys
 
 
@@ -740,6 +747,9 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match=r"config\.v_blocks"):
         GluonDecodeConfig(block_n=32, stages=4, v_blocks=True)
     assert ON_READ_BLOCKS_CONFIG.name == "bn32-st2-vb"
+    assert ON_READ_OVERLAP_CONFIG.name == "bn32-st2-vb-vs"
+    with pytest.raises(ValueError, match=r"config\.v_under_s"):
+        GluonDecodeConfig(block_n=32, stages=2, v_under_s=True)
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -30,6 +30,7 @@ __all__ = [
     "GLUON_ON_READ_AUTO",
     "IMPLS",
     "ON_READ_BLOCKS_CONFIG",
+    "ON_READ_OVERLAP_CONFIG",
     "SEPARATE_V_CONFIG",
     "UNQUANTIZED",
     "GluonDecodeConfig",
@@ -65,12 +66,16 @@ class GluonDecodeConfig:
         v_blocks: nvfp4 on read (``V_OWN``) with whole 16-element blocks a thread
             (``V_OWN == 2``: no shuffles, the block scales once a block; the same bits).
             Off by default; ``ON_READ_BLOCKS_CONFIG`` only, for a V̂-of-its-own recipe.
+        v_under_s: with ``v_blocks``, K̂ first into the V̂ ring and V̂ in place on the ALUs
+            while the S MMA runs (``V_OWN == 3``; K and q quantized: q̂ and K̂ float16).
+            ``ON_READ_OVERLAP_CONFIG`` only.
     """
 
     block_n: int
     stages: int
     overlap: bool = False
     v_blocks: bool = False
+    v_under_s: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
@@ -81,12 +86,14 @@ class GluonDecodeConfig:
             raise ValueError(f"config.overlap: needs stages >= 3, got {self.stages}")
         if self.v_blocks and (self.block_n, self.stages, self.overlap) != (32, 2, False):
             raise ValueError("config.v_blocks: the bn32-st2 tiling only (V̂ tiles of their own)")
+        if self.v_under_s and not self.v_blocks:
+            raise ValueError("config.v_under_s: needs v_blocks")
 
     @property
     def name(self) -> str:
         """A short label: ``bn64-st2``, ``bn32-st4-ov``."""
         return (f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "")
-                + ("-vb" if self.v_blocks else ""))  # fmt: skip
+                + ("-vb" if self.v_blocks else "") + ("-vs" if self.v_under_s else ""))  # fmt: skip
 
 
 VARIANTS: tuple[GluonDecodeConfig, ...] = (
@@ -105,6 +112,11 @@ ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, v_blocks=True)
 """``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
 ``decode(..., config=ON_READ_BLOCKS_CONFIG)`` for a V̂-of-its-own recipe (nvfp4 on read);
 not picked by the dispatch."""
+
+ON_READ_OVERLAP_CONFIG = GluonDecodeConfig(block_n=32, stages=2, v_blocks=True, v_under_s=True)
+"""``ON_READ_BLOCKS_CONFIG`` with V̂ quantized while the S MMA runs (``V_OWN == 3``): K̂ is
+written to the V̂ ring, V̂ over the raw tile. For K and q quantized (nvfp4 on read); not
+picked by the dispatch."""
 
 
 def gluon_decode_config(num_heads: int) -> GluonDecodeConfig:
@@ -432,11 +444,17 @@ class _GluonFamily(_OnRead):
 
         cfg = self.config
         if self.v_own(recipe):  # two tiles a stage: SEPARATE_V_CONFIG (or the default)
-            if cfg not in (VARIANTS[0], SEPARATE_V_CONFIG, ON_READ_BLOCKS_CONFIG):
+            if cfg not in (VARIANTS[0], SEPARATE_V_CONFIG, ON_READ_BLOCKS_CONFIG,
+                           ON_READ_OVERLAP_CONFIG):  # fmt: skip
                 raise ValueError(
                     f"config: V quantized into its own tiles runs the Gluon kernel as "
                     f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {cfg.name}"
                 )
+            taken = gluon_recipe(recipe)
+            if cfg.v_under_s and not (
+                isinstance(taken, GluonRecipe) and taken.k_fmt and taken.q_scaled
+            ):
+                raise ValueError(f"config: {cfg.name} needs K and q quantized (K̂, q̂ float16)")
             cfg = cfg if cfg.v_blocks else SEPARATE_V_CONFIG
         elif cfg.v_blocks:
             raise ValueError(
@@ -457,7 +475,13 @@ class _GluonFamily(_OnRead):
                 "K_EXACT": not ko.pow2, "STAGES": cfg.num_stages,
                 "OVERLAP": self.config.overlap and not own, "KV_FP8": self.v_shares_k(ops),
                 "V_SEP": False, "V_TAIL": False,
-                "V_OWN": 2 if own and self.config.v_blocks else own}  # fmt: skip
+                "V_OWN": _v_own_mode(self.config) if own else own}  # fmt: skip
+
+
+def _v_own_mode(config: GluonDecodeConfig) -> int | bool:
+    """The kernel's ``V_OWN`` for a V̂-of-its-own recipe: True (today's layouts), 2 (whole
+    blocks a thread) or 3 (and V̂ under the S MMA)."""
+    return 3 if config.v_under_s else 2 if config.v_blocks else True
 
 
 @functools.cache
@@ -532,7 +556,7 @@ def compile_variant(
         "STAGES": config.stages, "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled,
         "K_FMT": k_fmt, "KV_FP8": recipe.kv_fp8, "V_SEP": recipe.v_sep,
         "V_TAIL": recipe.v_tail, "V_EXACT": recipe.v_exact,
-        "V_OWN": 2 if recipe.v_own and config.v_blocks else recipe.v_own,
+        "V_OWN": _v_own_mode(config) if recipe.v_own else recipe.v_own,
         "K_EXACT": recipe.k_exact, "V_FMT": recipe.v_fmt, "K_DYN": recipe.k_dyn,
         "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
     }  # fmt: skip

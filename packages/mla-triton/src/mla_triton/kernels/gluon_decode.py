@@ -249,14 +249,41 @@ def _qdq_tile_kv(kv_raw, kpe_raw, kv_mma, kpe_mma, vh_tile, k_scales, v_scales,
         vh_tile.slice(c * WV, WV, dim=1).store(y.to(vh_tile.dtype))
     if K_FMT != 0:
         gl.barrier()  # every thread has read the raw rows V̂ needs before K̂ overwrites them
-        for c in gl.static_range(D1 // WK):
-            x = kv_raw.slice(c * WK, WK, dim=1).load(lk).to(gl.float32)
-            y = common.qdq_latent(x, k_scales, K_FMT, K_EXACT, True, BN, WK, common.AXIS_FEATURES)
-            kv_mma.slice(c * WK, WK, dim=1).store(y.to(kv_mma.dtype))
-        x2 = kpe_raw.load(_LD).to(gl.float32)
-        D2: gl.constexpr = kpe_raw.shape[1]
-        y2 = common.qdq_latent(x2, k_scales, K_FMT, K_EXACT, True, BN, D2, common.AXIS_FEATURES)
-        kpe_mma.store(y2.to(kpe_mma.dtype))
+        _qdq_k(kv_raw, kpe_raw, kv_mma, kpe_mma, k_scales, K_FMT, K_EXACT, WK, lk)
+
+
+@gluon.jit
+def _qdq_k(kv_raw, kpe_raw, k_out, kpe_mma, k_scales, K_FMT: gl.constexpr, K_EXACT: gl.constexpr,
+           WK: gl.constexpr, lk: gl.constexpr):  # fmt: skip
+    """K̂ of the resident raw tile along the features (``common.qdq_latent``), ``WK``
+    columns a piece read in layout ``lk``: the latent part into ``k_out`` (in place, or
+    with ``V_OWN == 3`` the V̂ ring's slot: no barrier, the raw rows stay for V̂), the rope
+    part in place. The caller fences and meets at a barrier before the S MMA."""
+    BN: gl.constexpr = kv_raw.shape[0]
+    D1: gl.constexpr = kv_raw.shape[1]
+    for c in gl.static_range(D1 // WK):
+        x = kv_raw.slice(c * WK, WK, dim=1).load(lk).to(gl.float32)
+        y = common.qdq_latent(x, k_scales, K_FMT, K_EXACT, True, BN, WK, common.AXIS_FEATURES)
+        k_out.slice(c * WK, WK, dim=1).store(y.to(k_out.dtype))
+    x2 = kpe_raw.load(_LD).to(gl.float32)
+    D2: gl.constexpr = kpe_raw.shape[1]
+    y2 = common.qdq_latent(x2, k_scales, K_FMT, K_EXACT, True, BN, D2, common.AXIS_FEATURES)
+    kpe_mma.store(y2.to(kpe_mma.dtype))
+
+
+@gluon.jit
+def _qdq_v_in_place(kv_raw, v_mma, v_scales, V_FMT: gl.constexpr, V_EXACT: gl.constexpr):
+    """``V_OWN == 3``: V̂ of the resident raw tile along the tokens, in place (``v_mma``: the
+    same buffer in float16), whole blocks a thread (``_LDVB``), while the S MMA runs on K̂
+    (one compiler-added barrier a piece: it is stored where it was read). The caller fences
+    and meets at a barrier before the P V MMA."""
+    BN: gl.constexpr = kv_raw.shape[0]
+    D1: gl.constexpr = kv_raw.shape[1]
+    WV: gl.constexpr = 256
+    for c in gl.static_range(D1 // WV):
+        x = kv_raw.slice(c * WV, WV, dim=1).load(_LDVB).to(gl.float32)
+        y = common.qdq_latent(x, v_scales, V_FMT, V_EXACT, True, BN, WV, common.AXIS_TOKENS)
+        v_mma.slice(c * WV, WV, dim=1).store(y.to(v_mma.dtype))
 
 
 @gluon.jit
@@ -356,6 +383,7 @@ def gluon_decode_split_kernel(
     gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
     gl.static_assert(not (V_SEP and (OVERLAP or KV_FP8)), "V_SEP: the plain loop, no QDQ")
     gl.static_assert(not (V_OWN and (OVERLAP or KV_FP8 or V_SEP)), "V_OWN: the plain loop")
+    gl.static_assert(V_OWN != 3 or (K_FMT != 0 and Q_SCALED), "V_OWN 3: K̂ and q̂ float16")
     gl.static_assert((not V_TAIL and not K_DYN) or V_SEP, "V_TAIL, K_DYN: shadow sections")
     gl.static_assert(PAGE % 16 == 0 or not V_TAIL, "PAGE: a multiple of 16 (V blocks)")
     dtype: gl.constexpr = k_ptr.dtype.element_ty  # the K tiles as stored
@@ -511,11 +539,17 @@ def gluon_decode_split_kernel(
                 )
             if V_OWN:
                 gl.barrier()  # every thread's copies have landed
-                _qdq_tile_kv(
-                    kv_ring.index(cur), kpe_ring.index(cur), kv_mma.index(cur),
-                    kpe_mma.index(cur), vh_ring.index(cur), k_scales, v_scales, K_FMT, K_EXACT,
-                    V_FMT, V_EXACT, V_OWN == 2,
-                )  # fmt: skip
+                if V_OWN == 3:  # K̂ first, apart; V̂ in place below, under the S MMA
+                    _qdq_k(
+                        kv_ring.index(cur), kpe_ring.index(cur), vh_ring.index(cur),
+                        kpe_mma.index(cur), k_scales, K_FMT, K_EXACT, 128, _LDKB,
+                    )  # fmt: skip
+                else:
+                    _qdq_tile_kv(
+                        kv_ring.index(cur), kpe_ring.index(cur), kv_mma.index(cur),
+                        kpe_mma.index(cur), vh_ring.index(cur), k_scales, v_scales, K_FMT,
+                        K_EXACT, V_FMT, V_EXACT, V_OWN == 2,
+                    )  # fmt: skip
             if V_TAIL:  # noqa: SIM102 (a constexpr branch, then the tile holding the block)
                 if (v_hi < hi) & (start <= v_hi) & (v_hi < start + BLOCK_N):
                     gl.barrier()  # every thread's copies (the open block's zero rows) landed
@@ -525,7 +559,11 @@ def gluon_decode_split_kernel(
                     )  # fmt: skip
             fence_async_shared()
             gl.barrier()  # ... and every thread's
-            s = _scores(q1_smem, q2_smem, kv_mma.index(cur), kpe_mma.index(cur), s_layout)
+            if V_OWN == 3:  # S on K̂ in the second ring; V̂ on the ALUs meanwhile
+                s = _scores(q1_smem, q2_smem, vh_ring.index(cur), kpe_mma.index(cur), s_layout)
+                _qdq_v_in_place(kv_ring.index(cur), kv_mma.index(cur), v_scales, V_FMT, V_EXACT)
+            else:
+                s = _scores(q1_smem, q2_smem, kv_mma.index(cur), kpe_mma.index(cur), s_layout)
             s = warpgroup_mma_wait(0, deps=(s,))
             valid = (start + offs_n) < hi
             p, alpha, m_i, l_el = _softmax_step(
@@ -535,7 +573,10 @@ def gluon_decode_split_kernel(
             p_smem.store(_p_hat(p, p_scales, P_FMT).to(pv))
             fence_async_shared()
             gl.barrier()  # both halves of P are in shared memory
-            acc = warpgroup_mma(p_smem, vh_ring.index(cur), acc, is_async=True)
+            if V_OWN == 3:  # V̂ where the raw tile was
+                acc = warpgroup_mma(p_smem, kv_mma.index(cur), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(p_smem, vh_ring.index(cur), acc, is_async=True)
             # Waited for here, not across the loop's back edge: ptxas serializes every
             # wgmma of the loop (warning C7515) when an async accumulator crosses it.
             acc = warpgroup_mma_wait(0, deps=(acc,))
