@@ -83,11 +83,12 @@ def test_install_warms_what_the_installed_layers_launch(
     compiled: list[tuple[str, str, int]] = []
     real_compile = warmup._compile
 
-    def spy(plan: warmup.Plan, layer: Any, vllm_config: Any) -> None:
+    def spy(plan: warmup.Plan, layer: Any, cache: Any, vllm_config: Any) -> None:
         assert isinstance(layer.impl, MLAQuantImpl)  # published before the warm-up
         assert vllm_config is model.config
+        assert cache is None or cache is layer.kv_cache  # the layer's own cache
         compiled.append((plan.kind, plan.layer, layer.kv_cache.data_ptr()))
-        real_compile(plan, layer, vllm_config)
+        real_compile(plan, layer, cache, vllm_config)
 
     monkeypatch.setattr(warmup, "_compile", spy)
 
