@@ -344,6 +344,10 @@ SIT8_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | 
     "s8-ws128-ek-np-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True), "nvfp4", _NM),
     "s8-ws64-ek-np-none-2:4": (gluon_prefill.GluonPrefillConfig(
         128, 64, 3, True, early_k=True, nm_pairs=True), "none", NMSparsity(2, 4)),
+    "s8-nt64-ri-nvfp4": (gluon_prefill.GluonPrefillConfig(
+        128, 64, 3, True, True, turns=False, row_inf_check=True), "nvfp4", None),
+    "s8-nt128-ek-ri-nvfp4": (replace(_NT128, row_inf_check=True), "nvfp4", None),
+    "s8-ws128-ek-ri-np-nvfp4-2:4": (replace(_WS128_EK_RI, nm_pairs=True), "nvfp4", _NM),
 }  # fmt: skip
 GLUON_CASES |= NEXT_CASES | SIT8_CASES
 

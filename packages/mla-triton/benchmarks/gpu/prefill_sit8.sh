@@ -16,7 +16,7 @@
 # for bit against the same tiling without it).
 # Output ($OUT, at most 8 files): summary.txt (also on stdout), gluon-prefill-sweep.json,
 # all.tgz (smoke.txt, tests.txt, warm.txt, sweep.txt).
-export TAG=h44 BUDGET=190 PACK=1 TESTK="s8-" SHARDS=9  # one test id a shard
+export TAG=h44 BUDGET=190 PACK=1 TESTK="s8-" SHARDS=12  # one test id a shard
 export NEW="nt-128x64x3-ek-ri nt-128x64x3-ri nt-128x128x2-ek-ri ws-128x128x2-ek-ri ws-128x128x2-ek-np ws-128x128x2-ek-ri-np ws-128x64x3-ek-np"
 export REF="pp-128x128x2-ek-ri pp-128x128x2-ek nt-128x64x3 ws-128x128x2-ek ws-128x64x3-ek"
 exec bash "$(dirname "$0")/prefill_next.sh"
