@@ -101,6 +101,8 @@ def test_log_scan(serve: ModuleType) -> None:
         "DeepseekV2ForCausalLM\n"
         "INFO 12-02 01:33:51 [kv_cache_utils.py:1147] GPU KV cache size: 25,751,424 tokens, "
         "Maximum concurrency for 4,352 tokens per request: 5917.15x\n"
+        "ERROR 12-02 [warmup.py:360] MLA_QUANT early warmup failed; the first metadata build "
+        "warms up\n"
         "INFO 12-01 14:23:35 [jit_monitor.py:84] Kernel JIT monitor activated; monitored JIT "
         "compilations during inference will use mode=warn.\n"
         "INFO 12-01 mla_vllm.warmup: MLA_QUANT warmup: 3 plans (decode, prefill, update) over 4 "
@@ -118,8 +120,9 @@ def test_log_scan(serve: ModuleType) -> None:
     assert found["jit_warnings"] == 2
     assert found["jit_kernels"] == ["prefill_fwd_kernel", "decode_split_kernel"]
     assert found["mla_warmup"] == [
+        "MLA_QUANT early warmup failed; the first metadata build warms up",
         "MLA_QUANT warmup: 3 plans (decode, prefill, update) over 4 layers: 61 kernel variants "
-        "in 12.3 s"
+        "in 12.3 s",
     ]
     assert (found["init_engine_s"], found["compile_s"], found["capture_s"]) == (
         65.52,
