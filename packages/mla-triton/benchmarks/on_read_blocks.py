@@ -1,7 +1,7 @@
 """nvfp4 on read in the Gluon decode: whole blocks a thread (``ON_READ_BLOCKS_CONFIG``,
-``V_OWN == 2``) and with V̂ quantized under the S MMA (``ON_READ_OVERLAP_CONFIG``, ``V_OWN
-== 3``) against today's V_OWN kernel (``SEPARATE_V_CONFIG``), the oracle and FlashMLA bf16,
-in one process.
+``V_OWN == 2``), with V̂ quantized under the S MMA (``ON_READ_OVERLAP_CONFIG``, ``V_OWN ==
+3``) and K̂ under the P V MMA (``ON_READ_PIPELINED_CONFIG``, 4) against today's V_OWN
+kernel (``SEPARATE_V_CONFIG``), the oracle and FlashMLA bf16, in one process.
 
 Run on an H200 from the repository root (``benchmarks/gpu/on_read_sit8.sh`` does)::
 
@@ -42,6 +42,7 @@ from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.gluon_decode import (
     ON_READ_BLOCKS_CONFIG,
     ON_READ_OVERLAP_CONFIG,
+    ON_READ_PIPELINED_CONFIG,
     SEPARATE_V_CONFIG,
 )
 
@@ -50,7 +51,8 @@ NV = AttentionQuant.uniform("nvfp4")
 NV3 = AttentionQuant(q="nvfp4", k=OperandQuant("nvfp4", 3.0), v=OperandQuant("nvfp4", 3.0),
                      p="nvfp4")  # fmt: skip
 CONFIGS = {"v-own": SEPARATE_V_CONFIG, "v-own-blocks": ON_READ_BLOCKS_CONFIG,
-           "v-own-under-s": ON_READ_OVERLAP_CONFIG}  # fmt: skip
+           "v-own-under-s": ON_READ_OVERLAP_CONFIG,
+           "v-own-pipelined": ON_READ_PIPELINED_CONFIG}  # fmt: skip
 # (name, heads, lens, page, num_splits (None: the policy), quant)
 CASES: list[tuple[str, int, list[int], int, int | None, AttentionQuant]] = [
     ("h128-mixed-s1", 128, [1, 65, 1000, 2049], 64, 1, NV),
@@ -90,7 +92,8 @@ def check(deadline: float) -> list[dict[str, Any]]:
             o1, l1 = outs["v-own"]
             rec["bitwise"] = {
                 k: bool(torch.equal(o1, outs[k][0]) and torch.equal(l1, outs[k][1]))
-                for k in ("v-own-blocks", "v-own-under-s")
+                for k in CONFIGS
+                if k != "v-own"
             }
             good = all(rec["bitwise"].values()) and rec["v-own-blocks"]["ok"]
             rec["status"] = "pass" if good else "FAIL"

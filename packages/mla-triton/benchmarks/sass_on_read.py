@@ -3,12 +3,12 @@
 From the repository root::
 
     PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
-        python packages/mla-triton/benchmarks/sass_on_read.py [--mode 1|2|3] [--sass FILE]
+        python packages/mla-triton/benchmarks/sass_on_read.py [--mode 1|2|3|4] [--sass FILE]
 
 Compiles ``gluon_decode_split_kernel`` for sm_90a as ``test_compiles_for_sm90a
-[bn32-st2-on-read-nvfp4]`` does (uniform nvfp4 on read, bf16, page 64, two splits;
-``--mode 2``: ``ON_READ_BLOCKS_CONFIG``, ``V_OWN == 2``; ``--mode 3``:
-``ON_READ_OVERLAP_CONFIG``, ``V_OWN == 3``), reassembles its PTX with line
+[bn32-st2-on-read-nvfp4]`` does (uniform nvfp4 on read, bf16, page 64, two splits; ``--mode
+2``: ``ON_READ_BLOCKS_CONFIG``, ``V_OWN == 2``; ``--mode 3``: ``ON_READ_OVERLAP_CONFIG``,
+``V_OWN == 3``; ``--mode 4``: ``ON_READ_PIPELINED_CONFIG``), reassembles its PTX with line
 information (Triton's ``ptxas -lineinfo``) and disassembles it (``nvdisasm -gi``). Each
 instruction of the main loop (from the loop's top barrier to its back edge: one warp, one
 32-token tile) is charged to the kernel line it was inlined into: V̂ QDQ, K̂ QDQ (and its
@@ -64,10 +64,11 @@ def pipe(op: str) -> str:
 
 def compile_sass(mode: int) -> str:
     """The kernel's SASS with inline line information (``nvdisasm -c -gi``); ``mode``:
-    ``V_OWN`` (1 today, 2 whole blocks, 3 whole blocks with V̂ under the S MMA)."""
+    ``V_OWN`` (1 today, 2 whole blocks, 3 with V̂ under the S MMA, 4 and K̂ under P V)."""
     recipe = gd.gluon_recipe(AttentionQuant.uniform("nvfp4"))
     assert isinstance(recipe, gd.GluonRecipe)
-    cfg = {1: gd.SEPARATE_V_CONFIG, 2: gd.ON_READ_BLOCKS_CONFIG, 3: gd.ON_READ_OVERLAP_CONFIG}[mode]
+    cfg = (gd.SEPARATE_V_CONFIG, gd.ON_READ_BLOCKS_CONFIG, gd.ON_READ_OVERLAP_CONFIG,
+           gd.ON_READ_PIPELINED_CONFIG)[mode - 1]  # fmt: skip
     return ptx_sass(gd.compile_variant(cfg, num_splits=2, recipe=recipe).ptx)
 
 
@@ -127,7 +128,7 @@ class Lines:
         self.kbar = at("gl.barrier()", self.k0)
         self.kend = at("kpe_mma.store(y2", self.k0)
         plain = at("p_smem = gl.allocate_shared_memory(pv")
-        self.top = at("gl.barrier()", plain)
+        self.top = at("gl.barrier()", at("for i in range(n_tiles):", plain))
         self.adv = (at("nxt = i + STAGES - 1", plain), at("n_bad |= bad", plain))
         self.wait = at("cp.wait_group(STAGES - 1)", plain)
         self.own_bar = at("gl.barrier()", at("if V_OWN:", plain))
@@ -146,6 +147,8 @@ class Lines:
         if not chain:
             return "other"
         outer = chain[-1]
+        if any(self.k3[0] <= n <= self.k3[1] for n in chain):
+            return "K_qdq"
         if self.qcall <= outer < self.fence and outer != self.own_bar:
             if any(self.v0 <= n < self.k0 for n in chain):
                 return "V_qdq"
@@ -218,7 +221,7 @@ def report(sass: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", type=int, default=1, choices=(1, 2, 3), help="V_OWN (see above)")
+    ap.add_argument("--mode", type=int, default=1, choices=(1, 2, 3, 4), help="V_OWN (see above)")
     ap.add_argument("--sass", default=None, help="also write the SASS here")
     args = ap.parse_args(argv)
     sass = compile_sass(args.mode)

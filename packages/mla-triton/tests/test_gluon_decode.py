@@ -38,6 +38,7 @@ from mla_triton.gluon_decode import (
     IMPLS,
     ON_READ_BLOCKS_CONFIG,
     ON_READ_OVERLAP_CONFIG,
+    ON_READ_PIPELINED_CONFIG,
     SEPARATE_V_CONFIG,
     UNQUANTIZED,
     VARIANTS,
@@ -81,7 +82,8 @@ ON_READ_NVFP4 = gluon_recipe(AttentionQuant.uniform("nvfp4"))
 assert isinstance(ON_READ_NVFP4, GluonRecipe) and ON_READ_NVFP4.v_own
 COMPILED += [(SEPARATE_V_CONFIG, ON_READ_NVFP4)]
 # the same with whole blocks a thread (V_OWN == 2, off by default): no shuffles in the QDQ
-COMPILED += [(ON_READ_BLOCKS_CONFIG, ON_READ_NVFP4), (ON_READ_OVERLAP_CONFIG, ON_READ_NVFP4)]
+COMPILED += [(c, ON_READ_NVFP4) for c in (ON_READ_BLOCKS_CONFIG, ON_READ_OVERLAP_CONFIG,
+                                           ON_READ_PIPELINED_CONFIG)]  # fmt: skip
 
 
 def _label(recipe: GluonRecipe) -> str:
@@ -469,6 +471,8 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     assert vb["V_OWN"] == 2 and _plain(vb | {"V_OWN": True}) == _plain(a)
     vs = _launched(call("gluon", ON_READ_OVERLAP_CONFIG))[1][1]
     assert vs["V_OWN"] == 3 and _plain(vs | {"V_OWN": True}) == _plain(a)
+    kp = _launched(call("gluon", ON_READ_PIPELINED_CONFIG))[1][1]
+    assert kp["V_OWN"] == 4 and _plain(kp | {"V_OWN": True}) == _plain(a)
     want = r"^config: V quantized into its own tiles .*bn32-st2"
     with record_keys() as keys, pytest.raises(ValueError, match=want):
         call("gluon", VARIANTS[2])()
@@ -750,6 +754,9 @@ def test_config_checks() -> None:
     assert ON_READ_OVERLAP_CONFIG.name == "bn32-st2-vb-vs"
     with pytest.raises(ValueError, match=r"config\.v_under_s"):
         GluonDecodeConfig(block_n=32, stages=2, v_under_s=True)
+    with pytest.raises(ValueError, match=r"config\.k_under_pv"):
+        GluonDecodeConfig(block_n=32, stages=2, v_blocks=True, k_under_pv=True)
+    assert ON_READ_PIPELINED_CONFIG.name == "bn32-st2-vb-vs-kp"
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -31,6 +31,7 @@ __all__ = [
     "IMPLS",
     "ON_READ_BLOCKS_CONFIG",
     "ON_READ_OVERLAP_CONFIG",
+    "ON_READ_PIPELINED_CONFIG",
     "SEPARATE_V_CONFIG",
     "UNQUANTIZED",
     "GluonDecodeConfig",
@@ -69,6 +70,8 @@ class GluonDecodeConfig:
         v_under_s: with ``v_blocks``, K̂ first into the V̂ ring and V̂ in place on the ALUs
             while the S MMA runs (``V_OWN == 3``; K and q quantized: q̂ and K̂ float16).
             ``ON_READ_OVERLAP_CONFIG`` only.
+        k_under_pv: with ``v_under_s``, K̂ of the next tile quantized while the P V MMA of
+            this one runs (``V_OWN == 4``). ``ON_READ_PIPELINED_CONFIG`` only.
     """
 
     block_n: int
@@ -76,6 +79,7 @@ class GluonDecodeConfig:
     overlap: bool = False
     v_blocks: bool = False
     v_under_s: bool = False
+    k_under_pv: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
@@ -88,12 +92,15 @@ class GluonDecodeConfig:
             raise ValueError("config.v_blocks: the bn32-st2 tiling only (V̂ tiles of their own)")
         if self.v_under_s and not self.v_blocks:
             raise ValueError("config.v_under_s: needs v_blocks")
+        if self.k_under_pv and not self.v_under_s:
+            raise ValueError("config.k_under_pv: needs v_under_s")
 
     @property
     def name(self) -> str:
         """A short label: ``bn64-st2``, ``bn32-st4-ov``."""
         return (f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "")
-                + ("-vb" if self.v_blocks else "") + ("-vs" if self.v_under_s else ""))  # fmt: skip
+                + ("-vb" if self.v_blocks else "") + ("-vs" if self.v_under_s else "")
+                + ("-kp" if self.k_under_pv else ""))  # fmt: skip
 
 
 VARIANTS: tuple[GluonDecodeConfig, ...] = (
@@ -112,6 +119,13 @@ ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, v_blocks=True)
 """``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
 ``decode(..., config=ON_READ_BLOCKS_CONFIG)`` for a V̂-of-its-own recipe (nvfp4 on read);
 not picked by the dispatch."""
+
+ON_READ_PIPELINED_CONFIG = GluonDecodeConfig(
+    block_n=32, stages=2, v_blocks=True, v_under_s=True, k_under_pv=True
+)
+"""``ON_READ_OVERLAP_CONFIG`` with K̂ of tile i + 1 quantized while the P V MMA of tile i
+runs (``V_OWN == 4``): every QDQ pass of a tile lies under an MMA but K̂'s own wait for
+the next tile's copies. For K and q quantized; not picked by the dispatch."""
 
 ON_READ_OVERLAP_CONFIG = GluonDecodeConfig(block_n=32, stages=2, v_blocks=True, v_under_s=True)
 """``ON_READ_BLOCKS_CONFIG`` with V̂ quantized while the S MMA runs (``V_OWN == 3``): K̂ is
@@ -445,7 +459,7 @@ class _GluonFamily(_OnRead):
         cfg = self.config
         if self.v_own(recipe):  # two tiles a stage: SEPARATE_V_CONFIG (or the default)
             if cfg not in (VARIANTS[0], SEPARATE_V_CONFIG, ON_READ_BLOCKS_CONFIG,
-                           ON_READ_OVERLAP_CONFIG):  # fmt: skip
+                           ON_READ_OVERLAP_CONFIG, ON_READ_PIPELINED_CONFIG):  # fmt: skip
                 raise ValueError(
                     f"config: V quantized into its own tiles runs the Gluon kernel as "
                     f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {cfg.name}"
@@ -480,8 +494,8 @@ class _GluonFamily(_OnRead):
 
 def _v_own_mode(config: GluonDecodeConfig) -> int | bool:
     """The kernel's ``V_OWN`` for a V̂-of-its-own recipe: True (today's layouts), 2 (whole
-    blocks a thread) or 3 (and V̂ under the S MMA)."""
-    return 3 if config.v_under_s else 2 if config.v_blocks else True
+    blocks a thread), 3 (and V̂ under the S MMA) or 4 (and K̂ under the P V MMA)."""
+    return 4 if config.k_under_pv else 3 if config.v_under_s else 2 if config.v_blocks else True
 
 
 @functools.cache

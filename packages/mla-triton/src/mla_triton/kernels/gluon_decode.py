@@ -383,7 +383,8 @@ def gluon_decode_split_kernel(
     gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
     gl.static_assert(not (V_SEP and (OVERLAP or KV_FP8)), "V_SEP: the plain loop, no QDQ")
     gl.static_assert(not (V_OWN and (OVERLAP or KV_FP8 or V_SEP)), "V_OWN: the plain loop")
-    gl.static_assert(V_OWN != 3 or (K_FMT != 0 and Q_SCALED), "V_OWN 3: K̂ and q̂ float16")
+    gl.static_assert(V_OWN < 3 or (K_FMT != 0 and Q_SCALED), "V_OWN 3, 4: K̂ and q̂ float16")
+    gl.static_assert(V_OWN != 4 or STAGES == 2, "V_OWN 4: two stages")
     gl.static_assert((not V_TAIL and not K_DYN) or V_SEP, "V_TAIL, K_DYN: shadow sections")
     gl.static_assert(PAGE % 16 == 0 or not V_TAIL, "PAGE: a multiple of 16 (V blocks)")
     dtype: gl.constexpr = k_ptr.dtype.element_ty  # the K tiles as stored
@@ -511,6 +512,11 @@ def gluon_decode_split_kernel(
             n_bad |= bad
     else:
         p_smem = gl.allocate_shared_memory(pv, [_HEADS, BLOCK_N], p_layout)
+        if V_OWN == 4:  # K̂ of tile 0 here; of tile i + 1 under the P V MMA of tile i
+            cp.wait_group(0)
+            gl.barrier()  # every thread's copies of tile 0 have landed
+            _qdq_k(kv_ring.index(0), kpe_ring.index(0), vh_ring.index(0), kpe_mma.index(0),
+                   k_scales, K_FMT, K_EXACT, 128, _LDKB)  # fmt: skip
         for i in range(n_tiles):
             # Both warpgroups are done with tile i - 1 (its P V was waited for): free.
             gl.barrier()
@@ -539,7 +545,9 @@ def gluon_decode_split_kernel(
                 )
             if V_OWN:
                 gl.barrier()  # every thread's copies have landed
-                if V_OWN == 3:  # K̂ first, apart; V̂ in place below, under the S MMA
+                if V_OWN == 4:
+                    pass  # K̂ of this tile was quantized under the last tile's P V MMA
+                elif V_OWN == 3:  # K̂ first, apart; V̂ in place below, under the S MMA
                     _qdq_k(
                         kv_ring.index(cur), kpe_ring.index(cur), vh_ring.index(cur),
                         kpe_mma.index(cur), k_scales, K_FMT, K_EXACT, 128, _LDKB,
@@ -559,7 +567,7 @@ def gluon_decode_split_kernel(
                     )  # fmt: skip
             fence_async_shared()
             gl.barrier()  # ... and every thread's
-            if V_OWN == 3:  # S on K̂ in the second ring; V̂ on the ALUs meanwhile
+            if V_OWN >= 3:  # S on K̂ in the second ring; V̂ on the ALUs meanwhile
                 s = _scores(q1_smem, q2_smem, vh_ring.index(cur), kpe_mma.index(cur), s_layout)
                 _qdq_v_in_place(kv_ring.index(cur), kv_mma.index(cur), v_scales, V_FMT, V_EXACT)
             else:
@@ -573,10 +581,17 @@ def gluon_decode_split_kernel(
             p_smem.store(_p_hat(p, p_scales, P_FMT).to(pv))
             fence_async_shared()
             gl.barrier()  # both halves of P are in shared memory
-            if V_OWN == 3:  # V̂ where the raw tile was
+            if V_OWN >= 3:  # V̂ where the raw tile was
                 acc = warpgroup_mma(p_smem, kv_mma.index(cur), acc, is_async=True)
             else:
                 acc = warpgroup_mma(p_smem, vh_ring.index(cur), acc, is_async=True)
+            if V_OWN == 4:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+                if i + 1 < n_tiles:  # K̂ of the next tile (its copies were issued above)
+                    cp.wait_group(0)
+                    gl.barrier()  # every thread's copies of tile i + 1 have landed
+                    nx = (i + 1) % STAGES
+                    _qdq_k(kv_ring.index(nx), kpe_ring.index(nx), vh_ring.index(nx),
+                           kpe_mma.index(nx), k_scales, K_FMT, K_EXACT, 128, _LDKB)  # fmt: skip
             # Waited for here, not across the loop's back edge: ptxas serializes every
             # wgmma of the loop (warning C7515) when an async accumulator crosses it.
             acc = warpgroup_mma_wait(0, deps=(acc,))
