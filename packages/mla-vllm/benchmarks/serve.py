@@ -22,7 +22,9 @@ configuration:
 Configurations: ``FLASHMLA``, ``TRITON_MLA`` and ``quant-<recipe>[-shadow]`` for
 the recipes ``none``, ``fp8``, ``nvfp4`` and ``nvfp4kv`` (nvfp4 K and V only), on
 read or through the shadow (``kv_path: shadow``). Suffixes: ``:nowarm`` runs it
-with ``MLA_QUANT_WARMUP=0`` (MLA_QUANT's warmup off: the cold batch compiles);
+with ``MLA_QUANT_WARMUP=0`` (MLA_QUANT's warmup off: the cold batch compiles),
+``:noearly`` with ``MLA_QUANT_WARMUP_EARLY=0`` (the warm-up only from the first metadata
+build on, not in the background during vLLM's start);
 ``:fresh`` gives the engine an empty ``TRITON_CACHE_DIR`` (a new machine), as
 ``--triton-cache fresh`` does for all; ``keep`` (default) uses the environment's;
 ``:restart`` reuses the Triton cache that the same configuration's ``:fresh`` engine
@@ -86,7 +88,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "nvfp4": {"recipe": "nvfp4"},
     "nvfp4kv": {"k": "nvfp4", "v": "nvfp4"},
 }
-MODIFIERS = ("nowarm", "fresh", "restart")
+MODIFIERS = ("nowarm", "noearly", "fresh", "restart")
 CACHE_STATES = ("fresh", "restart")  # a row's Triton-cache state, from its modifiers
 JIT_LINE = re.compile(r"during inference: ([\w<>]+(?:\.[\w<>]+)*)")  # vllm.utils.jit_monitor
 WARMUP_LINE = re.compile(r"MLA_QUANT (?:early )?warmup[: ].*")  # its lines and failures
@@ -110,6 +112,8 @@ class Config:
     warmup: bool = True
     fresh_cache: bool = False
     restart: bool = False
+    early: bool = True
+    """MLA_QUANT's early warm-up on (``:noearly``: ``MLA_QUANT_WARMUP_EARLY=0``)."""
 
     @property
     def cache_key(self) -> str:
@@ -126,11 +130,14 @@ def parse_config(name: str) -> Config:
             f"--configs: {name!r}: unknown modifier(s) {unknown}; expected {MODIFIERS}"
         )
     warm, fresh, restart = "nowarm" not in mods, "fresh" in mods, "restart" in mods
+    early = "noearly" not in mods
     if fresh and restart:
         raise ValueError(f"--configs: {name!r}: :fresh and :restart exclude each other")
     if base in ("FLASHMLA", "TRITON_MLA"):
-        if not warm:
-            raise ValueError(f"--configs: {name!r}: :nowarm only applies to quant-* configurations")
+        if not warm or not early:
+            raise ValueError(
+                f"--configs: {name!r}: :nowarm and :noearly only apply to quant-* configurations"
+            )
         return Config(name, base, None, True, fresh, restart)
     match = re.fullmatch(r"quant-([a-z0-9]+)(-shadow)?", base)
     if match is None or match.group(1) not in RECIPES:
@@ -144,7 +151,7 @@ def parse_config(name: str) -> Config:
     quant = dict(RECIPES[recipe])
     if shadow:
         quant["kv_path"] = "shadow"
-    return Config(name, "MLA_QUANT", quant, warm, fresh, restart)
+    return Config(name, "MLA_QUANT", quant, warm, fresh, restart, early)
 
 
 def model_config(layers: int, max_len: int) -> dict[str, Any]:
@@ -356,6 +363,8 @@ def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:
     )
     if not config.warmup:
         env["MLA_QUANT_WARMUP"] = "0"
+    if not config.early:
+        env["MLA_QUANT_WARMUP_EARLY"] = "0"
     if args.triton_cache == "fresh" or config.fresh_cache:
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="serve-triton-")  # not in --out
         args.cache_dirs[config.cache_key] = env["TRITON_CACHE_DIR"]

@@ -44,6 +44,11 @@ def test_configurations(serve: ModuleType) -> None:
     fresh, restart = args.config_list
     assert restart.restart and not restart.fresh_cache and not restart.warmup
     assert fresh.cache_key == restart.cache_key == "quant-fp8:nowarm"
+    args = serve.parse_args(["--configs", "quant-nvfp4,quant-nvfp4:noearly"])
+    early, late = args.config_list
+    assert early.early and not late.early and late.warmup
+    assert "MLA_QUANT_WARMUP_EARLY" not in serve._env(early, args)
+    assert serve._env(late, args)["MLA_QUANT_WARMUP_EARLY"] == "0"
 
 
 def test_restart_reuses_its_fresh_cache(serve: ModuleType, tmp_path: Path) -> None:
@@ -62,7 +67,8 @@ def test_restart_reuses_its_fresh_cache(serve: ModuleType, tmp_path: Path) -> No
     [
         (["--configs", "quant-nvfp5"], "unknown configuration 'quant-nvfp5'"),
         (["--configs", "quant-none-shadow"], "recipe none stores no shadow"),
-        (["--configs", "TRITON_MLA:nowarm"], "only applies to quant-*"),
+        (["--configs", "TRITON_MLA:nowarm"], "only apply to quant-*"),
+        (["--configs", "FLASHMLA:noearly"], "only apply to quant-*"),
         (["--configs", "quant-fp8:cold"], "unknown modifier(s) ['cold']"),
         (["--configs", "quant-fp8:fresh:restart"], ":fresh and :restart exclude each other"),
         (["--configs", "quant-fp8:restart,quant-fp8:fresh"], ":restart needs quant-fp8:fresh"),
