@@ -48,6 +48,7 @@ Usage, from the repository root (vLLM 0.33, the packages on PYTHONPATH)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -398,6 +399,8 @@ def run_config(config: Config, args: argparse.Namespace, timeout: float) -> dict
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             status = f"timeout after {timeout:.0f} s"
+        with contextlib.suppress(ProcessLookupError):  # what the engine left behind (its
+            os.killpg(child.pid, signal.SIGKILL)  # child skips vLLM's teardown: os._exit)
     result: dict[str, Any] = {"name": config.name}
     if json_path.exists():
         result |= json.loads(json_path.read_text())
