@@ -25,7 +25,9 @@ NaN rules and the partial outputs are those of ``decode_kernel.decode_split_kern
   stages: a K and a V̂ ring): copied from a shadow's V̂ section (``V_SEP``; nvfp4's open
   16-token block quantized here from the raw rows, ``V_TAIL``; dynamic K's per-token
   scales on S's columns, ``K_DYN``), or quantized on read from the raw tile with K̂ then
-  rewritten in place (``V_OWN``). P̂ between the MMAs (fp8, nvfp4 16-token blocks).
+  rewritten in place (``V_OWN``; 2: whole 16-element blocks a thread; 3: K̂ first into
+  the V̂ ring, V̂ in place while the S MMA runs; 4: and K̂ of the next tile while the P V
+  MMA runs). P̂ between the MMAs (fp8, nvfp4 16-token blocks).
 
 Epilogue: one split writes ``out``/``lse``; several write the unnormalized float32
 accumulator and the base-2 ``(m, l)`` to the workspace of ``mla_triton.decode``,
@@ -257,7 +259,7 @@ def _qdq_k(kv_raw, kpe_raw, k_out, kpe_mma, k_scales, K_FMT: gl.constexpr, K_EXA
            WK: gl.constexpr, lk: gl.constexpr):  # fmt: skip
     """K̂ of the resident raw tile along the features (``common.qdq_latent``), ``WK``
     columns a piece read in layout ``lk``: the latent part into ``k_out`` (in place, or
-    with ``V_OWN == 3`` the V̂ ring's slot: no barrier, the raw rows stay for V̂), the rope
+    with ``V_OWN`` 3 or 4 the V̂ ring's slot: no barrier, the raw rows stay for V̂), the rope
     part in place. The caller fences and meets at a barrier before the S MMA."""
     BN: gl.constexpr = kv_raw.shape[0]
     D1: gl.constexpr = kv_raw.shape[1]
@@ -273,7 +275,7 @@ def _qdq_k(kv_raw, kpe_raw, k_out, kpe_mma, k_scales, K_FMT: gl.constexpr, K_EXA
 
 @gluon.jit
 def _qdq_v_in_place(kv_raw, v_mma, v_scales, V_FMT: gl.constexpr, V_EXACT: gl.constexpr):
-    """``V_OWN == 3``: V̂ of the resident raw tile along the tokens, in place (``v_mma``: the
+    """``V_OWN`` 3 or 4: V̂ of the resident raw tile along the tokens, in place (``v_mma``: the
     same buffer in float16), whole blocks a thread (``_LDVB``), while the S MMA runs on K̂
     (one compiler-added barrier a piece: it is stored where it was read). The caller fences
     and meets at a barrier before the P V MMA."""
@@ -359,7 +361,10 @@ def gluon_decode_split_kernel(
     ``V_OWN`` (``decode`` on read, V quantized and not sharing K̂: nvfp4, K and V of
     different recipes): once a raw tile has landed, V̂ (``V_FMT``, ``v_scales``) goes to
     a ring of its own and K̂ (``K_FMT``, ``k_scales``, ``K_EXACT``) replaces the tile in
-    place (``_qdq_tile_kv``), 32-token tiles as ``V_SEP``.
+    place (``_qdq_tile_kv``), 32-token tiles as ``V_SEP``. ``V_OWN`` 2: whole blocks a
+    thread; 3: K̂'s latent part into the V̂ ring first, S issued, V̂ in place over the raw
+    tile while S runs, P V on it; 4: as 3 with K̂ of tile i + 1 under the P V MMA of tile i
+    (3 and 4: K and q quantized, q̂ and K̂ float16).
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     ptrs = split[1]  # (kv_ptr,), or with V_SEP (k_ptr, v_ptr, raw_ptr, ks_ptr)
