@@ -127,7 +127,8 @@ SWEEP_NEXT: dict[str, dict[str, Any]] = {
 }
 # Issue 17, sitting 8 (benchmarks/gpu/prefill_sit8.sh): the combinations sitting 7's sweep
 # pointed at but did not have ("nt" + "ek" + "ri" for nvfp4, "ws" + "ri" for 2:4) and "np"
-# (nm_pairs: 2:4's rank by pair maxima and minima) on the fastest 2:4 tilings
+# (nm_pairs: 2:4's rank by pair maxima and minima) on the fastest 2:4 tilings, "nr" with it
+# (nm_nan_rank: NaN scores kept by their rank alone)
 SWEEP_SIT8: dict[str, dict[str, Any]] = {
     "nt-128x64x3-ek-ri": _tiling(
         128, 64, 3, True, True, turns=False, early_k=True, row_inf_check=True
@@ -139,6 +140,12 @@ SWEEP_SIT8: dict[str, dict[str, Any]] = {
         128, 128, 2, True, early_k=True, row_inf_check=True, nm_pairs=True
     ),
     "ws-128x64x3-ek-np": _tiling(128, 64, 3, True, early_k=True, nm_pairs=True),
+    "ws-128x128x2-ek-np-nr": _tiling(
+        128, 128, 2, True, early_k=True, nm_pairs=True, nm_nan_rank=True
+    ),
+    "ws-128x64x3-ek-np-nr": _tiling(
+        128, 64, 3, True, early_k=True, nm_pairs=True, nm_nan_rank=True
+    ),
 }
 # what --tilings and benchmarks/gpu/prefill_smoke.py name
 TILINGS = SWEEP_TILINGS | SWEEP_NEXT | SWEEP_SIT8

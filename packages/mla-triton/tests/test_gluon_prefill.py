@@ -43,7 +43,8 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # ping-pong, FA3's head-dim-192 schedule (128 x 128 x 2, two consumers without turns,
 # early_k) with nvfp4 P, early_k on the warp-specialized 128 x 64 tiling with 2:4 in a
 # persistent loop, and the persistent ping-pong 128 x 64 tiling (not causal); 2:4's rank by
-# pair maxima and minima (nm_pairs) on the warp-specialized 128 x 128 x 2 early_k tiling.
+# pair maxima and minima (nm_pairs) with NaN scores kept by their rank (nm_nan_rank) on the
+# warp-specialized 128 x 128 x 2 early_k tiling.
 DEFAULT = gp.GluonPrefillConfig()
 AUTO = gp.AUTO_CONFIGS
 FP8 = {"q_dynamic": True, "k_dynamic": True, "p_fmt": 1}
@@ -72,14 +73,15 @@ VARIANTS = [
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
         128, 64, 3, True, True, persistent=True), False, True, {}),
     (torch.float16, 192, 128, gp.GluonPrefillConfig(
-        128, 128, 2, True, early_k=True, nm_pairs=True), True, True, NVFP4 | NM24),
+        128, 128, 2, True, early_k=True, nm_pairs=True, nm_nan_rank=True), True, True,
+     NVFP4 | NM24),
 ]  # fmt: skip
 SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     4,  # fp8 P at 128 x 128: 72 B
     7,  # nvfp4 P + 2:4 at 128 x 128
     9,  # ping-pong 128 x 128
     10,  # ping-pong 128 x 128, early_k: 32 B
-    14,  # nm_pairs, 2:4 with dense windows at 128 x 128: 56 B (its twin without: 32 B)
+    14,  # nm_pairs, 2:4 with dense windows at 128 x 128 (its twin without them: 32 B)
 }
 
 
@@ -201,6 +203,7 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("row_inf_check", None),
         ("persistent", "yes"),
         ("nm_pairs", 1),
+        ("nm_nan_rank", "no"),
     ],
 )
 def test_config_rejects(field: str, value: object) -> None:
@@ -406,3 +409,13 @@ def test_nm_pairs_keeps_the_two_largest_of_four() -> None:
         want = nm_keep(s[None].double(), torch.ones_like(keep), torch.full((s.shape[0],), 10**6),
                        NMSparsity(2, 4))[0]  # fmt: skip
         assert torch.equal(keep[~zeros], want[~zeros]) and (~zeros).sum() > 1000
+
+
+def test_positive_nan_sort_keys_rank_first() -> None:
+    """``nm_nan_rank``'s premise: the sort key of a positive NaN (the kernel's NaN constant
+    0x7FC00000, the GPU's arithmetic NaN 0x7FFFFFFF) is above that of every non-NaN score
+    at every member position, so N:M keeps it while it is among the group's N largest."""
+    nans = torch.tensor([0x7FC00000, 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    others = torch.tensor([float("inf"), 3.4e38, 1.0, 0.0, -0.0, -1.0, float("-inf")])
+    lowest_nan = _sort_keys(nans.repeat_interleave(4).reshape(2, 4)).min()
+    assert lowest_nan > _sort_keys(others.repeat_interleave(4).reshape(-1, 4)).max()

@@ -342,6 +342,10 @@ SIT8_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | 
     "s8-nt64-ek-ri-fp8": (_NT64_EK_RI, "fp8", None),
     "s8-ws128-ek-ri-nvfp4-2:4": (_WS128_EK_RI, "nvfp4", _NM),
     "s8-ws128-ek-np-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True), "nvfp4", _NM),
+    "s8-ws128-ek-np-nr-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True, nm_nan_rank=True),
+                                    "nvfp4", _NM),
+    "s8-ws64-ek-np-nr-nvfp4-2:4": (gluon_prefill.GluonPrefillConfig(
+        128, 64, 3, True, early_k=True, nm_pairs=True, nm_nan_rank=True), "nvfp4", _NM),
     "s8-ws64-ek-np-none-2:4": (gluon_prefill.GluonPrefillConfig(
         128, 64, 3, True, early_k=True, nm_pairs=True), "none", NMSparsity(2, 4)),
     "s8-nt64-ri-nvfp4": (gluon_prefill.GluonPrefillConfig(
@@ -387,23 +391,34 @@ def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> Non
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
 @pytest.mark.parametrize(
-    ("name", "sparsity"),
-    [("nvfp4", _NM), ("none", NMSparsity(2, 4))],
-    ids=["s8-np-nvfp4-2:4-dense", "s8-np-none-2:4"],
-)
-def test_nm_pairs_bit_for_bit(name: str, sparsity: NMSparsity) -> None:
-    """``nm_pairs`` keeps the same keys as the general rank: out and LSE bit for bit
-    against the same tiling without it (varlen causal, GQA; and a chunked context)."""
-    batches = {True: make_batch(LENS, LENS, 16, 4, seed=3),
-               False: make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)}  # fmt: skip
-    for causal, (q, k, v, cu_q, cu_k, scale) in batches.items():
+    ("name", "sparsity", "options"),
+    [("nvfp4", _NM, {"nm_pairs": True}), ("none", NMSparsity(2, 4), {"nm_pairs": True}),
+     ("nvfp4", _NM, {"nm_nan_rank": True}),
+     ("none", NMSparsity(2, 4), {"nm_pairs": True, "nm_nan_rank": True})],
+    ids=["s8-np-nvfp4-2:4-dense", "s8-np-none-2:4", "s8-nr-nvfp4-2:4-dense", "s8-np-nr-none-2:4"],
+)  # fmt: skip
+def test_nm_options_bit_for_bit(name: str, sparsity: NMSparsity, options: dict[str, bool]) -> None:
+    """``nm_pairs`` keeps the same keys as the general rank, ``nm_nan_rank`` keeps every
+    NaN score the guard keeps: out and LSE bit for bit against the same tiling without them
+    (varlen causal, GQA; a chunked context; the NaN rule's batch: a NaN in Q, an infinite
+    K element, a -inf in V, causal and not)."""
+    nan_batch = make_batch([300, 200], [300, 200], 16, 16, seed=7)
+    q, k, v = nan_batch[:3]
+    q[10, 3, 5] = float("nan")
+    k[300 + 70, 5, 100] = float("inf")
+    v[300 + 130, 7, 2] = float("-inf")
+    batches = [(True, make_batch(LENS, LENS, 16, 4, seed=3)),
+               (False, make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)),
+               (True, nan_batch), (False, nan_batch)]  # fmt: skip
+    for index, (causal, (q, k, v, cu_q, cu_k, scale)) in enumerate(batches):
         kwargs = {"softmax_scale": scale, "return_lse": True, "causal": causal,
                   "quant": QUANTS[name], "sparsity": sparsity, "impl": "gluon"}  # fmt: skip
-        got = [prefill(q, k, v, cu_q, cu_k, config=replace(_WS128_EK, nm_pairs=pairs), **kwargs)
-               for pairs in (True, False)]  # fmt: skip
+        got = [prefill(q, k, v, cu_q, cu_k, config=replace(_WS128_EK, **on), **kwargs)
+               for on in (options, {})]  # fmt: skip
         for a, b in zip(*got, strict=True):
-            assert torch.equal(a, b), (name, causal)
-        assert not torch.isnan(got[0][0]).any()
+            assert torch.equal(a.isnan(), b.isnan()), (name, index)
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (name, index)
+        assert bool(got[0][0].isnan().any()) == (index >= 2), (name, index)
 
 
 class _Spy:

@@ -27,8 +27,8 @@
 #     ABLATE=1 (with a larger BUDGET_S, about +90 s): then the same tilings without the
 #     softmax step (recipe "none-no-softmax"): each schedule's MMA-issue bound against FA3.
 # Parameters (the environment; prefill_sit8.sh sets them): TAG, BUDGET, NEW, REF, KEXPR
-# (step 2's -k on the tilings' test ids), TESTK (step 2's whole -k), SHARDS (its
-# processes), PACK=1 (at the end
+# (step 2's -k on the tilings' test ids), TESTK (step 2's whole -k), SHARDS and TEST_S (its
+# processes and their timeout), PACK=1 (at the end
 # every output but summary.txt and the sweep's JSON packed into all.tgz).
 set -u
 TAG=${TAG:-h38} BUDGET=${BUDGET:-165}
@@ -66,7 +66,7 @@ TESTK=${TESTK:-"(gluon_tilings or nan_rule_gluon_tilings) and not s8- and ($KEXP
 collect_ids "$TMP/ids.txt" $TS/test_prefill_gpu.py -k "$TESTK"
 SHARDS=${SHARDS:-6}
 note "tests: $(wc -l <"$TMP/ids.txt") ids in $SHARDS shards"
-T=$(left 55)
+T=$(left "${TEST_S:-55}")
 shards "$TMP/ids.txt" $SHARDS "$T" -v -rA  # -v: a test's line as it ends (kept if cut off)
 WARM=8
 if [ -n "$GOOD" ]; then

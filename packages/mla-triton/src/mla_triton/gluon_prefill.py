@@ -67,7 +67,12 @@ class GluonPrefillConfig:
     maxima and minima (the second largest is ``max(min(max a b, max c d), max(min a b,
     min c d))``: a pair is one thread's two adjacent accumulator columns), about 3 integer
     instructions a key pair fewer than the general rank's two rounds of group maxima; the
-    same kept keys (other N:M and no sparsity: no effect)."""
+    same kept keys (other N:M and no sparsity: no effect); ``nm_nan_rank``: N:M keeps a NaN
+    score by its rank alone, without the ``s != s`` guard (a compare and a predicate op a
+    score): a NaN score here is the kernel's own NaN constant (the NaN rule's ``-inf``) or
+    a result of the GPU's arithmetic, a positive NaN whose sort key is above every other,
+    so at most the third and fourth NaN of a group are dropped, and the row stays NaN
+    (GPU tests: bit for bit against the guard; no effect without N:M)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -79,6 +84,7 @@ class GluonPrefillConfig:
     row_inf_check: bool = False
     persistent: bool = False
     nm_pairs: bool = False
+    nm_nan_rank: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -87,7 +93,7 @@ class GluonPrefillConfig:
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
         names = (
             "warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "persistent",
-            "nm_pairs",
+            "nm_pairs", "nm_nan_rank",
         )  # fmt: skip
         for name in names:
             if not isinstance(getattr(self, name), bool):
@@ -307,7 +313,7 @@ class Variant:
             "NUM_STAGES": config.num_stages, "CAUSAL": self.causal,
             "Q_DYNAMIC": self.q_dynamic, "K_DYNAMIC": self.k_dynamic, "P_FMT": self.p_fmt,
             "NM_N": self.nm_n, "NM_M": self.nm_m, "NM_DENSE": self.nm_dense,
-            "NM_PAIRS": config.nm_pairs,
+            "NM_PAIRS": config.nm_pairs, "NM_NAN_RANK": config.nm_nan_rank,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
             "PINGPONG": config.pingpong, "TURNS": config.turns, "EARLY_K": config.early_k,
             "ROW_INF": config.row_inf_check, "PERSISTENT": config.persistent,

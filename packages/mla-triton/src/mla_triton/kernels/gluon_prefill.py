@@ -207,7 +207,10 @@ def _softmax(
     if NM[0] > 0:  # N:M over the visible scores (the Triton kernel's _nm_keep; NaN kept)
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = _nm_keep(s, key_pos, q_pos, nm, BLOCK_M, BLOCK_N, NM)
-        s = gl.where(keep | (s != s), s, float("-inf"))
+        if NM[4]:  # NM_NAN_RANK: a NaN score's sort key ranks first in its group
+            s = gl.where(keep, s, float("-inf"))
+        else:
+            s = gl.where(keep | (s != s), s, float("-inf"))
     # the integer running maximum, exact power-of-two rescales, l from unquantized P
     m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)
     if ROW_INF:
@@ -791,6 +794,7 @@ def gluon_prefill_kernel(
     NM_M: gl.constexpr,
     NM_DENSE: gl.constexpr,
     NM_PAIRS: gl.constexpr,
+    NM_NAN_RANK: gl.constexpr,
     RETURN_LSE: gl.constexpr,
     WARP_SPEC: gl.constexpr,
     PINGPONG: gl.constexpr,
@@ -815,7 +819,9 @@ def gluon_prefill_kernel(
     ``out_scale`` = P's times V's global scale; ``group`` = H / Hkv. N:M sparsity
     (``NM_N > 0``): ``NM_N`` of every ``NM_M`` keys, plus the ``n_sink`` first and the
     ``n_recent`` latest keys of each row when ``NM_DENSE`` (SPEC 5). ``NM_PAIRS``: 2:4's rank by
-    pair maxima and minima (``_keep_2_of_4``; the same mask). ``PINGPONG``
+    pair maxima and minima (``_keep_2_of_4``; the same mask). ``NM_NAN_RANK``: NaN scores
+    kept by their rank alone, without the ``s != s`` guard (``GluonPrefillConfig.nm_nan_rank``).
+    ``PINGPONG``
     (with ``WARP_SPEC``): two consumer warpgroups of ``num_warps`` = 4 warps, 64 rows
     each, in ping-pong (``_attend``), ``CONSUMER_REGS`` registers for the second;
     ``grid_m, grid_h, grid_b``: the one-tile grid (query tiles, heads, sequences), read by
@@ -828,7 +834,7 @@ def gluon_prefill_kernel(
     NQ: gl.constexpr = DQK // CHUNK
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
     QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
-    NM: gl.constexpr = (NM_N, NM_M, NM_DENSE, NM_PAIRS)
+    NM: gl.constexpr = (NM_N, NM_M, NM_DENSE, NM_PAIRS, NM_NAN_RANK)
     gl.static_assert(DQK % CHUNK == 0)
     gl.static_assert(16 * num_warps == ROWS)
     gl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0)
