@@ -332,7 +332,7 @@ class MLAQuantMetadataBuilder(TritonMLAMetadataBuilder):
         vllm_config: VllmConfig,
         device: torch.device,
     ) -> None:
-        join_early()  # the early warm-up binds recipes and compiles: done before this
+        join_early(" (metadata builder)")  # it binds recipes and compiles: done before this
         context = vllm_config.compilation_config.static_forward_context
         layers = mla_layers(context, layer_names)
         bind_layers(layers, config_from_vllm(vllm_config), vllm_config)

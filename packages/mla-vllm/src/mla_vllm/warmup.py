@@ -163,7 +163,7 @@ class EngineWarmup(VllmJitKernel[Plan]):
     def compile_many(self, compile_keys: Iterable[Plan]) -> None:
         """Compile every plan's variants in one thread pool; log the count and time
         (after the early warm-up, if one runs: ``join_early``)."""
-        join_early()
+        join_early(" (kernel_warmup)")
         self.compile_plans(compile_keys)
 
     def compile_plans(self, compile_keys: Iterable[Plan], where: str = "") -> int | None:
@@ -366,15 +366,21 @@ def _early_body(
         run.seconds = time.perf_counter() - run.started
 
 
-def join_early() -> float:
+def join_early(where: str = "") -> float:
     """Wait for every early warm-up of this process (``start_early``); returns the seconds
-    waited. Called in the thread that started them, before any other warm-up."""
+    waited, and logs them from 0.05 s on (``where``: who waited). Called in the thread
+    that started them, before any other warm-up."""
     start = time.perf_counter()
+    joined = False
     while _RUNNING:
         run = _RUNNING.pop(0)
         if run.thread is not None and run.thread is not threading.current_thread():
             run.thread.join()
-    return time.perf_counter() - start
+            joined = True
+    waited = time.perf_counter() - start
+    if joined and waited >= 0.05:
+        logger.info("MLA_QUANT warmup: waited %.1f s for the early warm-up%s", waited, where)
+    return waited
 
 
 def standin_caches(layers: Mapping[str, Any], vllm_config: Any) -> dict[str, torch.Tensor]:
@@ -436,7 +442,7 @@ def warm_before_capture(layers: Mapping[str, Any], vllm_config: Any) -> int | No
     inference), under Triton's interpreter (nothing compiles there), nothing to plan,
     or failed (logged; ``kernel_warmup`` then runs as before).
     """
-    waited = join_early()
+    join_early(" (first metadata build)")
     if not _may_warm(vllm_config):
         return None
     bound = any(
@@ -449,10 +455,7 @@ def warm_before_capture(layers: Mapping[str, Any], vllm_config: Any) -> int | No
     plans = warmup.plan(layers, vllm_config)
     if not plans:
         return None
-    where = " (first metadata build)"
-    if waited >= 0.05:
-        where = f" (first metadata build, after {waited:.1f} s waiting for the early warm-up)"
-    added = warmup.compile_plans(plans, where=where)
+    added = warmup.compile_plans(plans, where=" (first metadata build)")
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         # the warm-up's small inputs and workspaces go back to the device before vLLM's
         # profile measures what its CUDA graphs take
