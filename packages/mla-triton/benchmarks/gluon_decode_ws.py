@@ -86,10 +86,12 @@ PAGE_CHECKS = [
 """The ``outputs`` / ``compare`` plans' cases beyond ``CHECKS`` (two more keys)."""
 BENCH_SHAPES = ("b128-h128-L8192", "b32-h128-L32768")
 NV_CONFIGS = {c.name: c for c in (NVFP4_CONFIG, replace(NVFP4_CONFIG, early_s=True),
-                                   NVFP4_TMA_CONFIG)}  # fmt: skip
+                                   NVFP4_TMA_CONFIG,
+                                   replace(NVFP4_TMA_CONFIG, lazy_rescale=True))}  # fmt: skip
 """The ws configurations a V̂ section runs (``--recipe nvfp4-shadow``): 32-token tiles, two
-slots, cp.async, and with TMA loads (``NVFP4_TMA_CONFIG``; page 16: cp.async); ``twin`` of
-the second and the third is the first."""
+slots, cp.async, and with TMA loads (``NVFP4_TMA_CONFIG``; page 16: cp.async), and that with
+``lazy_rescale``; ``twin`` of the second and the third is the first, of the fourth the
+third."""
 BY_NAME = {c.name: c for c in VARIANTS} | NV_CONFIGS
 TWINS = {t.name: t for c in VARIANTS if (t := twin(c)) is not None and t.name not in BY_NAME}
 """The ``twin`` configurations outside ``VARIANTS`` (``outputs --variants`` takes them: the

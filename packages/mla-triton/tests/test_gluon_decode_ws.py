@@ -58,10 +58,12 @@ chunked ones, ``[1:3]``: compiled by the GPU script's check; each compile is 3 t
 UNQ = GluonRecipe()
 COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [
     (VARIANTS[0], FP8_SHADOW), (NVFP4_CONFIG, NVFP4_SHADOW), (NVFP4_TMA_CONFIG, NVFP4_SHADOW),
+    (replace(NVFP4_TMA_CONFIG, lazy_rescale=True), NVFP4_SHADOW),
 ]  # fmt: skip
 """``(config, recipe)``: recipe none for every compiled variant, fp8 Q/K/P/V through the
 float16 shadow (V̂ = K̂) for the default (what ``decode_shadow(config=WsConfig())`` runs),
-nvfp4 Q/K/P/V (its V̂ section, ``V_SEP``) with ``NVFP4_CONFIG``."""
+nvfp4 Q/K/P/V (its V̂ section, ``V_SEP``) with ``NVFP4_CONFIG``, ``NVFP4_TMA_CONFIG`` and
+that with ``lazy_rescale``."""
 
 
 def _recipe_id(recipe: GluonRecipe) -> str:
@@ -147,6 +149,9 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     assert "C7515" not in c.ptxas_info, c.ptxas_info
     e4m3 = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", c.ptx))
     assert e4m3 == {0: 0, 1: 3 * 16, 2: 102}[recipe.p_fmt], e4m3
+    if cfg.lazy_rescale:  # a warpgroup vote (a reduction through shared memory) a rescale
+        plain = compile_ws(replace(cfg, lazy_rescale=False), num_splits=2, recipe=recipe).ptx
+        assert c.ptx.count("bar.sync") >= plain.count("bar.sync") + 7, c.ptx.count("bar.sync")
 
 
 def _wgmma_trace(ptx: str) -> str:
@@ -175,6 +180,10 @@ def test_config_checks() -> None:
     assert second is not None and second.name == "ws-r232-p40-tile-n32s4"
     assert ws.twin(VARIANTS[4]) == VARIANTS[3] and ws.twin(VARIANTS[3]) == VARIANTS[0]
     assert ws.twin(VARIANTS[0]) is None and not WsConfig().early_s
+    lazy = replace(NVFP4_TMA_CONFIG, lazy_rescale=True, early_s=True)
+    assert lazy.name == "ws-r232-p40-tile-tma-n32s2-es-lr" and not WsConfig().lazy_rescale
+    assert ws.twin(lazy) == replace(lazy, lazy_rescale=False)  # then early_s, then tma
+    assert ws.twin(NVFP4_TMA_CONFIG) == NVFP4_CONFIG
     assert WsConfig() == VARIANTS[0]  # the default: whole-tile barriers (fastest measured)
     assert (WsConfig().tma, WsConfig().block_n, WsConfig().stages) == (False, 64, 2)
     with pytest.raises(ValueError, match=r"^config\.block_n: expected 32 or 64, got 16"):

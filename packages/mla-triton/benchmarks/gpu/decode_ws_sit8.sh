@@ -6,23 +6,25 @@
 #   none:         VARIANTS[0] ws-r232-p40-tile, ws-r232-p40-tile-tma
 #   fp8 shadow:   ws-r232-p40-tile, ws-r232-p40-tile-tma (both timed), gluon's shadow kernel
 #   nvfp4 shadow: NVFP4_CONFIG ws-r232-p40-tile-n32s2, NVFP4_TMA_CONFIG ws-r232-p40-tile-tma-n32s2
-#                 (new: K̂ and V̂ tiles by TMA), gluon's SEPARATE_V_CONFIG
+#                 (new: K̂ and V̂ tiles by TMA), that with lazy_rescale (-lr: rescales only where
+#                 a maximum moved; bit for bit vs the TMA one), gluon's SEPARATE_V_CONFIG
 # with GRAPH=1: every timed call also replayed from a CUDA graph (no host work between the
 # kernels, as vLLM's decode graphs run them) and its host issue time, which says whether the
 # shadows' eager times are the kernels' or the host's (docs/gluon.md, "Bounds, counted in SASS").
-# At most 200 s: timeouts 65 + 15 + 30 + 35 + 45 s, 2 s kill grace each. From the repository
+# At most 200 s: timeouts 72 + 15 + 22 + 33 + 48 s, 2 s kill grace each (sitting 7: outputs
+# 70 s for 14 processes, compare 10 s, benches 16, 23 and 32 s without graphs). From the repository
 # root on the device (torch 2.14 + Triton 3.8 + vLLM 0.33 in /tmp/site):
 #   OUT=$OUT bash packages/mla-triton/benchmarks/gpu/decode_ws_sit8.sh
 # Loose files back: summary.txt, ws-bench.json, ws-bench-fp8-shadow.json,
-# ws-bench-nvfp4-shadow.json, ws-check-all.json; everything else in all.tgz (7 files).
+# ws-bench-nvfp4-shadow.json, ws-check-all.json; everything else in all.tgz (6 files).
 set -u
 OUT=${OUT:-/tmp/h42-out}
 WORK=$(mktemp -d)
 here=$(dirname "$0")
 NEW=ws-r232-p40-tile-tma TWIN="" \
   SHADOW=ws-r232-p40-tile,ws-r232-p40-tile-tma SHADOW_TIMED=ws-r232-p40-tile,ws-r232-p40-tile-tma \
-  NV=ws-r232-p40-tile-n32s2,ws-r232-p40-tile-tma-n32s2 \
-  T_OUT=65 T_CMP=15 T_NONE=30 T_FP8=35 T_NV=45 GRAPH=1 OUT=$WORK \
+  NV=ws-r232-p40-tile-n32s2,ws-r232-p40-tile-tma-n32s2,ws-r232-p40-tile-tma-n32s2-lr \
+  T_OUT=72 T_CMP=15 T_NONE=22 T_FP8=33 T_NV=48 GRAPH=1 OUT=$WORK \
   bash "$here/decode_ws_next.sh" 2>&1 | tee "$WORK/summary.txt"
 mkdir -p "$OUT"
 cp "$WORK/summary.txt" "$OUT/"

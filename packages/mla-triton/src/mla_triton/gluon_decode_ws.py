@@ -91,6 +91,10 @@ class WsConfig:
             for bit. Else (the default) ``P_{t-1} V_{t-1}`` is issued first.
         stages: ring slots, 2 (default) or, with 32-token tiles, 4 (the same 144 KiB:
             three tiles can be landing while one is computed on, against one of two).
+        lazy_rescale: a math warpgroup rescales its accumulator only where some row's
+            running maximum moved (a vote through shared memory instead of 128
+            multiplications a thread, twice a tile); the same outputs bit for bit. Off by
+            default (compiled, not yet timed).
     """
 
     math_regs: int = 232
@@ -100,6 +104,7 @@ class WsConfig:
     block_n: int = 64
     stages: int = 2
     early_s: bool = False
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         for name in ("math_regs", "producer_regs"):
@@ -118,11 +123,13 @@ class WsConfig:
     def name(self) -> str:
         """A short label: ``ws-r232-p40`` (``-tile`` when not chunked, ``-tma`` with TMA
         loads, ``-n32s4`` for tiles and slots other than 64 and 2, ``-es`` with
-        ``early_s``)."""
+        ``early_s``, ``-lr`` with ``lazy_rescale``)."""
         ring = "" if (self.block_n, self.stages) == (64, 2) else f"-n{self.block_n}s{self.stages}"
         loads = ("" if self.chunked else "-tile") + ("-tma" if self.tma else "")
-        return f"ws-r{self.math_regs}-p{self.producer_regs}{loads}{ring}" + (
-            "-es" if self.early_s else ""
+        return (
+            f"ws-r{self.math_regs}-p{self.producer_regs}{loads}{ring}"
+            + ("-es" if self.early_s else "")
+            + ("-lr" if self.lazy_rescale else "")
         )
 
 
@@ -143,8 +150,10 @@ early, and with the 4-slot ring of 32-token tiles (compiled for sm_90a, not yet 
 
 def twin(config: WsConfig) -> WsConfig | None:
     """The configuration ``config``'s outputs equal bit for bit with one feature fewer
-    (the same tiles in the same order): without ``early_s``, else without ``tma``; None
-    for neither."""
+    (the same tiles in the same order): without ``lazy_rescale``, else without
+    ``early_s``, else without ``tma``; None for none of them."""
+    if config.lazy_rescale:
+        return replace(config, lazy_rescale=False)
     if config.early_s:
         return replace(config, early_s=False)
     return replace(config, tma=False) if config.tma else None
@@ -185,7 +194,7 @@ class WsFamily(_OnRead):
         return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
                 "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc,
                 "EARLY_S": c.early_s, "p_hat_scales": None, "v_tail_scales": None,
-                "V_SEP": False}  # fmt: skip
+                "V_SEP": False, "LAZY_RESCALE": c.lazy_rescale}  # fmt: skip
 
 
 class WsShadowFamily(WsFamily):
@@ -510,5 +519,6 @@ def compile_ws(
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
         "TMA": tma, "EARLY_S": config.early_s, "Q_SCALED": recipe.q_scaled,
         "K_FMT": recipe.k_fmt, "P_FMT": recipe.p_fmt, "V_SEP": recipe.v_sep,
+        "LAZY_RESCALE": config.lazy_rescale,
     }  # fmt: skip
     return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

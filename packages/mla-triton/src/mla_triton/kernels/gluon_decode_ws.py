@@ -260,9 +260,24 @@ def _slot(t, ST: gl.constexpr, ROLE: gl.constexpr):
 
 
 @gluon.jit
+def _rescale(acc, alpha, row_o: gl.constexpr, LAZY: gl.constexpr):
+    """``acc * alpha`` by rows (``alpha [64]``: powers of two, at most 1). ``LAZY``: only
+    where some row of the warpgroup has ``alpha != 1`` (NaN included), else ``acc`` as it
+    is: the same bits, since ``x * 1.0 = x`` (one warpgroup-wide vote: a reduction through
+    shared memory instead of 128 multiplications a thread while no maximum moves)."""
+    if LAZY:
+        moved = gl.max(gl.where(alpha == 1.0, 0.0, 1.0), axis=0)
+        if moved > 0.0:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    else:
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return acc
+
+
+@gluon.jit
 def _pv_other(
     acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t, ROLE: gl.constexpr,
-    row_s: gl.constexpr, row_o: gl.constexpr, p_sl: gl.constexpr,
+    row_s: gl.constexpr, row_o: gl.constexpr, p_sl: gl.constexpr, LAZY: gl.constexpr = False,
 ):  # fmt: skip
     """Wait for the other warpgroup's P of tile ``t`` and its maximum, rescale, issue
     ``acc += P_t V_t`` (this warpgroup's features of ``kv_ring``'s slot: the latent
@@ -273,7 +288,7 @@ def _pv_other(
     fence_async_shared()
     m_new = m_smem.slice((1 - ROLE) * _HEADS, _HEADS).load(row_s)
     alpha = gl.exp2(m_i - m_new)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = _rescale(acc, alpha, row_o, LAZY)
     p_tile = kpe_ring.index(s)._reinterpret(kpe_ring.dtype, [_HEADS, N], p_sl)
     v_half = kv_ring.index(s).slice(ROLE * (acc.shape[1]), acc.shape[1], dim=1)
     acc = warpgroup_mma(p_tile, v_half, acc, is_async=True)
@@ -313,7 +328,7 @@ def _own_tile(
     landed, so it runs under the other warpgroup's softmax of ``t - 1``; then ``P_{t-1}
     V_{t-1}``, which runs under this softmax (the other slot released after it). The
     same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT, _,
-    V_PAGE)`` (``_softmax``'s rule; P̂ fp8 or nvfp4 for both P V, ``gluon_decode._p_hat``
+    V_PAGE, LAZY)`` (``_softmax``'s rule; P̂ fp8 or nvfp4 for both P V, ``gluon_decode._p_hat``
     with ``quant[1]``, the denominators summing the unquantized P; ``V_PAGE`` nonzero
     (``V_SEP``: the page size): P V reads the V̂ ring ``quant[2]``, into whose slot the
     sequence's open 16-token V block is quantized from the raw rows first, where
@@ -340,6 +355,7 @@ def _own_tile(
     if HAS_PREV and not EARLY_S:
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
+            QUANT[4],
         )  # fmt: skip
     # The slot as a value the compiler cannot fold: with a constant one, it hoists the
     # 72 wgmma descriptors of S out of the loop and spills them.
@@ -370,6 +386,7 @@ def _own_tile(
     if HAS_PREV and EARLY_S:  # P_{t-1} V_{t-1} behind S_t; S_t waited for, it stays in flight
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
+            QUANT[4],
         )  # fmt: skip
         sc = warpgroup_mma_wait(1, deps=(sc,))
     else:
@@ -406,7 +423,7 @@ def _own_tile(
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.barrier()
         mbarrier.arrive(free.index(_slot(t - 1, ST, 1 - ROLE)))
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = _rescale(acc, alpha, row_o, QUANT[4])
     v_half = v_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
     acc = warpgroup_mma(gl.convert_layout(p16, p_op), v_half, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -472,6 +489,7 @@ def _math(
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, last, ROLE, row_s, row_o_, p_sl,
+            QUANT[4],
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.barrier()
@@ -540,7 +558,7 @@ def _math_part(
     kernel's shared buffers, barriers, bounds and output pointers, in this order, then
     ``quant``: 0 for recipe none, else ``(qgs_ptr, p_scales)``, with ``V_SEP`` then the
     V̂ ring and ``(raw_ptr, strides, bt_row, stride_bt_p, num_blocks, v_scales)`` of the
-    open V block; ``QUANT = (RAW, P_FMT, Q_SCALED, V_PAGE)``)."""
+    open V block; ``QUANT = (RAW, P_FMT, Q_SCALED, V_PAGE, LAZY_RESCALE)``)."""
     (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
      lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
      n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
@@ -578,6 +596,7 @@ def gluon_decode_ws_kernel(
     K_FMT: gl.constexpr,
     P_FMT: gl.constexpr,
     V_SEP: gl.constexpr,
+    LAZY_RESCALE: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
     Q/K/P/V through the float16 shadow (V̂ = K̂).
@@ -591,7 +610,8 @@ def gluon_decode_ws_kernel(
     ``TMA``: tiles arrive by TMA through ``kv_desc`` (the cache's rows ``[num_blocks *
     PAGE, 576]`` in ``[BLOCK_N, 64]`` boxes; ``PAGE`` a multiple of ``BLOCK_N``), else by
     ``cp.async`` (``kv_desc`` None); ``EARLY_S``: a warpgroup issues ``S_t`` before it waits
-    for the other's ``P_{t-1}`` (``_own_tile``).
+    for the other's ``P_{t-1}`` (``_own_tile``); ``LAZY_RESCALE``: an accumulator rescale
+    only where a row's maximum moved (``_rescale``: the same bits).
 
     The shadow (``decode_shadow``): the cache is the shadow's float16 K̂ ``[.., 576]``
     (V̂ its first 512 features), q its float16 q̂ (``Q_SCALED``: global scales ``qgs``
@@ -675,7 +695,8 @@ def gluon_decode_ws_kernel(
     gl.barrier()
 
     RAW: gl.constexpr = (K_FMT == 0) or (not Q_SCALED)
-    QUANT: gl.constexpr = gl.constexpr((RAW, P_FMT, Q_SCALED, PAGE if V_SEP else 0))
+    QUANT: gl.constexpr = gl.constexpr((RAW, P_FMT, Q_SCALED, PAGE if V_SEP else 0,
+                                        LAZY_RESCALE))  # fmt: skip
     if V_SEP:  # the V̂ ring, and what the open V block is quantized from
         tail = (raw_ptr, split[7], bt_ptr + b * stride_bt_b, stride_bt_p, num_blocks,
                 v_tail_scales)  # fmt: skip
