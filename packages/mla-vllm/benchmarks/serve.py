@@ -183,6 +183,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-mem", type=float, default=0.85, help="gpu_memory_utilization")
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="KV-cache block size (default: vLLM's)"
+    )
     parser.add_argument("--triton-cache", choices=("keep", "fresh"), default="keep")
     parser.add_argument("--capture-sizes", default=None, help="e.g. 1,2,4,8,16,32,64")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
@@ -193,6 +196,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("layers", "batch", "prompt", "gen", "max_batched_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive int")
+    if args.block_size is not None and args.block_size < 1:
+        parser.error("--block-size: expected a positive int")
     if args.gen < 2:
         parser.error("--gen: expected at least 2 (decode is timed from the second token)")
     try:
@@ -265,9 +270,11 @@ def run_child(args: argparse.Namespace) -> int:
     model_dir = args.out / "model"
     ensure_registered(1)
     extra = {} if config.mla_quant is None else {"mla_quant": config.mla_quant}
-    graphs: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     if args.capture_list is not None:
-        graphs["compilation_config"] = {"cudagraph_capture_sizes": args.capture_list}
+        options["compilation_config"] = {"cudagraph_capture_sizes": args.capture_list}
+    if args.block_size is not None:
+        options["block_size"] = args.block_size
     start = time.perf_counter()
     llm = LLM(
         model=str(model_dir),
@@ -282,7 +289,7 @@ def run_child(args: argparse.Namespace) -> int:
         enable_prefix_caching=False,
         gpu_memory_utilization=args.gpu_mem,
         seed=0,
-        **graphs,
+        **options,
     )
     result["engine_start_s"] = round(time.perf_counter() - start, 2)
     result["mla_variants"] = {"after_start": _variants()}
@@ -384,6 +391,8 @@ def run_config(config: Config, args: argparse.Namespace, timeout: float) -> dict
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.capture_sizes is not None:
         command += ["--capture-sizes", args.capture_sizes]
+    if args.block_size is not None:
+        command += ["--block-size", str(args.block_size)]
     start = time.time()
     status = "ok"
     with open(log_path, "w") as log:
@@ -556,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "gen": args.gen,
         "max_batched_tokens": args.max_batched_tokens, "triton_cache": args.triton_cache,
-        "capture_sizes": args.capture_list,
+        "capture_sizes": args.capture_list, "block_size": args.block_size,
         "model": config, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
     }  # fmt: skip
     results: list[dict[str, Any]] = []

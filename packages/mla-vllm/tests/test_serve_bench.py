@@ -75,6 +75,7 @@ def test_restart_reuses_its_fresh_cache(serve: ModuleType, tmp_path: Path) -> No
         (["--capture-sizes", "1,x"], "--capture-sizes: expected comma-separated ints"),
         (["--gen", "1"], "--gen: expected at least 2"),
         (["--batch", "0"], "--batch: expected a positive int"),
+        (["--block-size", "0"], "--block-size: expected a positive int"),
     ],
 )
 def test_bad_arguments(
