@@ -852,9 +852,10 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
 @gpu
 @pytest.mark.parametrize(
     ("config", "nvfp4"),
-    [(VARIANTS[0], False), (VARIANTS[3], False), (NVFP4_CONFIG, True), (NVFP4_TMA_CONFIG, True)],
-    ids=[VARIANTS[0].name, VARIANTS[3].name, "nvfp4", "nvfp4-tma"],
-)
+    [(VARIANTS[0], False), (VARIANTS[3], False), (NVFP4_CONFIG, True), (NVFP4_TMA_CONFIG, True),
+     (replace(NVFP4_TMA_CONFIG, lazy_rescale=True), True)],
+    ids=[VARIANTS[0].name, VARIANTS[3].name, "nvfp4", "nvfp4-tma", "nvfp4-tma-lr"],
+)  # fmt: skip
 def test_shadow_nan_rule_as_gluon(
     config: WsConfig, nvfp4: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
