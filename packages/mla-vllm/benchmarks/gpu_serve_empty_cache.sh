@@ -29,7 +29,7 @@
 # cache (keyed by each configuration's own hash). It prints each part's seconds to env.txt.
 # An engine starts only with >= MIN_LEFT s left (default 55: in sitting 7 an empty-cache
 # engine took 87-116 s of wall with its batches, including vLLM's teardown at exit, which
-# serve.py's child now skips; a restart about 40 s). Expected: the five :fresh rows and one
+# serve.py's child now skips; a restart about 45 s). Expected: the five :fresh rows and one
 # or two :restart rows within the 535 s (the rest are listed as skipped). Files under $OUT
 # (5): serve-4k.json, serve-4k.png, summary.txt, logs.tgz (every engine's log and JSON),
 # env.txt.
@@ -55,6 +55,8 @@ export MLA_QUANT_WARMUP_EARLY=${EARLY:-1}
     | sed 's/^/warm_before_capture in this tree (lines): /'
   grep -c '"num_blocks"' packages/mla-triton/src/mla_triton/kernels/decode_kernel.py \
     | sed 's/^/num_blocks unspecialized in decode_kernel (lines): /'
+  grep -c "^def start_early" packages/mla-vllm/src/mla_vllm/warmup.py \
+    | sed 's/^/early warm-up (start_early) in this tree: /'
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
