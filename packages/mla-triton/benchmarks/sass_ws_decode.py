@@ -7,7 +7,8 @@ From the repository root::
 
 Compiles each configuration of ``CASES`` (``gluon_decode_ws.compile_ws``: sm_90a, bf16
 output, page 64, one split), reassembles its PTX with line information (Triton's ``ptxas
--lineinfo``) and disassembles it (``nvdisasm -c -g``). The per-tile loops are the natural
+-lineinfo``) and disassembles it (``nvdisasm -c -g``: ``sass_on_read.ptx_sass``). The
+per-tile loops are the natural
 loops of the SASS control-flow graph that hold wgmma (``HGMMA``) and no smaller such loop:
 one a math warpgroup, whose iteration is its own tile (``S``, softmax, P̂, ``P V`` on its
 256 features) and the other warpgroup's ``P V`` on them. Ranges a forward branch skips
@@ -23,14 +24,13 @@ from __future__ import annotations
 import ast
 import collections
 import functools
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from sass_on_read import ptx_sass  # ptxas -lineinfo, nvdisasm -c -g (inline=False)
 
 from mla_triton import gluon_decode_ws as ws
 
@@ -58,22 +58,7 @@ _TAIL = {"_tail_v", "_nvfp4_v_block", "_zero_tail"}
 def sass(config: ws.WsConfig, recipe: Any) -> str:
     """``nvdisasm -c -g`` of the kernel compiled for sm_90a (one split, page 64)."""
     kw = {} if recipe is None else {"recipe": recipe}
-    return ptx_sass(ws.compile_ws(config, num_splits=1, **kw).ptx, "-g")
-
-
-def ptx_sass(ptx: str, *flags: str) -> str:
-    """sm_90a SASS of ``ptx``: Triton's ``ptxas -lineinfo``, then ``nvdisasm -c`` with
-    ``flags`` (``-g``: each instruction's inlining chain; ``-gi``: the innermost line)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    tools = os.path.dirname(get_ptxas(90).path)
-    with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        Path(src).write_text(ptx)
-        run = [os.path.join(tools, "ptxas"), "-lineinfo", "--gpu-name", "sm_90a", src, "-o", cubin]
-        subprocess.run(run, check=True, capture_output=True)
-        dis = [os.path.join(tools, "nvdisasm"), "-c", *flags, cubin]
-        return subprocess.run(dis, check=True, capture_output=True, text=True).stdout
+    return ptx_sass(ws.compile_ws(config, num_splits=1, **kw).ptx, inline=False)
 
 
 @functools.cache
