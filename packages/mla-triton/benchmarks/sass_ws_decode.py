@@ -8,10 +8,10 @@ From the repository root::
 Compiles each configuration of ``CASES`` (``gluon_decode_ws.compile_ws``: sm_90a, bf16
 output, page 64, one split), reassembles its PTX with line information (Triton's ``ptxas
 -lineinfo``) and disassembles it (``nvdisasm -c -g``: ``sass_on_read.ptx_sass``). The
-per-tile loops are the natural
-loops of the SASS control-flow graph that hold wgmma (``HGMMA``) and no smaller such loop:
-one a math warpgroup, whose iteration is its own tile (``S``, softmax, P̂, ``P V`` on its
-256 features) and the other warpgroup's ``P V`` on them. Ranges a forward branch skips
+per-tile loops are the natural loops of the SASS control-flow graph that hold wgmma
+(``HGMMA``) and no smaller such loop: one a math warpgroup, whose iteration is its own
+tile (``S``, softmax, P̂, ``P V`` on its 256 features) and the other warpgroup's ``P V``
+on them. Ranges a forward branch skips
 that hold ``_zero_tail`` / ``_tail_v`` code run on the tile holding the split's end only
 ("tail only"); the rest is what every other tile issues, one warp of the warpgroup (one
 a sub-partition: the SM issues this per tile per sub-partition, both warpgroups
