@@ -114,7 +114,8 @@ class Config:
     fresh_cache: bool = False
     restart: bool = False
     early: bool = True
-    """MLA_QUANT's early warm-up on (``:noearly``: ``MLA_QUANT_WARMUP_EARLY=0``)."""
+    """MLA_QUANT's early warm-up on (``MLA_QUANT_WARMUP_EARLY=1``, the library's default is off;
+    ``:noearly``: ``0``)."""
 
     @property
     def cache_key(self) -> str:
@@ -371,8 +372,7 @@ def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:
     )
     if not config.warmup:
         env["MLA_QUANT_WARMUP"] = "0"
-    if not config.early:
-        env["MLA_QUANT_WARMUP_EARLY"] = "0"
+    env["MLA_QUANT_WARMUP_EARLY"] = "1" if config.early else "0"  # the library's default: off
     if args.triton_cache == "fresh" or config.fresh_cache:
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="serve-triton-")  # not in --out
         args.cache_dirs[config.cache_key] = env["TRITON_CACHE_DIR"]

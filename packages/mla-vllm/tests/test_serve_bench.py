@@ -47,7 +47,7 @@ def test_configurations(serve: ModuleType) -> None:
     args = serve.parse_args(["--configs", "quant-nvfp4,quant-nvfp4:noearly"])
     early, late = args.config_list
     assert early.early and not late.early and late.warmup
-    assert "MLA_QUANT_WARMUP_EARLY" not in serve._env(early, args)
+    assert serve._env(early, args)["MLA_QUANT_WARMUP_EARLY"] == "1"
     assert serve._env(late, args)["MLA_QUANT_WARMUP_EARLY"] == "0"
 
 
