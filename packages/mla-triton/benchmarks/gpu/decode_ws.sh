@@ -3,10 +3,8 @@
 # Run on the device from the repository root (torch 2.14 + Triton 3.8 + vLLM 0.33 in /tmp/site):
 #   OUT=$OUT bash packages/mla-triton/benchmarks/gpu/decode_ws.sh Writes to $OUT (<= 6 files), prints a summary.
 set -u
-OUT=${OUT:-/tmp/h32-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${SITE:-/tmp/site}:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-export TRITON_INTERPRET=0
+TAG=h32
+. "$(dirname "$0")/env.sh"
 B=packages/mla-triton/benchmarks/gluon_decode_ws.py
 start=$(date +%s)
 # 1. a tiny shape first (a deadlocked mbarrier must not eat the budget); argv[1]: the

@@ -15,10 +15,8 @@
 # replays and the host's issue time, --graph) may be set in the environment
 # (decode_ws_sit8.sh does); the defaults are sitting 7's run.
 set -u
-OUT=${OUT:-/tmp/h37-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${SITE:-/tmp/site}:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-export TRITON_INTERPRET=0
+TAG=h37
+. "$(dirname "$0")/env.sh"
 B=packages/mla-triton/benchmarks/gluon_decode_ws.py
 NEW=${NEW-ws-r232-p40-tile-tma,ws-r232-p40-tile-tma-es,ws-r232-p40-tile-tma-n32s4-es}
 TWIN=${TWIN-ws-r232-p40-tile-tma-n32s4}  # the last one's twin (not in VARIANTS: checked, not timed)

@@ -5,10 +5,9 @@
 #   OUT=$OUT bash packages/mla-triton/benchmarks/gpu/decode_ws_suite.sh 2    # extra: decode's GPU suites with WS_AUTO on, ~2-3 min
 # Each step is one device command (< 10 min); writes $OUT/<step>-*.txt, prints a summary.
 set -u
-OUT=${OUT:-/tmp/h35-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${SITE:-/tmp/site}:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-export TRITON_INTERPRET=0 MLA_REQUIRE_GPU=1
+TAG=h35
+. "$(dirname "$0")/env.sh"
+export MLA_REQUIRE_GPU=1
 T=packages/mla-triton/tests
 start=$(date +%s)
 case "${1:-1}" in

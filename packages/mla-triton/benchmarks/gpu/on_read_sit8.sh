@@ -7,10 +7,8 @@
 #   OUT=$OUT bash packages/mla-triton/benchmarks/gpu/on_read_sit8.sh
 # Writes 6 files to $OUT (three logs, three JSON), prints a summary.
 set -u
-OUT=${OUT:-/tmp/h43-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${SITE:-/tmp/site}:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-export TRITON_INTERPRET=0
+TAG=h43
+. "$(dirname "$0")/env.sh"
 B=packages/mla-triton/benchmarks/on_read_blocks.py
 start=$(date +%s)
 # 1. ragged lengths, splits 1/2/3/policy, pages 16/64, H 20/64/128, scales 2^k and 3:

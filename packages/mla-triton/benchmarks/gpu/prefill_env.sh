@@ -5,10 +5,9 @@
 # MAX, at least 5) and `note TEXT` (timestamped, to stdout and $OUT/summary.txt), and the
 # summary's first lines (versions, the snapshot's commit).
 OUT=${OUT:-$PWD/out-$TAG}
-mkdir -p "$OUT"
 TMP=$(mktemp -d "/tmp/$TAG.XXXX")
-export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-export TRITON_INTERPRET=0 MLA_REQUIRE_GPU=1
+. "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+export MLA_REQUIRE_GPU=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache-$TAG}
 START=$(date +%s)
 DEADLINE=$((START + ${BUDGET_S:-$BUDGET}))

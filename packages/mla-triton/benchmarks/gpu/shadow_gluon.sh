@@ -8,9 +8,10 @@
 # /tmp/site). <= 510 s wall: tests <= 420 s (three parallel shards, each under `timeout`),
 # then timing alone on the GPU <= 80 s (BENCH=0 skips it). $OUT: summary.txt, tests.txt,
 # shadow-bench.txt, shadow_gluon_bench.json.
-export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-export TRITON_INTERPRET=0 MLA_REQUIRE_GPU=1
-mkdir -p "$OUT"; L=/tmp/h31-logs; rm -rf "$L"; mkdir -p "$L"; SECONDS=0
+TAG=h31
+. "$(dirname "$0")/env.sh"
+export MLA_REQUIRE_GPU=1
+L=/tmp/h31-logs; rm -rf "$L"; mkdir -p "$L"; SECONDS=0
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git log -1 --format='tree of commit %h %s' 2>/dev/null | cut -c1-100; } > "$OUT/summary.txt" 2>&1
