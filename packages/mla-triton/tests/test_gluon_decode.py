@@ -145,7 +145,7 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
     assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
     if recipe.v_own:  # V̂'s block maxima: 4 shuffles an element (287 in all), none whole-block
-        assert (c.ptx.count("shfl.sync") < 40) == config.v_blocks, c.ptx.count("shfl.sync")
+        assert (c.ptx.count("shfl.sync") < 40) == (config.on_read > 1), c.ptx.count("shfl.sync")
     assert "ttng.warp_group_dot" in c.ttgir
     # ptxas: no spills, and no serialized wgmma (C7515: an accumulator written by other
     # instructions inside a wgmma pipeline stage, e.g. an async one across the loop's edge)
@@ -748,14 +748,13 @@ def test_config_checks() -> None:
         GluonDecodeConfig(block_n=64, stages=5)
     with pytest.raises(ValueError, match=r"config\.overlap"):
         GluonDecodeConfig(block_n=32, stages=2, overlap=True)
-    with pytest.raises(ValueError, match=r"config\.v_blocks"):
-        GluonDecodeConfig(block_n=32, stages=4, v_blocks=True)
+    with pytest.raises(ValueError, match=r"config\.on_read"):
+        GluonDecodeConfig(block_n=32, stages=4, on_read=2)
     assert ON_READ_BLOCKS_CONFIG.name == "bn32-st2-vb"
     assert ON_READ_OVERLAP_CONFIG.name == "bn32-st2-vb-vs"
-    with pytest.raises(ValueError, match=r"config\.v_under_s"):
-        GluonDecodeConfig(block_n=32, stages=2, v_under_s=True)
-    with pytest.raises(ValueError, match=r"config\.k_under_pv"):
-        GluonDecodeConfig(block_n=32, stages=2, v_blocks=True, k_under_pv=True)
+    for bad in (0, 5, True):
+        with pytest.raises(ValueError, match=r"config\.on_read"):
+            GluonDecodeConfig(block_n=32, stages=2, on_read=bad)
     assert ON_READ_PIPELINED_CONFIG.name == "bn32-st2-vb-vs-kp"
 
 

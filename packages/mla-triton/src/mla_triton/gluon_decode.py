@@ -64,22 +64,19 @@ class GluonDecodeConfig:
         stages: shared-memory ring depth (2 to 4); ``stages - 1`` tiles are in flight.
         overlap: issue ``S`` of the next tile before the softmax of this one (needs
             ``stages >= 3``: two tiles resident while copies run ahead).
-        v_blocks: nvfp4 on read (``V_OWN``) with whole 16-element blocks a thread
-            (``V_OWN == 2``: no shuffles, the block scales once a block; the same bits).
-            Off by default; ``ON_READ_BLOCKS_CONFIG`` only, for a V̂-of-its-own recipe.
-        v_under_s: with ``v_blocks``, K̂ first into the V̂ ring and V̂ in place on the ALUs
-            while the S MMA runs (``V_OWN == 3``; K and q quantized: q̂ and K̂ float16).
-            ``ON_READ_OVERLAP_CONFIG`` only.
-        k_under_pv: with ``v_under_s``, K̂ of the next tile quantized while the P V MMA of
-            this one runs (``V_OWN == 4``). ``ON_READ_PIPELINED_CONFIG`` only.
+        on_read: the on-read QDQ schedule of a V̂-of-its-own recipe (nvfp4 on read; the
+            kernel's ``V_OWN``), each level adding to the one before, the same bits: 1
+            today's layouts; 2 whole 16-element blocks a thread (no shuffles, the block
+            scales once a block: ``ON_READ_BLOCKS_CONFIG``); 3 K̂ first into the V̂ ring and
+            V̂ in place on the ALUs while the S MMA runs (K and q quantized:
+            ``ON_READ_OVERLAP_CONFIG``); 4 K̂ of the next tile quantized while the P V MMA
+            of this one runs (``ON_READ_PIPELINED_CONFIG``). Above 1: the bn32-st2 tiling.
     """
 
     block_n: int
     stages: int
     overlap: bool = False
-    v_blocks: bool = False
-    v_under_s: bool = False
-    k_under_pv: bool = False
+    on_read: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n not in (32, 64):
@@ -88,19 +85,23 @@ class GluonDecodeConfig:
             raise ValueError(f"config.stages: expected 2 to 4, got {self.stages}")
         if self.overlap and self.stages < 3:
             raise ValueError(f"config.overlap: needs stages >= 3, got {self.stages}")
-        if self.v_blocks and (self.block_n, self.stages, self.overlap) != (32, 2, False):
-            raise ValueError("config.v_blocks: the bn32-st2 tiling only (V̂ tiles of their own)")
-        if self.v_under_s and not self.v_blocks:
-            raise ValueError("config.v_under_s: needs v_blocks")
-        if self.k_under_pv and not self.v_under_s:
-            raise ValueError("config.k_under_pv: needs v_under_s")
+        if self.on_read not in (1, 2, 3, 4) or isinstance(self.on_read, bool):
+            raise ValueError(f"config.on_read: expected 1 to 4, got {self.on_read!r}")
+        if self.on_read > 1 and (self.block_n, self.stages, self.overlap) != (32, 2, False):
+            raise ValueError("config.on_read: above 1, the bn32-st2 tiling only (V̂ tiles of "
+                             "their own)")  # fmt: skip
+
+    @property
+    def v_own(self) -> int | bool:
+        """The kernel's ``V_OWN`` for a V̂-of-its-own recipe: True for ``on_read`` 1 (the
+        key of today's schedule), else the level."""
+        return True if self.on_read == 1 else self.on_read
 
     @property
     def name(self) -> str:
         """A short label: ``bn64-st2``, ``bn32-st4-ov``."""
-        return (f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "")
-                + ("-vb" if self.v_blocks else "") + ("-vs" if self.v_under_s else "")
-                + ("-kp" if self.k_under_pv else ""))  # fmt: skip
+        schedule = ("", "-vb", "-vb-vs", "-vb-vs-kp")[self.on_read - 1]
+        return f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "") + schedule
 
 
 VARIANTS: tuple[GluonDecodeConfig, ...] = (
@@ -115,19 +116,17 @@ SEPARATE_V_CONFIG = GluonDecodeConfig(block_n=32, stages=2)
 per stage a K̂ tile (36 KiB) and a V̂ tile (32 KiB) beside q (72 KiB); 64-token tiles or a
 third stage exceed the 227 KiB of a CTA."""
 
-ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, v_blocks=True)
+ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=2)
 """``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
 ``decode(..., config=ON_READ_BLOCKS_CONFIG)`` for a V̂-of-its-own recipe (nvfp4 on read);
 not picked by the dispatch."""
 
-ON_READ_PIPELINED_CONFIG = GluonDecodeConfig(
-    block_n=32, stages=2, v_blocks=True, v_under_s=True, k_under_pv=True
-)
+ON_READ_PIPELINED_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=4)
 """``ON_READ_OVERLAP_CONFIG`` with K̂ of tile i + 1 quantized while the P V MMA of tile i
 runs (``V_OWN == 4``): every QDQ pass of a tile lies under an MMA but K̂'s own wait for
 the next tile's copies. For K and q quantized; not picked by the dispatch."""
 
-ON_READ_OVERLAP_CONFIG = GluonDecodeConfig(block_n=32, stages=2, v_blocks=True, v_under_s=True)
+ON_READ_OVERLAP_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=3)
 """``ON_READ_BLOCKS_CONFIG`` with V̂ quantized while the S MMA runs (``V_OWN == 3``): K̂ is
 written to the V̂ ring, V̂ over the raw tile. For K and q quantized (nvfp4 on read); not
 picked by the dispatch."""
@@ -458,19 +457,18 @@ class _GluonFamily(_OnRead):
 
         cfg = self.config
         if self.v_own(recipe):  # two tiles a stage: SEPARATE_V_CONFIG (or the default)
-            if cfg not in (VARIANTS[0], SEPARATE_V_CONFIG, ON_READ_BLOCKS_CONFIG,
-                           ON_READ_OVERLAP_CONFIG, ON_READ_PIPELINED_CONFIG):  # fmt: skip
+            if cfg.on_read == 1 and cfg not in (VARIANTS[0], SEPARATE_V_CONFIG):
                 raise ValueError(
                     f"config: V quantized into its own tiles runs the Gluon kernel as "
                     f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {cfg.name}"
                 )
             taken = gluon_recipe(recipe)
-            if cfg.v_under_s and not (
+            if cfg.on_read >= 3 and not (
                 isinstance(taken, GluonRecipe) and taken.k_fmt and taken.q_scaled
             ):
                 raise ValueError(f"config: {cfg.name} needs K and q quantized (K̂, q̂ float16)")
-            cfg = cfg if cfg.v_blocks else SEPARATE_V_CONFIG
-        elif cfg.v_blocks:
+            cfg = cfg if cfg.on_read > 1 else SEPARATE_V_CONFIG
+        elif cfg.on_read > 1:
             raise ValueError(
                 f"config: {cfg.name} is for V quantized into its own tiles (nvfp4 on read)"
             )
@@ -489,13 +487,7 @@ class _GluonFamily(_OnRead):
                 "K_EXACT": not ko.pow2, "STAGES": cfg.num_stages,
                 "OVERLAP": self.config.overlap and not own, "KV_FP8": self.v_shares_k(ops),
                 "V_SEP": False, "V_TAIL": False,
-                "V_OWN": _v_own_mode(self.config) if own else own}  # fmt: skip
-
-
-def _v_own_mode(config: GluonDecodeConfig) -> int | bool:
-    """The kernel's ``V_OWN`` for a V̂-of-its-own recipe: True (today's layouts), 2 (whole
-    blocks a thread), 3 (and V̂ under the S MMA) or 4 (and K̂ under the P V MMA)."""
-    return 4 if config.k_under_pv else 3 if config.v_under_s else 2 if config.v_blocks else True
+                "V_OWN": own and self.config.v_own}  # fmt: skip
 
 
 @functools.cache
@@ -570,7 +562,7 @@ def compile_variant(
         "STAGES": config.stages, "OVERLAP": config.overlap, "Q_SCALED": recipe.q_scaled,
         "K_FMT": k_fmt, "KV_FP8": recipe.kv_fp8, "V_SEP": recipe.v_sep,
         "V_TAIL": recipe.v_tail, "V_EXACT": recipe.v_exact,
-        "V_OWN": _v_own_mode(config) if recipe.v_own else recipe.v_own,
+        "V_OWN": recipe.v_own and config.v_own,
         "K_EXACT": recipe.k_exact, "V_FMT": recipe.v_fmt, "K_DYN": recipe.k_dyn,
         "P_FMT": recipe.p_fmt, "MULTI_SPLIT": num_splits > 1,
     }  # fmt: skip
