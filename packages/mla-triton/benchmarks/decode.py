@@ -196,7 +196,9 @@ def time_entry(entry: Entry, warmup_ms: int, rep_ms: int) -> dict[str, object]:
         "recipe": entry.recipe,
         "impl": entry.impl,
         "kernel": kernel,
-        "config": {"gluon": gluon_decode_config(heads).name} if kernel == "gluon" else asdict(cfg),
+        "config": {"gluon": gluon_decode_config(heads, RECIPES[entry.recipe]).name}
+        if kernel == "gluon"
+        else asdict(cfg),
         "default_config": entry.config is None,
         "num_splits": splits,
         "ms": ms,

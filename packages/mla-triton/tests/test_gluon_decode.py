@@ -372,11 +372,14 @@ def _launched(call: Any) -> list[tuple[str, dict[str, Any], Any]]:
 
 
 def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The launch arguments with each tensor (also inside a tuple) as its dtype and shape."""
+    """The launch arguments with each tensor (also inside a tuple) as its dtype and shape,
+    a TMA descriptor as its base's, its shape, strides and block."""
 
     def plain(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return (v.dtype, tuple(v.shape))
+        if hasattr(v, "block_shape") and hasattr(v, "base"):
+            return (plain(v.base), *(tuple(x) for x in (v.shape, v.strides, v.block_shape)))
         return tuple(plain(x) for x in v) if isinstance(v, tuple) else v
 
     return {k: plain(v) for k, v in kwargs.items()}
@@ -435,10 +438,13 @@ def test_dispatch_launches_the_gluon_kernel(
 
 
 def test_on_read_nvfp4_launches(as_sm90: None) -> None:
-    """``decode(impl="gluon")`` with nvfp4 K and V on read launches q̂ and the Gluon
-    kernel with V̂ of its own (``V_OWN``, 32-token tiles, 2 stages, the static scales);
-    ``"auto"`` takes it too (``GLUON_ON_READ_AUTO`` on), Triton with the switch off;
-    another Gluon tiling is a ValueError before any launch."""
+    """``decode(impl="gluon")`` with nvfp4 Q/K/P/V on read launches q̂ and the Gluon
+    kernel with V̂ of its own in whole-block layouts (``ON_READ_BLOCKS_CONFIG``: ``V_OWN``
+    2, 32-token tiles, 2 stages, the static scales); ``"auto"`` takes it too
+    (``GLUON_ON_READ_AUTO`` on), Triton with the switch off; ``SEPARATE_V_CONFIG`` and the
+    other schedules differ from it in ``V_OWN`` only; V alone nvfp4 keeps
+    ``SEPARATE_V_CONFIG`` (``V_OWN`` True); another Gluon tiling is a ValueError before any
+    launch."""
     import mla_triton.gluon_decode as gd
     from mla_triton.decode import _operand, decode
     from mla_triton.warmup import record_keys
@@ -457,22 +463,28 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     seen = _launched(call("gluon"))
     assert [n for n, _, _ in seen][1] == "gluon_decode_split_kernel"
     a = seen[1][1]
-    assert (a["V_OWN"], a["V_SEP"], a["KV_FP8"], a["OVERLAP"]) == (True, False, False, False)
+    assert gd.gluon_decode_config(128, nv) == ON_READ_BLOCKS_CONFIG
+    assert (a["V_OWN"], a["V_SEP"], a["KV_FP8"], a["OVERLAP"]) == (2, False, False, False)
     assert a["SHAPE"][4] == 32 and a["STAGES"] == 2 and (a["K_FMT"], a["V_FMT"]) == (2, 2)
     assert not a["K_EXACT"] and a["V_EXACT"]  # the default K scale is 2^k, V's 3 / 2688 not
     gs_k, gs_v = _operand(nv.k).gs, _operand(nv.v).gs
     assert a["k_scales"] == pytest.approx((gs_k, 1 / gs_k, 1 / (6 * gs_k)))
     assert a["v_scales"] == pytest.approx((gs_v, 1 / gs_v, 1 / (6 * gs_v)))
     assert a["split"][1][0] is cache and a["split"][0][0].dtype == torch.float16
-    same = _launched(call("gluon", SEPARATE_V_CONFIG))[1][1]
-    assert _plain(same) == _plain(a)
-    # whole blocks a thread: asked for by config only, V_OWN 2, everything else the same
     vb = _launched(call("gluon", ON_READ_BLOCKS_CONFIG))[1][1]
-    assert vb["V_OWN"] == 2 and _plain(vb | {"V_OWN": True}) == _plain(a)
+    assert _plain(vb) == _plain(a)
+    # one thread a row: SEPARATE_V_CONFIG, V_OWN True; the overlapped schedules 3 and 4
+    same = _launched(call("gluon", SEPARATE_V_CONFIG))[1][1]
+    assert same["V_OWN"] is True and _plain(same | {"V_OWN": 2}) == _plain(a)
     vs = _launched(call("gluon", ON_READ_OVERLAP_CONFIG))[1][1]
-    assert vs["V_OWN"] == 3 and _plain(vs | {"V_OWN": True}) == _plain(a)
+    assert vs["V_OWN"] == 3 and _plain(vs | {"V_OWN": 2}) == _plain(a)
     kp = _launched(call("gluon", ON_READ_PIPELINED_CONFIG))[1][1]
-    assert kp["V_OWN"] == 4 and _plain(kp | {"V_OWN": True}) == _plain(a)
+    assert kp["V_OWN"] == 4 and _plain(kp | {"V_OWN": 2}) == _plain(a)
+    v_only = AttentionQuant(v="nvfp4", p="fp8")
+    assert gd.gluon_decode_config(128, v_only) == VARIANTS[0]
+    own = _launched(lambda: decode(q, cache, table, seq, softmax_scale=SCALE, quant=v_only,
+                                   num_splits=2, impl="gluon"))[-2][1]  # fmt: skip
+    assert own["V_OWN"] is True and own["SHAPE"][4] == 32
     want = r"^config: V quantized into its own tiles .*bn32-st2"
     with record_keys() as keys, pytest.raises(ValueError, match=want):
         call("gluon", VARIANTS[2])()
@@ -622,18 +634,21 @@ def test_shadow_dispatch_refusals(
     assert auto is not None and needle in auto.reason, auto
 
 
-def test_shadow_dispatch_launches(as_sm90: None) -> None:
+def test_shadow_dispatch_launches(as_sm90: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm90 ``decode_shadow(impl="gluon")`` launches q̂, the Gluon kernel on the
     shadow's float16 K̂ section (no QDQ in the kernel, K's scale in the scores, P's and
     V's on the output) and the merge, as ``"auto"`` does for this GPU-verified recipe
     (and the Triton shadow kernel for one not verified); a refused shadow launches
-    nothing."""
+    nothing (``WS_SHADOW_AUTO`` off: the warp-specialized kernel is
+    test_gluon_decode_ws.py's)."""
+    import mla_triton.gluon_decode_ws as ws
     import mla_triton.shadow as sh_mod
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.decode import _operand
     from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
     from mla_triton.warmup import record_keys
 
+    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", False)
     q, cache, table, seq = _cpu_case(128)
     fp8 = AttentionQuant.uniform("fp8")
     shadow = allocate_shadow(7, 64, fp8)

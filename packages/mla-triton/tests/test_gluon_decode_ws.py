@@ -322,14 +322,15 @@ def _split(call: Any) -> str:
 def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On sm90, ``WS_AUTO`` off: ``decode`` launches ``gluon_decode``'s kernel. On (the
     shipped value): recipe none under ``"auto"`` (above 32 heads) and ``"gluon"`` (any heads)
-    launches the warp-specialized kernel (``WsFamily``, ``VARIANTS[0]``) with the very
-    arguments of ``decode(config=VARIANTS[0])``; a ``GluonDecodeConfig``, fp8 and the
-    shadow keep theirs."""
+    launches the warp-specialized kernel (``WsFamily``, ``DEFAULT_CONFIG``) with the very
+    arguments of ``decode(config=DEFAULT_CONFIG)``; a ``GluonDecodeConfig``, fp8 and the
+    shadow (``WS_SHADOW_AUTO`` off here) keep theirs."""
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.decode import _check, _dispatch
 
     assert ws.WS_AUTO is True  # shipped on since the H200 suites
     monkeypatch.setattr(ws, "WS_AUTO", False)
+    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", False)
     q, cache, table, seq = _cpu_case(128)
     q20, *_ = _cpu_case(20)
     fp8 = AttentionQuant.uniform("fp8")
@@ -355,9 +356,9 @@ def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, c in plain.items():
         assert _split(c) == "gluon_decode_ws_kernel", name
     assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
-    assert family("auto") is family("gluon") is ws.ws_family(VARIANTS[0])
+    assert family("auto") is family("gluon") is ws.ws_family(ws.DEFAULT_CONFIG)
     assert isinstance(family("auto"), WsFamily) and not isinstance(family("auto", fp8), WsFamily)
-    direct = _launched(call(config=VARIANTS[0]))
+    direct = _launched(call(config=ws.DEFAULT_CONFIG))
     assert [(n, _plain(a), g) for n, a, g in _launched(plain["auto"])] == [
         (n, _plain(a), g) for n, a, g in direct
     ]
@@ -442,8 +443,8 @@ def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     raw rows)`` (the shadow's float16 K̂ ``[7, 64, 576]`` and V̂ section ``[7, 64, 512]``,
     their page and row strides), 32-token tiles and two slots, q̂ float16, ``K_FMT`` and
     ``P_FMT`` 2, P̂'s and the open V block's scale triples, ``gs_p gs_v``; then the merge.
-    With ``WS_SHADOW_AUTO`` and ``WS_SHADOW_NVFP4_AUTO`` on, ``decode_shadow()`` launches
-    the very same arguments (with the first alone, ``gluon_decode``'s kernel)."""
+    With ``WS_SHADOW_AUTO`` and ``WS_SHADOW_NVFP4_AUTO`` on (shipped), ``decode_shadow()``
+    launches the very same arguments (with the first alone, ``gluon_decode``'s kernel)."""
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.decode import _operand
     from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
@@ -476,8 +477,8 @@ def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args["p_hat_scales"] == (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs))
     assert args["v_tail_scales"] == (vo.gs, 1.0 / vo.gs, 1.0 / (6.0 * vo.gs))
     assert args["out_scale"] == po.gs * vo.gs
-    assert ws.WS_SHADOW_NVFP4_AUTO is False
-    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
+    assert ws.WS_SHADOW_AUTO is ws.WS_SHADOW_NVFP4_AUTO is True  # shipped on (sitting 8)
+    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", False)
     assert _split(call()) == "gluon_decode_split_kernel"
     monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", True)
     assert [(n, _plain(a), g) for n, a, g in _launched(call())] == [
@@ -566,14 +567,17 @@ def test_shadow_refusals() -> None:
 
 @pytest.mark.usefixtures("as_sm90")
 def test_shadow_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``WS_SHADOW_AUTO`` off (shipped): ``decode_shadow`` (``"auto"``, ``"gluon"``) launches
-    ``gluon_decode``'s kernel. On: fp8 V̂ = K̂ under ``"auto"`` (above 32 heads) and
-    ``"gluon"`` (any heads) launches the warp-specialized kernel with the very arguments of
-    ``config=VARIANTS[0]``; a ``GluonDecodeConfig``, nvfp4 (a V̂ section) and 20 heads under
-    ``"auto"`` keep theirs; ``decode`` with fp8 on read keeps ``gluon_decode``'s."""
+    """``WS_SHADOW_AUTO`` off: ``decode_shadow`` (``"auto"``, ``"gluon"``) launches
+    ``gluon_decode``'s kernel. On (shipped): fp8 V̂ = K̂ under ``"auto"`` (above 32 heads)
+    and ``"gluon"`` (any heads) launches the warp-specialized kernel with the very
+    arguments of ``config=DEFAULT_CONFIG``; a ``GluonDecodeConfig``, nvfp4 (a V̂ section,
+    ``WS_SHADOW_NVFP4_AUTO`` off here) and 20 heads under ``"auto"`` keep theirs;
+    ``decode`` with fp8 on read keeps ``gluon_decode``'s."""
     from mla_triton import allocate_shadow, decode_shadow
 
-    assert ws.WS_SHADOW_AUTO is False
+    assert ws.WS_SHADOW_AUTO is True
+    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", False)
+    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", False)
     q, cache, table, seq = _cpu_case(128)
     q20, *_ = _cpu_case(20)
     nvfp4 = AttentionQuant.uniform("nvfp4")
@@ -596,7 +600,7 @@ def test_shadow_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, c in plain.items():
         assert _split(c) == "gluon_decode_ws_kernel", name
     assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
-    direct = _launched(call(config=VARIANTS[0]))
+    direct = _launched(call(config=ws.DEFAULT_CONFIG))
     assert [(n, _plain(a), g) for n, a, g in _launched(plain["auto"])] == [
         (n, _plain(a), g) for n, a, g in direct
     ]

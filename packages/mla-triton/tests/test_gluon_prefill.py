@@ -78,6 +78,7 @@ VARIANTS = [
 ]  # fmt: skip
 SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     4,  # fp8 P at 128 x 128: 72 B
+    6,  # AUTO none: ping-pong 128 x 128, early_k, row_inf_check: 32 B
     7,  # nvfp4 P + 2:4 at 128 x 128
     9,  # ping-pong 128 x 128
     10,  # ping-pong 128 x 128, early_k: 32 B

@@ -10,6 +10,7 @@ like, ``workspace``, ``out`` and ``lse``).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -476,7 +477,10 @@ _Operands = tuple[_Operand, _Operand, _Operand, _Operand]
 """q, k, v and p of a recipe, as the kernels take them."""
 
 
+@functools.lru_cache(maxsize=256)
 def _operand(op: OperandQuant) -> _Operand:
+    """What the kernels take of one operand's recipe (cached: a pure function of a frozen
+    ``OperandQuant``, called for each operand of every call)."""
     if op.is_identity:
         return _Operand(0, False, 1.0, True)
     if op.is_dynamic:
@@ -792,7 +796,8 @@ def _dispatch(
         return triton, None
     if isinstance(config, gluon.GluonDecodeConfig):
         return make(config), None
-    return route.default(facts) or make(gluon.gluon_decode_config(c.heads)), None
+    on_read = None if families else quant  # decode_shadow's recipe reads its shadow
+    return route.default(facts) or make(gluon.gluon_decode_config(c.heads, on_read)), None
 
 
 class SplitFamily:

@@ -49,6 +49,7 @@ __all__ = [
     "gluon_family",
     "gluon_recipe",
     "gluon_unsupported",
+    "on_read_blocks_taken",
 ]
 
 LOG2E = math.log2(math.e)
@@ -119,7 +120,7 @@ third stage exceed the 227 KiB of a CTA."""
 ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=2)
 """``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
 ``decode(..., config=ON_READ_BLOCKS_CONFIG)`` for a V̂-of-its-own recipe (nvfp4 on read);
-not picked by the dispatch."""
+what ``gluon_decode_config`` gives nvfp4 Q/K/P/V (``on_read_blocks_taken``)."""
 
 ON_READ_PIPELINED_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=4)
 """``ON_READ_OVERLAP_CONFIG`` with K̂ of tile i + 1 quantized while the P V MMA of tile i
@@ -132,10 +133,25 @@ written to the V̂ ring, V̂ over the raw tile. For K and q quantized (nvfp4 on 
 picked by the dispatch."""
 
 
-def gluon_decode_config(num_heads: int) -> GluonDecodeConfig:
-    """The default tile configuration (64-token tiles, double-buffered)."""
+def on_read_blocks_taken(quant: AttentionQuant | None) -> bool:
+    """Whether ``decode`` without a config runs ``quant`` on read with
+    ``ON_READ_BLOCKS_CONFIG``: nvfp4 Q, K, P and V (any static scales), the recipe its H200
+    check ran bit for bit against ``SEPARATE_V_CONFIG`` (ragged and empty lengths, splits
+    1 / 3 / 2 / the policy, pages 16 and 64, 20 / 64 / 128 heads, K and V scales 1 and 3;
+    benchmarks/results/gpu-sit8/on-read), 1.30x / 1.37x its speed at b128 h128 L8192 / b32
+    h128 L32768. Other V-of-its-own recipes keep ``SEPARATE_V_CONFIG``."""
+    taken = gluon_recipe(quant)
+    return isinstance(taken, GluonRecipe) and taken.v_own and (
+        taken.q_fmt, taken.k_fmt, taken.v_fmt, taken.p_fmt) == (2, 2, 2, 2)  # fmt: skip
+
+
+def gluon_decode_config(num_heads: int, quant: AttentionQuant | None = None) -> GluonDecodeConfig:
+    """The configuration ``decode`` runs the Gluon kernel with, given no config: 64-token
+    tiles, double-buffered (a V-of-its-own recipe: ``SEPARATE_V_CONFIG``'s tiles), and for
+    nvfp4 on read ``ON_READ_BLOCKS_CONFIG`` (``on_read_blocks_taken``). ``quant``: None
+    for ``decode_shadow`` (its recipe reads the shadow, not on read)."""
     del num_heads
-    return VARIANTS[0]
+    return ON_READ_BLOCKS_CONFIG if on_read_blocks_taken(quant) else VARIANTS[0]
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,7 @@ class GluonRecipe:
 UNQUANTIZED = GluonRecipe()
 
 
+@functools.lru_cache(maxsize=256)
 def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     """The ``GluonRecipe`` of ``quant``, or the reason the Gluon kernel does not take it.
 

@@ -7,7 +7,7 @@ outputs (one split: ``out`` and ``lse``; several: the workspace partials the mer
 combines) follow the same contract. Recipe none only (bf16/fp16, widths 512 + 64, an
 sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
 ``ws_config_family`` refuses the rest). ``decode`` without a config runs it, with
-``VARIANTS[0]``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
+``DEFAULT_CONFIG``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
 recipe none while ``WS_AUTO`` is True (the shipped value).
 
 ``mla_triton.decode_shadow(..., config=WsConfig(...))`` runs it on a float16 shadow with
@@ -17,8 +17,8 @@ kernel); q none or
 quantized, P none, fp8 or nvfp4 (``ws_shadow_kind``) through ``WsShadowFamily`` (the
 shadow's K̂ view as the cache, q̂ from ``decode_q_kernel``, P̂ in registers);
 ``decode_shadow`` without a config, where it picked the Gluon kernel, runs it while
-``WS_SHADOW_AUTO`` is True (shipped False; a V̂ section also needs
-``WS_SHADOW_NVFP4_AUTO``, shipped False).
+``WS_SHADOW_AUTO`` is True (a V̂ section also needs ``WS_SHADOW_NVFP4_AUTO``; both
+shipped True).
 
 ``compile_ws`` compiles the kernel for sm_90a on any machine (Gluon has no
 interpreter): the CPU test and the GPU script's report use it.
@@ -40,6 +40,7 @@ from mla_triton.gluon_decode import GluonRecipe
 
 __all__ = [
     "DECODE_ROUTE",
+    "DEFAULT_CONFIG",
     "FP8_SHADOW",
     "NVFP4_CONFIG",
     "NVFP4_SHADOW",
@@ -159,9 +160,17 @@ def twin(config: WsConfig) -> WsConfig | None:
     return replace(config, tma=False) if config.tma else None
 
 
+DEFAULT_CONFIG = VARIANTS[3]
+"""The configuration the dispatch runs recipe none and a V̂ = K̂ shadow with
+(``ws-r232-p40-tile-tma``: ``VARIANTS[0]``'s ring with K tiles by TMA where the page
+holds whole tiles, else ``cp.async``; bit for bit ``VARIANTS[0]``'s outputs). On an H200
+at b128 h128 L8192 / b32 h128 L32768 it ran 1.00x / 0.95x FlashMLA beside ``VARIANTS[0]``'s
+0.93x / 0.89x (sitting 7, benchmarks/results/gpu-sit7-next)."""
+
+
 WS_AUTO = True
 """Whether ``decode`` (``impl="auto"`` and ``"gluon"``, no ``GluonDecodeConfig``) runs
-recipe none through this kernel (``ws_family(VARIANTS[0])``) instead of
+recipe none through this kernel (``ws_family(DEFAULT_CONFIG)``) instead of
 ``gluon_decode``'s; ``warmup_decode`` then compiles it, as it calls ``decode``. On since
 ``tests/test_gluon_decode_ws.py`` and decode's GPU suites passed with it on an H200
 (``MLA_REQUIRE_GPU=1``, ``benchmarks/results/gpu-suites-flips``)."""
@@ -292,17 +301,17 @@ NVFP4_TMA_CONFIG = replace(NVFP4_CONFIG, tma=True)
 their own descriptors, two expect-tx barriers a slot; pages multiples of 32, else
 ``cp.async``); compiled for sm_90a, not yet timed, not a default. ``twin``: ``NVFP4_CONFIG``."""
 
-WS_SHADOW_AUTO = False
+WS_SHADOW_AUTO = True
 """Whether ``decode_shadow`` (``impl="auto"`` and ``"gluon"``, no config), where it picked
 the Gluon kernel, runs a ``ws_shadow_kind`` recipe through this kernel
-(``ws_shadow_family(VARIANTS[0], ...)``) instead of ``gluon_decode``'s. Off until
-``tests/test_gluon_decode_ws.py``'s shadow tests pass on an H200 (``MLA_REQUIRE_GPU=1``;
-``benchmarks/gpu/decode_ws_next.sh``)."""
+(``ws_shadow_family(DEFAULT_CONFIG, ...)``) instead of ``gluon_decode``'s. On since
+``tests/test_gluon_decode_ws.py``'s shadow tests and the shadow GPU suites passed with it
+on an H200 (``MLA_REQUIRE_GPU=1``, sitting 8)."""
 
 
-WS_SHADOW_NVFP4_AUTO = False
+WS_SHADOW_NVFP4_AUTO = True
 """Whether that switch also takes a V̂ section (nvfp4 V: ``ws_shadow_family(NVFP4_CONFIG,
-...)``); off until its GPU tests pass on an H200, independently of fp8's."""
+...)``); on since its GPU tests passed on an H200 (sitting 8)."""
 
 
 def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
@@ -327,8 +336,8 @@ def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
 
 def ws_shadow_default(taken: GluonRecipe) -> WsConfig:
     """The configuration the switch runs ``taken`` with: ``NVFP4_CONFIG`` for a V̂
-    section, else ``VARIANTS[0]``."""
-    return NVFP4_CONFIG if taken.v_sep else VARIANTS[0]
+    section, else ``DEFAULT_CONFIG``."""
+    return NVFP4_CONFIG if taken.v_sep else DEFAULT_CONFIG
 
 
 def ws_shadow_dispatched(taken: GluonRecipe | str) -> bool:
@@ -434,7 +443,7 @@ class WsRoute:
 
 
 def _decode_default(facts: gd.GluonFacts) -> WsFamily | None:
-    return ws_family(VARIANTS[0]) if ws_dispatched(facts) else None
+    return ws_family(DEFAULT_CONFIG) if ws_dispatched(facts) else None
 
 
 DECODE_ROUTE = WsRoute(ws_config_family, _decode_default)

@@ -128,18 +128,24 @@ class GluonPrefillConfig:
 
 
 # The tiling ``prefill`` runs the Gluon kernel with (no config given), by P's format:
-# the fastest measured on an H200 against FA3 in one process (tiling x recipe sweep,
-# ``benchmarks/gluon_prefill.py --sweep``, benchmarks/results/gluon-prefill-sweep-h200):
-# ping-pong 128 x 64 x 3 for P none, fp8 and nvfp4 at b4 h128 L4096 and b1 h16 L16384
-# (none 0.707x / 0.760x FA3, fp8 0.637x / 0.765x, nvfp4 0.474x / 0.579x; the best
-# plain or warp-specialized tiling 0.62-0.70x for none); with N:M sparsity ("+nm"),
-# warp-specialized 128 x 64 x 3 (nvfp4 + 2:4: 0.333x / 0.373x, ping-pong below it).
-_PINGPONG = GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True)
-_WS = GluonPrefillConfig(128, 64, 3, warp_specialize=True)
+# the fastest measured on an H200 against FA3 in one process (``benchmarks/gluon_prefill.py
+# --sweep --tilings``, sitting 7: benchmarks/results/gpu-sit7-next; FA3 at b4 h128 L4096 /
+# b1 h16 L16384 / a six-sequence varlen batch): for P none and fp8 ping-pong 128 x 128 x 2
+# with K released after Q K^T and the row-minimum -inf check (``pp-128x128x2-ek-ri``:
+# none 0.846x at b4 h128, the other two shapes 0.870x / 0.857x by the same tiling without
+# the check; fp8 0.720x / 0.860x / 0.740x), for nvfp4 two consumer
+# warpgroups without turns at 128 x 64 x 3 (``nt-128x64x3``: 0.486x / 0.568x / 0.501x);
+# with N:M sparsity ("+nm"), warp-specialized 128 x 128 x 2 with early_k
+# (``ws-128x128x2-ek``, nvfp4 + 2:4: 0.346x / - / 0.361x; b1 h16: 0.369x by 128 x 64 x 3).
+_PINGPONG = GluonPrefillConfig(
+    128, 128, 2, warp_specialize=True, pingpong=True, early_k=True, row_inf_check=True
+)
+_NO_TURNS = GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True, turns=False)
+_WS = GluonPrefillConfig(128, 128, 2, warp_specialize=True, early_k=True)
 AUTO_CONFIGS: dict[str, GluonPrefillConfig] = {
     "none": _PINGPONG,
     "fp8": _PINGPONG,
-    "nvfp4": _PINGPONG,
+    "nvfp4": _NO_TURNS,
 }
 AUTO_CONFIGS |= {f"{name}+nm": _WS for name in tuple(AUTO_CONFIGS)}
 _P_FORMATS = ("none", "fp8", "nvfp4")  # by format code

@@ -668,8 +668,8 @@ def decode_shadow(
     (``gluon_decode_ws.NVFP4_CONFIG`` only), P none, fp8 or nvfp4
     (``gluon_decode_ws.ws_shadow_kind``; a ValueError naming ``quant``, ``impl`` or
     ``config`` elsewhere). Without a config, where the Gluon kernel was picked, that
-    kernel runs such a recipe while ``gluon_decode_ws.WS_SHADOW_AUTO`` is on (shipped off;
-    a V̂ section also needs ``WS_SHADOW_NVFP4_AUTO``, shipped off).
+    kernel runs such a recipe while ``gluon_decode_ws.WS_SHADOW_AUTO`` is on (shipped on;
+    a V̂ section also needs ``WS_SHADOW_NVFP4_AUTO``, shipped on).
     """
     chosen = check_impl(impl)
     qq = _check_quant(quant)
@@ -726,6 +726,7 @@ def gluon_shadow_verified(recipe: GluonRecipe) -> bool:
     return _verified_kind(recipe) in _GPU_VERIFIED
 
 
+@lru_cache(maxsize=256)
 def gluon_shadow_recipe(
     quant: AttentionQuant | None, layout: ShadowLayout, dtype: torch.dtype
 ) -> GluonRecipe | str:
