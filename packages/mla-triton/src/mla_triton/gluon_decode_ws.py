@@ -265,16 +265,18 @@ def tma_descriptor(cache: torch.Tensor, block_n: int) -> Any:
 
     block = [block_n, 64]
     return TensorDescriptor(
-        cache, [blocks * page, width], [row, 1], block, _box_layout(block, cache.dtype)
+        cache, [blocks * page, width], [row, 1], block, _box_layout(block_n, cache.dtype)
     )
 
 
-def _box_layout(block: list[int], dtype: torch.dtype) -> Any:
-    """The shared layout of a TMA box (NVMMA, 128-byte swizzle for 64 16-bit features)."""
+@functools.lru_cache(maxsize=16)
+def _box_layout(block_n: int, dtype: torch.dtype) -> Any:
+    """The shared layout of a ``[block_n, 64]`` TMA box (NVMMA, 128-byte swizzle for 64
+    16-bit features; cached: built for every call's descriptor)."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16
-                                                else gl.float16)  # fmt: skip
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([block_n, 64], element)
 
 
 @functools.cache
@@ -509,7 +511,7 @@ def compile_ws(
     )  # fmt: skip
     tma = config.tma and page % config.block_n == 0
     block = [config.block_n, 64]
-    layout = _box_layout(block, torch.bfloat16 if tile == "bf16" else torch.float16)
+    layout = _box_layout(config.block_n, torch.bfloat16 if tile == "bf16" else torch.float16)
     desc: Any = f"tensordesc<{tile}[{block[0]},{block[1]}],{layout!r}>"
     if recipe.v_sep:  # K̂ and the V̂ section (float16), the same boxes
         desc = (desc, f"tensordesc<fp16[{block[0]},{block[1]}],{layout!r}>")
