@@ -43,3 +43,32 @@ def pytest_runtest_makereport(
             report.outcome = "failed"
             report.longrepr = f"MLA_REQUIRE_GPU=1 and this GPU test was skipped: {reason}"
     return report
+
+
+# The slowest interpreted tests on a 2-core CPU machine (seconds, `pytest --durations`,
+# 2026-12-02): started first, so that pytest-xdist's workers do not end with one of them
+# running alone while the other worker idles.
+SLOW_FIRST = (
+    "test_shadow.py::test_tail_tile_lengths",  # 20-253
+    "test_decode.py::test_batch_invariance",  # 166
+    "test_decode.py::test_split_invariance",  # 108 (nvfp4)
+    "test_shadow.py::test_growth_across_block_bounds_one_token_at_a_time",  # 93
+    "test_shadow.py::test_default_tiles_and_splits_agree",  # 68
+    "test_decode.py::test_matches_reference_ragged",  # 47-59 (nvfp4)
+    "test_decode.py::test_64_heads_per_program",  # 58 (nvfp4)
+    "test_shadow.py::test_tail_tile_wide_head_group",  # 58
+    "test_prefill.py::test_16_bit_inputs",  # 28-55
+    "test_decode.py::test_workspace_size_covers_every_batch",  # 52
+    "test_decode.py::test_poisoned_memory",  # 49 (nvfp4)
+    "test_gluon_decode_ws.py::test_compile_test_in_child",  # 41
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run ``SLOW_FIRST`` ahead of the rest (their order otherwise kept)."""
+
+    def rank(item: pytest.Item) -> int:
+        name = f"{item.path.name}::{item.originalname}" if hasattr(item, "originalname") else ""
+        return next((i for i, slow in enumerate(SLOW_FIRST) if name == slow), len(SLOW_FIRST))
+
+    items.sort(key=rank)
