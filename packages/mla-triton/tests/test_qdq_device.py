@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import triton
@@ -9,6 +11,8 @@ import triton.language as tl
 
 from mla_formats import e4m3_round, qdq_factored
 from mla_triton import qdq_device as dev
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -65,3 +69,47 @@ def test_nvfp4_tile_matches_reference(gs_amax: float | None, along_rows: bool) -
     _nvfp4_kernel[(1,)](x, y, gs.item(), x.shape[0], x.shape[1], along_rows)
     want, _ = qdq_factored(x, "nvfp4", axis=1 if along_rows else 0, amax=amax)
     assert torch.equal(y, want)
+
+
+@triton.jit
+def _nan_max_kernel(x_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr, AXIS: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :])
+    if AXIS == 0:
+        tl.store(y_ptr + tl.arange(0, C), dev.nan_max(x, 0))
+    else:
+        tl.store(y_ptr + tl.arange(0, R), dev.nan_max(x, 1))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's reduction, not a compiled one")
+@pytest.mark.parametrize("axis", [0, 1])
+def test_interpreter_nan_max_in_numpy_matches_its_generic_reduce(
+    axis: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``nan_max`` through the interpreter's numpy path equals its element-by-element
+    reduce: magnitudes with NaN, +inf, zeros and a whole NaN row or column."""
+    from triton.runtime import interpreter
+
+    assert dev.INTERPRETER_NAN_MAX_IN_NUMPY, "Triton's interpreter hook is gone"
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(8, 16, generator=g) * 100).abs()
+    x[0, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[4] = 0.0
+    x[:, 7] = float("nan")
+    x[6, :] = float("nan")
+    out = torch.empty(16 if axis == 0 else 8)
+
+    def run() -> torch.Tensor:
+        out.fill_(-1.0)
+        _nan_max_kernel[(1,)](x, out, 8, 16, axis)
+        return out.clone()
+
+    fast = run()
+    generic = interpreter.ReduceOps.apply_impl._mla_generic
+    monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", generic)
+    slow = run()
+    assert torch.equal(fast.isnan(), slow.isnan())
+    assert torch.equal(fast.nan_to_num(7.0), slow.nan_to_num(7.0))
+    want = x.amax(axis)
+    want[x.isnan().any(axis)] = float("nan")
+    assert torch.equal(fast.nan_to_num(7.0), want.nan_to_num(7.0))

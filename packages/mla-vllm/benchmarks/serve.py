@@ -114,7 +114,7 @@ class Config:
     fresh_cache: bool = False
     restart: bool = False
     early: bool = True
-    """MLA_QUANT's early warm-up on (``MLA_QUANT_WARMUP_EARLY=1``, the library's default is off;
+    """MLA_QUANT's early warm-up on (``MLA_QUANT_WARMUP_EARLY=1``, the library's default;
     ``:noearly``: ``0``)."""
 
     @property
@@ -372,7 +372,7 @@ def _env(config: Config, args: argparse.Namespace) -> dict[str, str]:
     )
     if not config.warmup:
         env["MLA_QUANT_WARMUP"] = "0"
-    env["MLA_QUANT_WARMUP_EARLY"] = "1" if config.early else "0"  # the library's default: off
+    env["MLA_QUANT_WARMUP_EARLY"] = "1" if config.early else "0"  # explicit either way
     if args.triton_cache == "fresh" or config.fresh_cache:
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="serve-triton-")  # not in --out
         args.cache_dirs[config.cache_key] = env["TRITON_CACHE_DIR"]

@@ -37,7 +37,7 @@ S)
   n=${SHARDS:-6}
   for i in $(seq 0 $((n - 1))); do
     (mapfile -t x < <(awk -v i=$i -v n=$n 'NR % n == i' $L/ids.txt)
-     timeout -k 5 "${TO:-480}" python3 -m pytest -q -rfE -p no:cacheprovider "${x[@]}" > $L/s$i.txt 2>&1
+     timeout -k 5 "${TO:-480}" python3 -m pytest -v -rfE -p no:cacheprovider "${x[@]}" > $L/s$i.txt 2>&1
      echo "s$i rc=$? after ${SECONDS}s: $(grep -E ' in [0-9.]+s' $L/s$i.txt | tail -1)" >> $L/rc.txt) &
   done
   wait
