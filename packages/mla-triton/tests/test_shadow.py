@@ -395,10 +395,6 @@ def test_recipes_prefill_then_decode_steps(recipe: str, storages: tuple[str, ...
 
 
 TAIL_LENGTHS = [*range(1, 18), 31, 32, 48, 64, 65, 79, 96, 127, 128, 143, 150, 192]
-TAIL_LENGTHS_NVFP4 = [1, 2, 7, 8, 15, 16, 17, 31, 32, 48, 64, 65, 79, 96, 127, 128, 143, 150, 192]
-"""For the nvfp4 V recipes (4 to 12 times the interpreter's time of fp8's): open blocks of
-1, 2, 7, 8 and 15 tokens, none, and one token past a block, at the same tile and split
-bounds."""
 
 
 @pytest.mark.parametrize(
@@ -414,15 +410,14 @@ def test_tail_tile_lengths(
 ) -> None:
     """Every tail shape, in both forms of the tail tile (peeled, or a loop of 0 or 1).
 
-    Lengths 1 to 17 (an open block alone, a full block, one token past it; nvfp4 V:
-    ``TAIL_LENGTHS_NVFP4``'s seven of them),
+    Lengths 1 to 17 (an open block alone, a full block, one token past it),
     multiples of 16 and of the tile (no open block, or no tail tile at all), and
     tails behind split bounds (64-token multiples) with 2 and 3 active splits; pages of
     16 (a tile over several pages) and 64. Both forms against one on-read decode of
     one pool (the form only changes ``decode_shadow``): bit-identical.
     """
     quant, _ = RECIPES[recipe]
-    lens = TAIL_LENGTHS if quant.v.format.name == "fp8" else TAIL_LENGTHS_NVFP4
+    lens = TAIL_LENGTHS
     pool = Pool(quant, "fp16", page=page, max_len=max(lens), batch=len(lens), seed=7)
     pool.append([n - 1 for n in lens])  # a prefill, then one decode step
     pool.append([1] * len(lens), pad=1)
