@@ -217,7 +217,9 @@ def check() -> tuple[set[str], list[dict[str, Any]]]:
     return failed, rows
 
 
-def outputs(name: str, out_dir: str, recipe: str = "none") -> None:
+def outputs(
+    name: str, out_dir: str, recipe: str = "none", shapes: tuple[str, ...] = BENCH_SHAPES
+) -> None:
     """One producer's outputs on ``CHECKS + PAGE_CHECKS`` (``name``: a ``VARIANTS`` name,
     ``"gluon"`` or ``"reference"``) saved to ``out_dir/out<tag>-<name>.pt`` (``[(out, lse)
     on the CPU, or the error's repr] a case``; ``tag``: ``_tag(recipe)``); then, but for
@@ -248,7 +250,7 @@ def outputs(name: str, out_dir: str, recipe: str = "none") -> None:
         torch.save(saved, os.path.join(out_dir, f"out{_tag(recipe)}-{name}.pt"))  # if it hangs
     if config is None:
         return
-    for shape in BENCH_SHAPES:
+    for shape in shapes:
         batch, heads, seq_len, _ = SHAPES[shape]
         q, cache, table, lens_t = make_inputs(shape, "cuda", tiny=True)  # the bench's keys
         splits = decode_num_splits(batch, heads, seq_len, device=q.device, block_h=64)
@@ -362,16 +364,21 @@ def _graph_and_host(run: Any, warmup: int, rep: int) -> dict[str, Any]:
 
 
 def bench(
-    warmup: int, rep: int, names: list[str], recipe: str = "none", graph: bool = False
+    warmup: int,
+    rep: int,
+    names: list[str],
+    recipe: str = "none",
+    graph: bool = False,
+    shapes: tuple[str, ...] = BENCH_SHAPES,
 ) -> list[dict[str, Any]]:
-    """Median times at the two long-context shapes: the ws variants ``names``, gluon,
-    FlashMLA (bf16, on the raw cache; ``recipe`` fp8-shadow: ours through its shadow);
-    ``graph``: also each call replayed from a CUDA graph, and the host's issue time
-    (``_graph_and_host``)."""
+    """Median times at ``shapes`` (default the two long-context ones): the ws variants
+    ``names``, gluon, FlashMLA (bf16, on the raw cache; ``recipe`` fp8-shadow: ours
+    through its shadow); ``graph``: also each call replayed from a CUDA graph, and the
+    host's issue time (``_graph_and_host``)."""
     import triton.testing
 
     rows: list[dict[str, Any]] = []
-    for shape in BENCH_SHAPES:
+    for shape in shapes:
         batch, heads, seq_len, _ = SHAPES[shape]
         q, cache, table, lens = make_inputs(shape, "cuda")
         splits = decode_num_splits(batch, heads, seq_len, device=q.device, block_h=64)
@@ -437,8 +444,14 @@ def main() -> int:
     parser.add_argument("--graph", action="store_true",
                         help="bench: also time each call replayed from a CUDA graph, and the "
                         "host's time to issue one call")  # fmt: skip
+    parser.add_argument("--shapes", default=",".join(BENCH_SHAPES),
+                        help=f"outputs, bench: comma-separated shapes of {sorted(SHAPES)} "
+                        "(the serving benchmark's 32k batch: b8-h128-L32768)")  # fmt: skip
     parser.add_argument("out", help="output folder")
     args = parser.parse_args()
+    shapes = tuple(n for n in args.shapes.split(",") if n)
+    if not shapes or set(shapes) - set(SHAPES):
+        parser.error(f"--shapes: {args.shapes!r}: pick from {sorted(SHAPES)}")
     os.makedirs(args.out, exist_ok=True)
     named = [n for n in args.variants.split(",") if n]
     extra = {"gluon", "reference", *TWINS} if args.plan == "outputs" else set()
@@ -451,7 +464,7 @@ def main() -> int:
     if args.plan == "outputs":
         if len(named) != 1:
             parser.error("--variants: outputs takes one producer")
-        outputs(named[0], args.out, args.recipe)
+        outputs(named[0], args.out, args.recipe, shapes)
         return 0
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.plan in ("check", "compare"):
@@ -475,7 +488,7 @@ def main() -> int:
         names = [n for n in (named or list(default)) if n not in skip]
         result = {"info": info, "skipped": sorted(skip),
                   "rows": bench(args.warmup_ms, args.rep_ms, names, args.recipe,
-                                args.graph)}  # fmt: skip
+                                args.graph, shapes)}  # fmt: skip
         code = 0
         plan = "bench"
     with open(os.path.join(args.out, f"ws-{plan}{tag}.json"), "w") as f:

@@ -13,6 +13,11 @@
 #      default CONFIGS; BUDGET 535).
 #   L: 32k serving (serve.py as sitting 7: 4 layers, batch 8, 32768 + 256, graphs 1..8) with
 #      the Triton caches D filled merged (CONFIGS, DEADLINE 200 from the environment).
+#   K: the serving benchmark's 32k batch at the kernel level (sitting 9's serving run had
+#      quant none at 0.84x FLASHMLA there, 1.01x in sitting 7): gluon_decode_ws.py --plan bench
+#      --graph at b8-h128-L32768 and b32-h128-L32768 for none (VARIANTS[0], the TMA default,
+#      beside the Gluon split kernel and FlashMLA), the fp8 shadow and the nvfp4 shadow (their
+#      defaults); each step under TO (150) s. Files: ws-bench*.json, K.txt.
 # Do not run CPU-heavy jobs on the local machine while the bundle's parts travel: in sitting 8
 # each part took 55-70 s of device time with a local pytest on both cores, 5 s without.
 set -u
@@ -60,6 +65,17 @@ L)
   cp $W/serve-32k/serve-32k.json $W/serve-32k/serve-32k.png $OUT/ 2>/dev/null
   cp $W/serve.out $W/serve-32k/; tar czf $OUT/logs32.tgz -C $W --exclude=model serve-32k
   ;;
-*) echo "mode: S, D or L" >&2; exit 2 ;;
+K)
+  export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
+  B=packages/mla-triton/benchmarks/gluon_decode_ws.py; SH=b8-h128-L32768,b32-h128-L32768
+  for step in "none ws-r232-p40-tile,ws-r232-p40-tile-tma" "fp8-shadow ws-r232-p40-tile-tma" \
+              "nvfp4-shadow ws-r232-p40-tile-n32s2"; do
+    read -r rec variants <<< "$step"
+    timeout -k 5 "${TO:-150}" python3 $B --plan bench --graph --recipe "$rec" --variants "$variants" \
+      --shapes $SH "$OUT" 2>&1 | tail -n 12 | tee -a "$OUT/K.txt"
+    echo "K $rec rc=${PIPESTATUS[0]} after ${SECONDS}s" | tee -a "$OUT/K.txt"
+  done
+  ;;
+*) echo "mode: S, D, L or K" >&2; exit 2 ;;
 esac
 echo "mode $1 done after ${SECONDS}s"; ls "$OUT"
