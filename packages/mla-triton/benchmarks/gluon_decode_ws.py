@@ -370,18 +370,22 @@ def bench(
     recipe: str = "none",
     graph: bool = False,
     shapes: tuple[str, ...] = BENCH_SHAPES,
+    splits_override: int | None = None,
 ) -> list[dict[str, Any]]:
     """Median times at ``shapes`` (default the two long-context ones): the ws variants
     ``names``, gluon, FlashMLA (bf16, on the raw cache; ``recipe`` fp8-shadow: ours
     through its shadow); ``graph``: also each call replayed from a CUDA graph, and the
-    host's issue time (``_graph_and_host``)."""
+    host's issue time (``_graph_and_host``); ``splits_override``: this split count instead of
+    the policy's (``decode_num_splits``)."""
     import triton.testing
 
     rows: list[dict[str, Any]] = []
     for shape in shapes:
         batch, heads, seq_len, _ = SHAPES[shape]
         q, cache, table, lens = make_inputs(shape, "cuda")
-        splits = decode_num_splits(batch, heads, seq_len, device=q.device, block_h=64)
+        splits = splits_override or decode_num_splits(
+            batch, heads, seq_len, device=q.device, block_h=64
+        )
         kw = _bench_kwargs(q, splits, seq_len)
         out = kw["out"]
         dec = _decoder(recipe, cache)
@@ -447,6 +451,12 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(BENCH_SHAPES),
                         help=f"outputs, bench: comma-separated shapes of {sorted(SHAPES)} "
                         "(the serving benchmark's 32k batch: b8-h128-L32768)")  # fmt: skip
+    parser.add_argument(
+        "--splits",
+        type=int,
+        default=None,
+        help="bench: this split count at every shape (default: the policy's)",
+    )
     parser.add_argument("out", help="output folder")
     args = parser.parse_args()
     shapes = tuple(n for n in args.shapes.split(",") if n)
@@ -488,7 +498,7 @@ def main() -> int:
         names = [n for n in (named or list(default)) if n not in skip]
         result = {"info": info, "skipped": sorted(skip),
                   "rows": bench(args.warmup_ms, args.rep_ms, names, args.recipe,
-                                args.graph, shapes)}  # fmt: skip
+                                args.graph, shapes, args.splits)}  # fmt: skip
         code = 0
         plan = "bench"
     with open(os.path.join(args.out, f"ws-{plan}{tag}.json"), "w") as f:

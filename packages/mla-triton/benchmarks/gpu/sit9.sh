@@ -75,6 +75,12 @@ K)
       --shapes $SH "$OUT" 2>&1 | tail -n 12 | tee -a "$OUT/K.txt"
     echo "K $rec rc=${PIPESTATUS[0]} after ${SECONDS}s" | tee -a "$OUT/K.txt"
   done
+  # the policy gives b8 h128 15 splits (240 programs, two waves on 132 SMs); 8 splits are 128
+  # programs in one wave, FlashMLA's shape of the work (one wave, token-balanced)
+  mkdir -p "$OUT/s8"
+  timeout -k 5 "${TO:-150}" python3 $B --plan bench --graph --splits 8 \
+    --variants ws-r232-p40-tile-tma --shapes b8-h128-L32768 "$OUT/s8" 2>&1 | tail -n 6 | tee -a "$OUT/K.txt"
+  echo "K none --splits 8 rc=${PIPESTATUS[0]} after ${SECONDS}s" | tee -a "$OUT/K.txt"
   ;;
 *) echo "mode: S, D, L or K" >&2; exit 2 ;;
 esac
