@@ -383,8 +383,10 @@ def bench(
     for shape in shapes:
         batch, heads, seq_len, _ = SHAPES[shape]
         q, cache, table, lens = make_inputs(shape, "cuda")
-        splits = splits_override or decode_num_splits(
-            batch, heads, seq_len, device=q.device, block_h=64
+        splits = (
+            decode_num_splits(batch, heads, seq_len, device=q.device, block_h=64)
+            if splits_override is None
+            else splits_override
         )
         kw = _bench_kwargs(q, splits, seq_len)
         out = kw["out"]
@@ -462,6 +464,8 @@ def main() -> int:
     shapes = tuple(n for n in args.shapes.split(",") if n)
     if not shapes or set(shapes) - set(SHAPES):
         parser.error(f"--shapes: {args.shapes!r}: pick from {sorted(SHAPES)}")
+    if args.splits is not None and not 1 <= args.splits <= 64:
+        parser.error(f"--splits: {args.splits}: 1 to 64")
     os.makedirs(args.out, exist_ok=True)
     named = [n for n in args.variants.split(",") if n]
     extra = {"gluon", "reference", *TWINS} if args.plan == "outputs" else set()

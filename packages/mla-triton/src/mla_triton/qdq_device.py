@@ -67,7 +67,7 @@ def _interpreter_nan_max_in_numpy() -> bool:
     generic = getattr(ops, "apply_impl", None)
     if ops is None or generic is None or not hasattr(ops, "min_max"):
         return False
-    if getattr(generic, "_mla_nan_max", False):
+    if hasattr(generic, "_mla_generic"):  # set already
         return True
 
     def apply_impl(self: Any, input: Any) -> Any:
@@ -75,7 +75,6 @@ def _interpreter_nan_max_in_numpy() -> bool:
             return self.min_max(input[0], val_reduce_op=np.max, idx_reduce_op=None)
         return generic(self, input)
 
-    apply_impl._mla_nan_max = True  # type: ignore[attr-defined]
     apply_impl._mla_generic = generic  # type: ignore[attr-defined]
     ops.apply_impl = apply_impl
     return True
