@@ -254,8 +254,12 @@ def test_split_counts_match_brute_force() -> None:
 
 
 def test_split_counts_reach_the_policy_cap() -> None:
-    """At 32k context one short request takes up to 64 splits: all of 1..64 are warmed."""
+    """At 32k context one request takes up to 60 splits at 128 heads (two programs: 120
+    of 132 SMs is one wave 91% full) and the cap of 64 at 16 heads (one program): every
+    count from 1 up is warmed."""
     counts = decode_split_counts(64, 128, 32768 + 256, block_h=decode_config(128).block_h)
+    assert counts == tuple(range(1, 61))
+    counts = decode_split_counts(64, 16, 32768 + 256, block_h=decode_config(16).block_h)
     assert counts == tuple(range(1, 65))
 
 

@@ -17,7 +17,7 @@ Triton kernel under ``impl="auto"`` while ``prefill.GLUON_NM_AUTO`` is off);
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -137,17 +137,23 @@ class GluonPrefillConfig:
 # warpgroups without turns at 128 x 64 x 3 (``nt-128x64x3``: 0.486x / 0.568x / 0.501x);
 # with N:M sparsity ("+nm"), warp-specialized 128 x 128 x 2 with early_k
 # (``ws-128x128x2-ek``, nvfp4 + 2:4: 0.346x / - / 0.361x; b1 h16: 0.369x by 128 x 64 x 3).
-_PINGPONG = GluonPrefillConfig(
-    128, 128, 2, warp_specialize=True, pingpong=True, early_k=True, row_inf_check=True
-)
+# Sitting 10 (benchmarks/results/gpu-sit10/prefill, FA3 656 TFLOP/s at b4 h128): none
+# without the row-minimum check (``pp-128x128x2-ek``: 0.811x / 0.808x / 0.745x against
+# 0.794x / 0.778x / 0.731x with it), N:M with ``nm_pairs`` and ``nm_nan_rank``
+# (``ws-128x128x2-ek-np-nr``: nvfp4 + 2:4 0.357x / 0.359x / 0.332x against 0.340x / 0.339x
+# / 0.317x without them); fp8 and nvfp4 as sitting 7 chose (0.710x / 0.795x / 0.650x and
+# 0.478x / 0.522x / 0.441x).
+_PINGPONG = GluonPrefillConfig(128, 128, 2, warp_specialize=True, pingpong=True, early_k=True)
 _NO_TURNS = GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True, turns=False)
-_WS = GluonPrefillConfig(128, 128, 2, warp_specialize=True, early_k=True)
+_WS_NM = GluonPrefillConfig(
+    128, 128, 2, warp_specialize=True, early_k=True, nm_pairs=True, nm_nan_rank=True
+)
 AUTO_CONFIGS: dict[str, GluonPrefillConfig] = {
     "none": _PINGPONG,
-    "fp8": _PINGPONG,
+    "fp8": replace(_PINGPONG, row_inf_check=True),
     "nvfp4": _NO_TURNS,
 }
-AUTO_CONFIGS |= {f"{name}+nm": _WS for name in tuple(AUTO_CONFIGS)}
+AUTO_CONFIGS |= {f"{name}+nm": _WS_NM for name in tuple(AUTO_CONFIGS)}
 _P_FORMATS = ("none", "fp8", "nvfp4")  # by format code
 CONSUMER_REGS = 240
 """Registers a thread of ping-pong's second consumer warpgroup asks for (FA3's 240:
