@@ -410,7 +410,7 @@ def test_split_policy_takes_the_fewest_splits_that_fill_the_gpu(
         (128, 128, 8192, 1),  # 256 programs, two full waves
         (1, 128, 32768, 60),  # 2 programs: 120 of 132 SMs
         (4, 128, 32768, 15),  # 8 programs: 120
-        (2, 128, 32768, 30),
+        (2, 128, 32768, 30),  # 4 programs: 120
     ],
 )
 def test_split_policy_measured_shapes(batch: int, heads: int, length: int, splits: int) -> None:

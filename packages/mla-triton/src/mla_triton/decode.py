@@ -130,9 +130,8 @@ def decode_num_splits(
 
     Programs without splits number ``batch * ceil(num_heads / block_h)``. The
     policy takes the fewest splits (1 to 64) whose programs fill the GPU's SMs
-    (``device``'s count; 132 off-GPU) to at least 90% of whole waves, one wave
-    included (128 programs on 132 SMs: b8 h128 takes 8 splits, not the 15 of two
-    waves, 1.04x FlashMLA against 0.84x on the H200), with every split at least
+    (``device``'s count; 132 off-GPU) to at least 90% of whole waves, a single
+    wave included (docs/benchmarks.md, sitting 10), with every split at least
     256 tokens of ``max_seq_len`` long. No data is read: CUDA graphs captured for
     a batch size and ``max_seq_len`` replay the same split.
     """
