@@ -27,6 +27,18 @@ L = 8155, where every request ends inside a tile (the peeled tail tile, with an
 open nvfp4 V block); ``--skip-packed`` and ``--skip-update`` leave parts out.
 Tiles that do not fit the device are skipped when compiled.
 
+``--flashmla`` times FlashMLA bf16 (vLLM's ``flash_mla_with_kvcache``, through
+``decode.py``'s ``flashmla_run``) once per shape on the same raw bf16 cache, block table
+and q, in the same process with the same ``do_bench`` settings: a FlashMLA row (ms,
+TFLOP/s, GB/s of 1152 bytes per token + q + out), and every other row of the shape gets
+``vs_flashmla`` (FlashMLA's time over the row's) and ``bw_vs_flashmla``, the
+bandwidth-equivalent speed: the fraction of FlashMLA's achieved bytes/s the path achieves
+on the bytes it must read (the row's read GB/s over FlashMLA's GB/s). As in
+``decode.py``, where vLLM or FlashMLA fails the FlashMLA row records the error and the run
+goes on; a ``--tiny`` run skips FlashMLA with a note. ``--shapes a,b`` runs the named
+shapes (default: those above, plus ``--tail``'s); ``--impl auto|triton|gluon`` is passed
+to ``decode_shadow`` (entries with their own tiles run ``triton``) and recorded per row.
+
 ``--tiny`` runs a small version of everything on the CPU (``TRITON_INTERPRET=1``):
 a smoke test of the script, not a measurement.
 """
@@ -70,6 +82,8 @@ TINY_TAIL_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "b2-h16-L75-tail": (2, 16, 75, 16),
 }
 ALL_SHAPES = {**SHAPES, **TAIL_SHAPES}
+ALL_TINY_SHAPES = {**TINY_SHAPES, **TINY_TAIL_SHAPES}
+IMPLS = ("auto", "triton", "gluon")
 NVFP4 = AttentionQuant.uniform("nvfp4")
 FP8 = AttentionQuant.uniform("fp8")
 QUANTS: dict[str, AttentionQuant | None] = {"none": None, "fp8": FP8, "nvfp4": NVFP4}
@@ -81,6 +95,7 @@ class Entry:
     recipe: str  # a QUANTS key
     path: str  # "on-read", "shadow-fp16", "shadow-packed"
     config: DecodeConfig | None = None  # None: the path's default
+    impl: str = "auto"  # decode_shadow's impl (on-read rows: decode's default, "auto")
 
     @property
     def storage(self) -> str:
@@ -131,11 +146,13 @@ def plan(
     *,
     variants: list[tuple[str, tuple[int, int, int, int]]] | None = None,
     packed: bool = True,
+    impl: str = "auto",
 ) -> list[Entry]:
     """Default entries per shape, then the sweep's and ``--variants``' alternative tiles.
 
     Sweep and variant tiles run the fp16 shadow (the default storage) of the shapes
-    whose default head group (64 for H > 32, else 16) matches their block_h.
+    whose default head group (64 for H > 32, else 16) matches their block_h, through
+    the Triton kernel; the default shadow entries run ``impl``.
     """
     entries: list[Entry] = []
     paths = ("shadow-fp16", "shadow-packed") if packed else ("shadow-fp16",)
@@ -143,7 +160,7 @@ def plan(
         entries += [Entry(s, "none", "on-read"), Entry(s, "fp8", "on-read")]
         entries += [Entry(s, "nvfp4", "on-read")]
         for path in paths:
-            entries += [Entry(s, "nvfp4", path), Entry(s, "fp8", path)]
+            entries += [Entry(s, "nvfp4", path, impl=impl), Entry(s, "fp8", path, impl=impl)]
         bh = 64 if shapes[s][1] > 32 else 16
         extra: list[tuple[str, tuple[int, int, int, int]]] = []
         if sweep and not s.endswith("-tail"):
@@ -152,7 +169,7 @@ def plan(
                 entries.append(Entry(s, "none", "on-read", _cfg(64, 32, 8, 2)))
         extra += [(r, t) for r, t in (variants or []) if t[0] == bh]
         for recipe, tiles in extra:
-            e = Entry(s, recipe, "shadow-fp16", _cfg(*tiles))
+            e = Entry(s, recipe, "shadow-fp16", _cfg(*tiles), impl="triton")
             if e not in entries:
                 entries.append(e)
     return entries
@@ -270,6 +287,7 @@ def _runner(
         pool.lens,
         quant=quant,
         storage=entry.storage,
+        impl=entry.impl,
         **common,
     )
 
@@ -278,7 +296,8 @@ def _compile_one(entry: Entry) -> tuple[Entry, str | None]:
     """Compile one entry's kernels on inputs of the same table width (tiny data).
 
     Returns the entry and a log line, or None when its tiles do not fit the device
-    (shared memory or registers): the sweep then leaves that entry out.
+    (shared memory or registers), or ``impl="gluon"`` is refused for it (a ValueError
+    naming ``impl``): the run then leaves that entry out.
     """
     from triton.runtime.errors import OutOfResources
 
@@ -294,8 +313,14 @@ def _compile_one(entry: Entry) -> tuple[Entry, str | None]:
     except OutOfResources as err:
         print(f"skipped {entry.shape} {entry.name} {entry.config}: {err}", flush=True)
         return entry, None
+    except ValueError as err:
+        if entry.impl != "gluon" or "impl" not in str(err):
+            raise
+        print(f"skipped {entry.shape} {entry.name} impl=gluon: {err}", flush=True)
+        return entry, None
     torch.cuda.synchronize()
-    return entry, f"{entry.shape} {entry.name} {entry.config} {time.time() - t0:.1f}s"
+    line = f"{entry.shape} {entry.name} {entry.impl} {entry.config} {time.time() - t0:.1f}s"
+    return entry, line
 
 
 def precompile(entries: list[Entry], workers: int) -> list[Entry]:
@@ -333,6 +358,41 @@ def _row_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a64 - b64).abs().amax(-1) / b64.abs().amax(-1).clamp_min(1e-3)).max())
 
 
+def time_flashmla(shape: str, pool: Pool, warmup_ms: int, rep_ms: int) -> dict[str, object]:
+    """FlashMLA bf16 (``decode.py``'s ``flashmla_run``) on ``pool``'s raw cache, table
+    and q: its time, rates and agreement with on-read decode (quant none); the error
+    instead where vLLM or FlashMLA fails (the run goes on, as in ``decode.py``)."""
+    batch, heads, seq = pool.batch, pool.heads, pool.seq
+    row: dict[str, object] = {"shape": shape, "path": "flashmla", "recipe": "none"}
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from decode import flashmla_run  # benchmarks/decode.py (this script's folder)
+
+        if not pool.shadows:  # the latent the shadow rows read (update_cache's raw rows)
+            pool.fill("fp8", "fp16")
+        run = flashmla_run(pool.q, pool.cache, pool.table, pool.lens, 0.1)
+        out = run()[0].reshape(batch, heads, 512)
+        ref = decode(pool.q, pool.cache, pool.table, pool.lens, softmax_scale=0.1)[0]
+        row["max_row_err_vs_on_read"] = _row_err(out, ref)
+        row["finite"] = bool(torch.isfinite(out).all())
+        ms = _bench(run, False, warmup_ms, rep_ms)
+    except Exception as exc:  # vLLM missing or FlashMLA failing: recorded, the run goes on
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"{shape:20s} flashmla skipped: {row['error']}", flush=True)
+        return row
+    gbps = raw_bytes(batch, heads, seq) / ms / 1e6  # it reads the raw rows: 1152 B a token
+    row.update(
+        ms=ms, tflops=flops(batch, heads, seq) / ms / 1e9, raw_equiv_gbps=gbps, actual_gbps=gbps
+    )
+    print(f"{shape:20s} flashmla bf16 {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
+    return row
+
+
+def _num(x: object) -> float:
+    assert isinstance(x, (int, float))
+    return float(x)
+
+
 def time_decodes(
     entries: list[Entry],
     shapes: dict[str, tuple[int, int, int, int]],
@@ -340,8 +400,14 @@ def time_decodes(
     tiny: bool,
     warmup_ms: int,
     rep_ms: int,
-) -> list[dict[str, object]]:
+    *,
+    flashmla: bool = False,
+) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The decode rows, and with ``flashmla`` one FlashMLA row per shape (timed after
+    the shape's entries, on the same pool); each row of a shape FlashMLA ran at gets
+    ``vs_flashmla`` (time ratio) and ``bw_vs_flashmla`` (read GB/s over FlashMLA's)."""
     rows: list[dict[str, object]] = []
+    flash: list[dict[str, object]] = []
     for shape in shapes:
         pool = Pool(shapes[shape], device, tiny=tiny)
         batch, heads, seq, _ = shapes[shape]
@@ -355,6 +421,7 @@ def time_decodes(
                 "shape": shape,
                 "path": entry.path,
                 "recipe": entry.recipe,
+                "impl": entry.impl,
                 "config": asdict(_config(entry, heads)),
                 "default_config": entry.config is None,
                 "num_splits": splits,
@@ -375,19 +442,27 @@ def time_decodes(
                     pool.q[:2], pool.cache, pool.shadows[(entry.recipe, entry.storage)],
                     pool.table[:2], pool.lens[:2], softmax_scale=0.1, quant=quant,
                     storage=entry.storage, num_splits=splits, config=entry.config,
+                    impl=entry.impl,
                 )  # fmt: skip
                 row["max_row_err_vs_on_read"] = _row_err(got[0], want[0])
                 row["max_lse_err_vs_on_read"] = float((got[1] - want[1]).abs().max())
             rows.append(row)
             print(
-                f"{shape:20s} {entry.name:22s} {_tag(row)} {ms:8.3f} ms "
+                f"{shape:20s} {entry.name:22s} {entry.impl:6s} {_tag(row)} {ms:8.3f} ms "
                 f"{row['tflops']:7.1f} TFLOP/s",
                 flush=True,
             )
+        if flashmla:
+            fl = time_flashmla(shape, pool, warmup_ms, rep_ms)
+            flash.append(fl)
+            if "ms" in fl:
+                for r in (r for r in rows if r["shape"] == shape):
+                    r["vs_flashmla"] = _num(fl["ms"]) / _num(r["ms"])
+                    r["bw_vs_flashmla"] = _num(r["actual_gbps"]) / _num(fl["actual_gbps"])
         del pool
         if device == "cuda":
             torch.cuda.empty_cache()
-    return rows
+    return rows, flash
 
 
 def time_updates(device: str, tiny: bool, warmup_ms: int, rep_ms: int) -> list[dict[str, object]]:
@@ -511,20 +586,40 @@ def render(
     dec: list[dict[str, object]],
     upd: list[dict[str, object]],
     mem: list[dict[str, object]],
+    flash: list[dict[str, object]] | None = None,
 ) -> str:
     lines = [
         f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}",
-        f"{'shape':20s} {'path':14s} {'recipe':6s} {'config (bh,bn,warps,stages)':30s} "
-        f"{'splits':>6s} {'ms':>8s} {'TFLOP/s':>8s} {'rawGB/s':>8s} {'GB/s':>7s} {'err':>8s}",
+        f"{'shape':20s} {'path':14s} {'recipe':6s} {'impl':6s} "
+        f"{'config (bh,bn,warps,stages)':30s} {'splits':>6s} {'ms':>8s} {'TFLOP/s':>8s} "
+        f"{'rawGB/s':>8s} {'GB/s':>7s} {'err':>8s} {'xFlash':>6s} {'bwxFl':>6s}",
     ]
     for r in dec:
         tag = _tag(r)
         err = r.get("max_row_err_vs_on_read")
+        vs, bw = r.get("vs_flashmla"), r.get("bw_vs_flashmla")
         lines.append(
-            f"{r['shape']:20s} {r['path']:14s} {r['recipe']:6s} {tag:30s} {r['num_splits']:>6} "
-            f"{r['ms']:8.3f} {r['tflops']:8.1f} {r['raw_equiv_gbps']:8.0f} {r['actual_gbps']:7.0f} "
+            f"{r['shape']:20s} {r['path']:14s} {r['recipe']:6s} {r['impl']:6s} {tag:30s} "
+            f"{r['num_splits']:>6} {r['ms']:8.3f} {r['tflops']:8.1f} {r['raw_equiv_gbps']:8.0f} "
+            f"{r['actual_gbps']:7.0f} "
             + (f"{err:8.1e}" if isinstance(err, float) else f"{'':8s}")
+            + (f" {vs:6.2f} {bw:6.2f}" if isinstance(vs, float) and isinstance(bw, float) else "")
             + ("" if r["finite"] else "  NON-FINITE")
+        )
+    for fl in flash or []:
+        if "ms" in fl:
+            lines.append(
+                f"{fl['shape']:20s} flashmla bf16 (vLLM) {fl['ms']:8.3f} ms "
+                f"{fl['tflops']:8.1f} TFLOP/s {fl['raw_equiv_gbps']:8.0f} GB/s "
+                f"(max row err vs on-read {fl['max_row_err_vs_on_read']:.1e})"
+                + ("" if fl["finite"] else "  NON-FINITE")
+            )
+        else:
+            lines.append(f"{fl['shape']:20s} flashmla: {fl.get('error')}")
+    if flash:
+        lines.append(
+            "xFlash: vs_flashmla (FlashMLA's ms / the row's); bwxFl: bw_vs_flashmla (the "
+            "row's read GB/s / FlashMLA's GB/s)"
         )
     lines += summary(dec)
     lines.append("update_cache (raw write + shadow):")
@@ -559,6 +654,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-packed", action="store_true", help="leave out the packed storage")
     parser.add_argument("--skip-update", action="store_true", help="leave out update_cache")
+    parser.add_argument(
+        "--flashmla",
+        action="store_true",
+        help="time FlashMLA bf16 (vLLM) per shape; rows get vs_flashmla and bw_vs_flashmla",
+    )
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help="comma-separated shape names (default: the standard shapes, plus --tail's)",
+    )
+    parser.add_argument(
+        "--impl",
+        choices=IMPLS,
+        default="auto",
+        help="decode_shadow's impl for the default shadow entries (default auto)",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (TRITON_INTERPRET=1)")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--warmup-ms", type=int, default=50)
@@ -568,12 +679,39 @@ def main(argv: list[str] | None = None) -> int:
     if not tiny and not torch.cuda.is_available():
         print("shadow benchmark: needs a CUDA GPU (or --tiny on the CPU)", file=sys.stderr)
         return 2
+    if tiny and args.impl == "gluon":
+        print(
+            "shadow benchmark: --impl gluon needs an sm90 CUDA GPU (the Gluon kernel does not "
+            "run in the interpreter); use --impl auto or triton with --tiny",
+            file=sys.stderr,
+        )
+        return 2
     device = "cpu" if tiny else "cuda"
+    known = ALL_TINY_SHAPES if tiny else ALL_SHAPES
     shapes = dict(TINY_SHAPES if tiny else SHAPES)
+    if args.shapes:
+        names = [n for n in args.shapes.split(",") if n]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            print(
+                f"shadow benchmark: --shapes: unknown {', '.join(unknown)} "
+                f"(known{' with --tiny' if tiny else ''}: {', '.join(known)})",
+                file=sys.stderr,
+            )
+            return 2
+        shapes = {n: known[n] for n in names}
     if args.tail:
         shapes.update(TINY_TAIL_SHAPES if tiny else TAIL_SHAPES)
+    flashmla = bool(args.flashmla)
+    if flashmla and tiny:
+        print("note: --flashmla skipped: FlashMLA needs a CUDA GPU (a --tiny run)", flush=True)
+        flashmla = False
     entries = plan(
-        shapes, args.sweep, variants=parse_variants(args.variants), packed=not args.skip_packed
+        shapes,
+        args.sweep,
+        variants=parse_variants(args.variants),
+        packed=not args.skip_packed,
+        impl=args.impl,
     )
     if not tiny:
         t0 = time.time()
@@ -585,15 +723,21 @@ def main(argv: list[str] | None = None) -> int:
         "triton": __import__("triton").__version__,
         "tiny": tiny,
     }
-    dec = time_decodes(entries, shapes, device, tiny, args.warmup_ms, args.rep_ms)
+    dec, flash = time_decodes(
+        entries, shapes, device, tiny, args.warmup_ms, args.rep_ms, flashmla=flashmla
+    )
     upd = [] if args.skip_update else time_updates(device, tiny, args.warmup_ms, args.rep_ms)
     mem = memory_table()
-    text = render(info, dec, upd, mem)
+    text = render(info, dec, upd, mem, flash)
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "shadow.json"), "w") as f:
-            json.dump({"info": info, "decode": dec, "update": upd, "memory": mem}, f, indent=1)
+            json.dump(
+                {"info": info, "decode": dec, "flashmla": flash, "update": upd, "memory": mem},
+                f,
+                indent=1,
+            )
         with open(os.path.join(args.out, "shadow.txt"), "w") as f:
             f.write(text + "\n")
     errs = [r.get("max_row_err_vs_on_read", 0.0) for r in dec]

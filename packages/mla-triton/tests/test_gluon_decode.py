@@ -598,7 +598,7 @@ def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (AttentionQuant(q="fp8", k="fp8"), "fp16", {}, "K quantized with V not"),
         (AttentionQuant.uniform("fp8"), "packed", {}, "storage 'packed'"),
-        (AttentionQuant.uniform("nvfp4"), "packed", {}, "storage 'packed'"),
+        (AttentionQuant(q="fp8", k="nvfp4", v="fp8"), "packed", {}, "storage 'packed'"),
         (AttentionQuant(k="fp8", v="fp8"), "fp16", {}, "no cast"),
         (AttentionQuant(k="nvfp4", v="nvfp4"), "fp16", {}, "no cast"),
         (AttentionQuant.uniform("fp8"), "fp16", {"device_type": "cpu", "capability": None},
@@ -716,9 +716,9 @@ def test_shadow_dispatch_launches(as_sm90: None, monkeypatch: pytest.MonkeyPatch
         with pytest.raises(ValueError, match=r"^config: a shadow with a V̂ section .* bn32-st2"):
             call("gluon", config=VARIANTS[0], quant=nvfp4, sh=nv_shadow)()
         packed = allocate_shadow(7, 64, nvfp4, storage="packed")
-        with pytest.raises(ValueError, match=r"^impl: .*storage 'packed'"):
+        with pytest.raises(ValueError, match=r"^config: a packed shadow runs the warp-spec"):
             decode_shadow(q, cache, packed, table, seq, softmax_scale=SCALE, quant=nvfp4,
-                          storage="packed", impl="gluon")  # fmt: skip
+                          storage="packed", config=SEPARATE_V_CONFIG)  # fmt: skip
         with pytest.raises(ValueError, match=r"^config: impl='gluon' takes a GluonDecodeConfig"):
             call("gluon", config=DecodeConfig(64, 64, 8, 2))()
     assert not keys

@@ -40,6 +40,8 @@ from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
 from mla_triton.gluon_decode_ws import (
     FP8_SHADOW,
     NVFP4_CONFIG,
+    NVFP4_PACKED_CONFIG,
+    NVFP4_PACKED,
     NVFP4_SHADOW,
     NVFP4_TMA_CONFIG,
     VARIANTS,
@@ -59,14 +61,17 @@ UNQ = GluonRecipe()
 COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [
     (VARIANTS[0], FP8_SHADOW), (NVFP4_CONFIG, NVFP4_SHADOW), (NVFP4_TMA_CONFIG, NVFP4_SHADOW),
     (replace(NVFP4_TMA_CONFIG, lazy_rescale=True), NVFP4_SHADOW),
+    (NVFP4_PACKED_CONFIG, NVFP4_PACKED),
 ]  # fmt: skip
 """``(config, recipe)``: recipe none for every compiled variant, fp8 Q/K/P/V through the
 float16 shadow (V̂ = K̂) for the default (what ``decode_shadow(config=WsConfig())`` runs),
 nvfp4 Q/K/P/V (its V̂ section, ``V_SEP``) with ``NVFP4_CONFIG``, ``NVFP4_TMA_CONFIG`` and
-that with ``lazy_rescale``."""
+that with ``lazy_rescale``, and the packed nvfp4 shadow with ``NVFP4_PACKED_CONFIG``."""
 
 
 def _recipe_id(recipe: GluonRecipe) -> str:
+    if recipe.packed:
+        return "-nvfp4-packed"
     return "-nvfp4-shadow" if recipe.v_sep else ("-fp8-shadow" if recipe.shadow_f16 else "")
 
 
@@ -138,6 +143,8 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     elif cfg.tma:  # 8 kv_c boxes and k_pe's, the tile's bytes expected on one barrier
         assert len(boxes) == 9 and not cp_async
         assert expects == [str(9 * cfg.block_n * 64 * 2)], expects
+    elif recipe.packed:  # the producer loads code words into registers: no async copies
+        assert not cp_async and not boxes and not expects
     else:
         assert cp_async and not boxes and not expects
     assert "mbarrier.try_wait" in c.ptx and "mbarrier.arrive" in c.ptx
@@ -145,7 +152,11 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     assert "cp.async.mbarrier.arrive.noinc.shared.b64" not in c.ptx
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
     assert "ttg.warp_specialize" in c.ttgir
-    assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
+    if recipe.packed:  # the decoding producer spills a little at 88 registers (measured 176)
+        spilled = re.search(r"(\d+) bytes spill stores", c.ptxas_info)
+        assert spilled is not None and int(spilled.group(1)) <= 256, c.ptxas_info
+    else:
+        assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
     assert "C7515" not in c.ptxas_info, c.ptxas_info
     e4m3 = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", c.ptx))
     assert e4m3 == {0: 0, 1: 3 * 16, 2: 102}[recipe.p_fmt], e4m3
@@ -501,6 +512,58 @@ def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {k: v for k, v in _plain(tma_args).items() if k not in ("TMA", "kv_desc")} == {
         k: v for k, v in _plain(args).items() if k not in ("TMA", "kv_desc")
     }
+
+
+@pytest.mark.usefixtures("as_sm90")
+def test_packed_shadow_launch_arguments() -> None:
+    """``decode_shadow`` on the packed nvfp4 shadow (``storage="packed"``): without a config
+    and with ``NVFP4_PACKED_CONFIG``, the ws kernel with ``PACKED`` and ``V_SEP`` on, its
+    register split, no TMA, the cache pointers ``(K̂ bytes, V̂ bytes, raw rows, raw rows)``
+    (uint8 views of the shadow at the sections' offsets, one stride pair in bytes); every
+    other argument as ``NVFP4_CONFIG``'s launch on the fp16 shadow. A config with TMA or
+    chunked loads names ``config``; ``impl="auto"`` keeps the Triton kernel until the packed
+    variant has passed on a GPU (``gluon_shadow_verified``)."""
+    from mla_triton import allocate_shadow, decode_shadow, shadow_layout
+
+    q, cache, table, seq = _cpu_case(128)
+    nvfp4 = AttentionQuant.uniform("nvfp4")
+    lay = shadow_layout(nvfp4, storage="packed")
+    packed = allocate_shadow(7, 64, nvfp4, storage="packed")
+    fp16 = allocate_shadow(7, 64, nvfp4)
+
+    def call(shadow: torch.Tensor, storage: str, **kw: Any) -> Any:
+        return lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
+                                     quant=nvfp4, num_splits=2, storage=storage, **kw)  # fmt: skip
+
+    launched = _launched(call(packed, "packed", impl="gluon"))
+    assert [n for n, _, _ in launched] == [
+        "decode_q_kernel", "gluon_decode_ws_kernel", "decode_merge_kernel",
+    ]  # fmt: skip
+    args = launched[1][1]
+    assert args["PACKED"] and args["V_SEP"] and not args["TMA"] and args["kv_desc"] is None
+    assert (args["MATH_REGS"], args["PRODUCER_REGS"]) == (
+        NVFP4_PACKED_CONFIG.math_regs, NVFP4_PACKED_CONFIG.producer_regs,
+    )  # fmt: skip
+    kb, vb, raw, ks = args["split"][1]
+    assert kb.dtype == vb.dtype == torch.uint8 and raw is cache and ks is cache
+    assert kb.data_ptr() == packed.data_ptr() + lay.k_offset
+    assert vb.data_ptr() == packed.data_ptr() + lay.v_offset
+    assert (kb.shape[2], vb.shape[2]) == (lay.k_bytes, lay.v_bytes)
+    rows = (lay.token_bytes * 64, lay.token_bytes)
+    assert args["split"][7] == (*rows, *rows, *cache.stride()[:2], *cache.stride()[:2])
+    assert [(n, _plain(a), g) for n, a, g in _launched(
+        call(packed, "packed", config=NVFP4_PACKED_CONFIG))] == [
+        (n, _plain(a), g) for n, a, g in launched
+    ]  # fmt: skip
+    ref = _launched(call(fp16, "fp16", config=NVFP4_CONFIG))[1][1]
+    differ = {"PACKED", "MATH_REGS", "PRODUCER_REGS", "split"}
+    assert {k: v for k, v in _plain(ref).items() if k not in differ} == {
+        k: v for k, v in _plain(args).items() if k not in differ
+    }
+    for cfg in (replace(NVFP4_PACKED_CONFIG, tma=True), replace(NVFP4_PACKED_CONFIG, chunked=True)):
+        with pytest.raises(ValueError, match=r"^config: a packed shadow is decoded"):
+            call(packed, "packed", config=cfg)()
+    assert _split(call(packed, "packed")) == "shadow_decode_split_kernel"  # auto: not verified
 
 
 @pytest.mark.usefixtures("as_sm90")

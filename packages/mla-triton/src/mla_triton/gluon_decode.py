@@ -178,6 +178,9 @@ class GluonRecipe:
             different recipes), K̂ in place: ``SEPARATE_V_CONFIG`` only.
         q_fmt, v_fmt: q's and V's format codes; k_exact: K's static scale is not a power
             of two.
+        packed: the shadow is the packed nvfp4 one (E2M1 codes and E4M3 block scales,
+            624 bytes a token), which only the warp-specialized kernel reads (its producer
+            decodes it into the float16 tiles).
     """
 
     q_scaled: bool = False
@@ -197,6 +200,7 @@ class GluonRecipe:
     q_fmt: int = 0
     v_fmt: int = 0
     k_exact: bool = False
+    packed: bool = False
 
     @property
     def separate_v(self) -> bool:

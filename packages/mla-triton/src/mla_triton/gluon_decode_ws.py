@@ -44,6 +44,8 @@ __all__ = [
     "FP8_SHADOW",
     "NVFP4_CONFIG",
     "NVFP4_SHADOW",
+    "NVFP4_PACKED",
+    "NVFP4_PACKED_CONFIG",
     "NVFP4_TMA_CONFIG",
     "VARIANTS",
     "WS_AUTO",
@@ -203,7 +205,7 @@ class WsFamily(_OnRead):
         return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
                 "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc,
                 "EARLY_S": c.early_s, "p_hat_scales": None, "v_tail_scales": None,
-                "V_SEP": False, "LAZY_RESCALE": c.lazy_rescale}  # fmt: skip
+                "V_SEP": False, "LAZY_RESCALE": c.lazy_rescale, "PACKED": False}  # fmt: skip
 
 
 class WsShadowFamily(WsFamily):
@@ -221,10 +223,12 @@ class WsShadowFamily(WsFamily):
     def __init__(
         self, config: WsConfig, tiles: torch.Tensor,
         sections: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None,
+        packed: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(config)
         self.tiles = tiles
         self.sections = sections
+        self.packed = packed
 
     def v_shares_k(self, ops: _Operands) -> bool:
         return True  # P̂ and q̂ in float16 (PV_F16): V̂ is K̂'s first 512 features or float16
@@ -235,7 +239,9 @@ class WsShadowFamily(WsFamily):
         if self.sections is not None:
             extra |= {"V_SEP": True, "v_tail_scales": _scales(vo.gs)}
         args = super().extra_args(self.tiles, cfg, ops) | extra
-        if self.sections is not None and args["TMA"]:  # the V̂ section's descriptor too
+        if self.packed:  # the producer decodes the packed bytes (config: no TMA)
+            args |= {"PACKED": True, "TMA": False, "kv_desc": None}
+        elif self.sections is not None and args["TMA"]:  # the V̂ section's descriptor too
             v_desc = tma_descriptor(self.sections[0][1], self.config.block_n)
             args["kv_desc"] = None if v_desc is None else (args["kv_desc"], v_desc)
             args["TMA"] = v_desc is not None
@@ -303,6 +309,16 @@ NVFP4_TMA_CONFIG = replace(NVFP4_CONFIG, tma=True)
 their own descriptors, two expect-tx barriers a slot; pages multiples of 32, else
 ``cp.async``); compiled for sm_90a, not yet timed, not a default. ``twin``: ``NVFP4_CONFIG``."""
 
+NVFP4_PACKED = replace(NVFP4_SHADOW, packed=True)
+"""``NVFP4_SHADOW`` on the packed shadow (624 bytes a token: E2M1 codes and E4M3 block
+scales, decoded by the producer into the same float16 tiles): ``compile_ws(recipe=...)``'s."""
+
+NVFP4_PACKED_CONFIG = WsConfig(block_n=32, stages=2, math_regs=208, producer_regs=88)
+"""The configuration the packed nvfp4 shadow runs with (``ws-r208-p88-tile-n32s2``:
+``NVFP4_CONFIG``'s ring, registers moved from the math warpgroups to the decoding
+producer). ``twin``-like reference: ``NVFP4_CONFIG`` on the ``fp16`` shadow of the same
+cache (the same tiles, the same bits)."""
+
 WS_SHADOW_AUTO = True
 """Whether ``decode_shadow`` (``impl="auto"`` and ``"gluon"``, no config), where it picked
 the Gluon kernel, runs a ``ws_shadow_kind`` recipe through this kernel
@@ -337,8 +353,10 @@ def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
 
 
 def ws_shadow_default(taken: GluonRecipe) -> WsConfig:
-    """The configuration the switch runs ``taken`` with: ``NVFP4_CONFIG`` for a V̂
-    section, else ``DEFAULT_CONFIG``."""
+    """The configuration the switch runs ``taken`` with: ``NVFP4_PACKED_CONFIG`` for the
+    packed nvfp4 shadow, ``NVFP4_CONFIG`` for another V̂ section, else ``DEFAULT_CONFIG``."""
+    if taken.packed:
+        return NVFP4_PACKED_CONFIG
     return NVFP4_CONFIG if taken.v_sep else DEFAULT_CONFIG
 
 
@@ -357,11 +375,13 @@ Sections = tuple[tuple[torch.Tensor, ...], tuple[int, ...]]
 
 
 def ws_shadow_family(
-    config: WsConfig, tiles: torch.Tensor, sections: Sections | None = None
-) -> WsShadowFamily:
+    config: WsConfig, tiles: torch.Tensor, sections: Sections | None = None,
+    packed: bool = False,
+) -> WsShadowFamily:  # fmt: skip
     """The shadow split family of ``config`` reading ``tiles`` (and a V̂ section's
-    ``sections``; a new one a call: it holds the tensors)."""
-    return WsShadowFamily(config, tiles, sections)
+    ``sections``; ``packed``: they are the packed nvfp4 shadow's bytes; a new one a call: it
+    holds the tensors)."""
+    return WsShadowFamily(config, tiles, sections, packed=packed)
 
 
 def ws_shadow_config_family(
@@ -387,13 +407,18 @@ def ws_shadow_config_family(
             f"only (K̂ and V̂ rings: 212992 of 232448 bytes of shared memory), TMA with "
             f"whole-tile barriers only, got {config.name}"
         )
+    if kind.packed and (config.tma or config.chunked):
+        raise ValueError(
+            f"config: a packed shadow is decoded by the producer into whole tiles (no TMA, "
+            f"not chunked), got {config.name}"
+        )
     if kind.v_sep and sections is None:
         raise ValueError("quant: a V̂ section's recipe, but the shadow has no V̂ section")
     why = gd.gluon_unsupported(facts, forced=True, recipe=lambda _: kind, stride_align=8)
     if why is not None:
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
                          f"{why.reason}")  # fmt: skip
-    return ws_shadow_family(config, tiles, sections if kind.v_sep else None)
+    return ws_shadow_family(config, tiles, sections if kind.v_sep else None, kind.packed)
 
 
 def ws_dispatched(facts: gd.GluonFacts) -> bool:
@@ -465,7 +490,7 @@ def ws_shadow_route(
     def default(facts: gd.GluonFacts) -> WsFamily | None:
         del facts  # the shadow's recipe decides (taken)
         if isinstance(taken, GluonRecipe) and ws_shadow_dispatched(taken):
-            return ws_shadow_family(ws_shadow_default(taken), tiles, sections)
+            return ws_shadow_family(ws_shadow_default(taken), tiles, sections, taken.packed)
         return None
 
     return WsRoute(configured, default)
@@ -501,7 +526,8 @@ def compile_ws(
     cache: tuple[Any, ...] = (ptr(tile),)
     strides: tuple[Any, ...] = (div, div)
     if recipe.v_sep:  # (K̂, V̂, raw rows, K scales: the raw rows' pointer), 4 stride pairs
-        cache = (ptr(tile), ptr("fp16"), ptr(dtype), ptr(dtype))
+        section = "u8" if recipe.packed else "fp16"
+        cache = (ptr("u8" if recipe.packed else tile), ptr(section), ptr(dtype), ptr(dtype))
         strides = (div,) * 8
     split = (
         (ptr(tile), ptr(tile), ptr("fp32")), cache, ptr(index_dtype),
@@ -509,7 +535,7 @@ def compile_ws(
         (div, div, div, div), strides, (i32, i32), i32, (div, div, i32, i32),
         (i32, i32), ("fp32", False),
     )  # fmt: skip
-    tma = config.tma and page % config.block_n == 0
+    tma = config.tma and page % config.block_n == 0 and not recipe.packed
     block = [config.block_n, 64]
     layout = _box_layout(config.block_n, torch.bfloat16 if tile == "bf16" else torch.float16)
     desc: Any = f"tensordesc<{tile}[{block[0]},{block[1]}],{layout!r}>"
@@ -530,6 +556,6 @@ def compile_ws(
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
         "TMA": tma, "EARLY_S": config.early_s, "Q_SCALED": recipe.q_scaled,
         "K_FMT": recipe.k_fmt, "P_FMT": recipe.p_fmt, "V_SEP": recipe.v_sep,
-        "LAZY_RESCALE": config.lazy_rescale,
+        "LAZY_RESCALE": config.lazy_rescale, "PACKED": recipe.packed,
     }  # fmt: skip
     return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

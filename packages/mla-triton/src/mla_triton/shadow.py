@@ -679,7 +679,8 @@ def decode_shadow(
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
     tiles, gluon = _gluon_tiles(qq, lay, c.q_nope.dtype, cache, (kh, ks, vh), config)
-    sections = _v_sections(tiles, cache, (kh, ks, vh)) if vh is not None else None
+    k_src = kh if lay.storage == "packed" and kh is not None else tiles  # packed: its bytes
+    sections = _v_sections(k_src, cache, (kh, ks, vh)) if vh is not None else None
     route = ws.ws_shadow_route(gluon_shadow_recipe(qq, lay, c.q_nope.dtype), tiles, sections)
     families = (_ShadowFamily(lay, (kh, ks, vh)), gluon, route)
     rule = partial(gluon_shadow_unsupported, layout=lay)
@@ -741,7 +742,9 @@ def gluon_shadow_recipe(
     section in tiles of their own (``v_sep``: 32-token tiles), nvfp4's open block
     quantized from the raw rows, a dynamic K's per-token scales from the shadow. A
     float16 K̂ needs q̂ quantized or q float16 (q bfloat16 would need K̂ cast in the
-    tile). Refused: packed storage, dynamic V, K quantized with V not.
+    tile). ``packed`` storage: nvfp4 K and V of static scales, V's a power of two (``packed``:
+    the warp-specialized kernel's producer decodes it). Refused: other packed shadows, dynamic
+    V, K quantized with V not.
     """
     qq = quant if quant is not None else AttentionQuant()
     base = gluon_recipe(AttentionQuant(q=qq.q, p=qq.p))
@@ -749,9 +752,17 @@ def gluon_shadow_recipe(
         return base
     if qq.k.is_identity and qq.v.is_identity:
         return base
-    if layout.storage != "fp16":
-        return f"shadow storage {layout.storage!r} is not implemented in the Gluon kernel yet"
     ko, vo = _operand(qq.k), _operand(qq.v)
+    if layout.storage != "fp16":
+        if (ko.code, vo.code) != (2, 2) or ko.dynamic or vo.dynamic or not vo.pow2:
+            return (f"shadow storage {layout.storage!r}: the Gluon kernel reads nvfp4 K and V of "
+                    "static scales (V's a power of two) only")  # fmt: skip
+        if not base.q_scaled and dtype != torch.float16:
+            return f"q {dtype} not quantized with a quantized K: K̂ is float16 (no cast in the tile)"
+        return replace(
+            base, shadow_f16=True, k_fmt=2, k_gs=ko.gs, v_gs=vo.gs, v_sep=True, v_f16=True,
+            v_tail=True, v_fmt=2, packed=True,
+        )  # fmt: skip
     if ko.code and not base.q_scaled and dtype != torch.float16:
         return f"q {dtype} not quantized with a quantized K: K̂ is float16 (no cast in the tile)"
     if layout.v_shared:
@@ -814,6 +825,15 @@ def _gluon_tiles(
             f"config: a shadow with a V̂ section runs the Gluon kernel as "
             f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {config.name}"
         )
+    if rec.packed:  # the facts are the raw rows'; only the warp-specialized kernel reads it
+
+        def refuse(cfg: GluonDecodeConfig) -> _GluonShadowFamily:
+            raise ValueError(
+                f"config: a packed shadow runs the warp-specialized Gluon kernel only "
+                f"(gluon_decode_ws.NVFP4_PACKED_CONFIG, with WS_SHADOW_AUTO on), not {cfg.name}"
+            )
+
+        return cache, refuse
     tiles = kh if kh is not None else cache
     sections = _v_sections(tiles, cache, views)
 

@@ -160,6 +160,161 @@ def _producer(
     mbarrier.arrive(done)
 
 
+# the packed nvfp4 shadow (``PACKED``): 32-bit words of eight E2M1 codes (element ``8 w + k``
+# in bits ``4k..4k+3`` of word ``w``), decoded in chunks of 16 words (128 features) a row:
+# a word a thread, whose eight float16 values it stores as one 16-byte piece of the tile
+_PK: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 16, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+_PK_ROPE: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+_PKW: gl.constexpr = gl.constexpr(16)  # words a chunk of the 512 features (8 for the rope)
+
+
+@gluon.jit
+def _pk_rows(x, layout: gl.constexpr):
+    """A per-row ``[N]`` tensor in the row layout of the ``[N, words]`` tensors of ``layout``."""
+    return gl.convert_layout(x, gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+
+
+@gluon.jit
+def _pk_offs(NW: gl.constexpr, layout: gl.constexpr):
+    """Word indices ``[0, NW)`` along dim 1 of the ``[N, NW]`` tensors of ``layout``."""
+    return gl.arange(0, NW, gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+
+
+@gluon.jit
+def _pk_words(ptr, rows, valid, w0, NW: gl.constexpr, layout: gl.constexpr):
+    """Code words ``[w0, w0 + NW)`` (int32 ``[N, NW]``) of the rows at byte ``rows``
+    (int64 ``[N]``) of ``ptr`` (uint8); zeros where not ``valid``."""
+    offs_w = w0 + _pk_offs(NW, layout)
+    wptr = (ptr + _pk_rows(rows, layout)[:, None] + offs_w[None, :] * 4).to(
+        gl.pointer_type(gl.int32)
+    )
+    return gl.load(wptr, mask=_pk_rows(valid, layout)[:, None], other=0)
+
+
+@gluon.jit
+def _e2m1_f16(nib):
+    """E2M1 codes (int32 nibbles) as their float16 values (exact): magnitude ``m``
+    0 and 1 are 0 and 0.5, ``m >= 2`` is ``2**(m // 2 - 1) * (1 + (m % 2) / 2)``."""
+    m = nib & 7
+    bits = gl.where(m < 2, m * 0x3800, (m << 9) + 0x3800) | ((nib & 8) << 12)
+    return bits.to(gl.uint16).to(gl.float16, bitcast=True)
+
+
+@gluon.jit
+def _pk_values(words, scales, layout: gl.constexpr):
+    """``[N, 8 NW]`` float16 factored values of code ``words [N, NW]`` times their E4M3
+    block scales (``scales``: uint8 ``[N, NW, 1]`` or ``[N, NW, 8]``, a scale a word or a
+    code), exact in float16."""
+    N: gl.constexpr = words.shape[0]
+    NW: gl.constexpr = words.shape[1]
+    shift = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, layout))) * 4
+    nib = (gl.expand_dims(words, 2) >> shift[None, None, :]) & 15
+    scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.reshape(_e2m1_f16(nib) * scale, [N, NW * 8])
+
+
+@gluon.jit
+def _pk_k_chunk(dst, words, ptr, rows, valid, w0, SCALES: gl.constexpr, layout: gl.constexpr):
+    """Store K̂ code words ``[w0, w0 + NW)`` decoded into ``dst [N, 8 NW]``: K's E4M3 block
+    scales (one a 16 features: a word pair) start at byte ``SCALES`` of the rows."""
+    NW: gl.constexpr = words.shape[1]
+    offs_w = w0 + _pk_offs(NW, layout)
+    sptr = ptr + _pk_rows(rows, layout)[:, None] + SCALES + offs_w[None, :] // 2
+    sc = gl.load(sptr, mask=_pk_rows(valid, layout)[:, None], other=0)
+    dst.store(_pk_values(words, gl.expand_dims(sc, 2), layout))
+
+
+@gluon.jit
+def _pk_v_chunk(dst, words, ptr, block, stride_row, valid, w0, SCALES: gl.constexpr):
+    """Store V̂ code words ``[w0, w0 + NW)`` decoded into ``dst``: V's block scales are the
+    16-token block's (``block``: byte of its first row), row ``r`` of it holding those of
+    features ``32 r`` onwards from byte ``SCALES``: a code of word ``w`` at row ``w // 4``,
+    byte ``8 (w % 4) + k``."""
+    NW: gl.constexpr = words.shape[1]
+    offs_w = w0 + _pk_offs(NW, _PK)
+    # a word's eight scales: two int32 words of row w // 4 (bytes 8 (w % 4) onwards)
+    srow = (offs_w // 4).to(gl.int64)[None, :] * stride_row + SCALES + 8 * (offs_w % 4)[None, :]
+    sptr = (ptr + _pk_rows(block, _PK)[:, None] + srow).to(gl.pointer_type(gl.int32))
+    keep = _pk_rows(valid, _PK)[:, None]
+    lo = gl.expand_dims(gl.load(sptr, mask=keep, other=0), 2)
+    hi = gl.expand_dims(gl.load(sptr + 1, mask=keep, other=0), 2)
+    offs_k = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, _PK)))[None, None, :]
+    sc = (gl.where(offs_k < 4, lo, hi) >> ((offs_k % 4) * 8)) & 255
+    dst.store(_pk_values(words, sc.to(gl.uint8), _PK))
+
+
+@gluon.jit
+def _producer_packed(
+    kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, k_ptr, v_ptr, bt_row, lo, hi,
+    v_hi, n_tiles, stride_bt_p, stride_page, stride_row, num_blocks, PAGE: gl.constexpr,
+):  # fmt: skip
+    """``_producer`` for the packed nvfp4 shadow (``PACKED``; ``k_ptr``, ``v_ptr``: its K̂
+    and V̂ sections, uint8, one (page, row) stride pair in bytes): for each tile, the code
+    words of its rows are loaded first (their latency under the wait for the slot), then
+    decoded to the factored float16 values the MMAs read (``_pk_values``: exact, the
+    ``fp16`` storage's values), 128 features at a time, into the slot's K̂ tile (latent and
+    rope; rows at or past ``hi`` zero) and V̂ tile (rows at or past ``v_hi``, the open
+    block's, zero: the tile's math warpgroup quantizes it from the raw rows); K̂ arrives on
+    the slot's first barrier, V̂ on its second. At the end ``bad_smem`` and ``done``, as
+    ``_producer``."""
+    ST: gl.constexpr = kv_ring.shape[0]
+    N: gl.constexpr = kv_ring.shape[1]
+    D1: gl.constexpr = kv_ring.shape[2]
+    D2: gl.constexpr = kpe_ring.shape[2]
+    gl.static_assert(D1 == 4 * 8 * _PKW, "PACKED: 512 latent features, four chunks")
+    C: gl.constexpr = 8 * _PKW  # features a chunk
+    K_SC: gl.constexpr = D1 // 2  # K's latent block scales, after the codes
+    R_OFF: gl.constexpr = D1 // 2 + D1 // 16  # the rope's codes, then its scales
+    row_l: gl.constexpr = gl.SliceLayout(1, _LD)
+    n_bad = gl.zeros([N], gl.int32, row_l)
+    for t in range(n_tiles):
+        s = t % ST
+        tok = lo + t * N + gl.arange(0, N, row_l)
+        valid = tok < hi
+        v_valid = tok < v_hi
+        page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
+        bad = valid & ((page < 0) | (page >= num_blocks))
+        n_bad = n_bad | bad.to(gl.int32)
+        page = gl.where(bad, 0, page)
+        rows = page * stride_page + (tok % PAGE).to(gl.int64) * stride_row
+        k0 = _pk_words(k_ptr, rows, valid, 0 * _PKW, _PKW, _PK)
+        k1 = _pk_words(k_ptr, rows, valid, 1 * _PKW, _PKW, _PK)
+        k2 = _pk_words(k_ptr, rows, valid, 2 * _PKW, _PKW, _PK)
+        k3 = _pk_words(k_ptr, rows, valid, 3 * _PKW, _PKW, _PK)
+        kr = _pk_words(k_ptr + R_OFF, rows, valid, 0, D2 // 8, _PK_ROPE)
+        if t >= ST:
+            mbarrier.wait(free.index(s), ((t // ST) - 1) & 1)
+        kv = kv_ring.index(s)
+        _pk_k_chunk(kv.slice(0 * C, C, dim=1), k0, k_ptr, rows, valid, 0 * _PKW, K_SC, _PK)
+        _pk_k_chunk(kv.slice(1 * C, C, dim=1), k1, k_ptr, rows, valid, 1 * _PKW, K_SC, _PK)
+        _pk_k_chunk(kv.slice(2 * C, C, dim=1), k2, k_ptr, rows, valid, 2 * _PKW, K_SC, _PK)
+        _pk_k_chunk(kv.slice(3 * C, C, dim=1), k3, k_ptr, rows, valid, 3 * _PKW, K_SC, _PK)
+        _pk_k_chunk(kpe_ring.index(s), kr, k_ptr + R_OFF, rows, valid, 0, D2 // 2, _PK_ROPE)
+        v0 = _pk_words(v_ptr, rows, v_valid, 0 * _PKW, _PKW, _PK)
+        v1 = _pk_words(v_ptr, rows, v_valid, 1 * _PKW, _PKW, _PK)
+        v2 = _pk_words(v_ptr, rows, v_valid, 2 * _PKW, _PKW, _PK)
+        v3 = _pk_words(v_ptr, rows, v_valid, 3 * _PKW, _PKW, _PK)
+        fence_async_shared()
+        gl.barrier()
+        mbarrier.arrive(landed.index(s * _NCH))
+        block = page * stride_page + (tok % PAGE - tok % 16).to(gl.int64) * stride_row
+        vh = vh_ring.index(s)
+        _pk_v_chunk(vh.slice(0 * C, C, dim=1), v0, v_ptr, block, stride_row, v_valid,
+                    0 * _PKW, K_SC)  # fmt: skip
+        _pk_v_chunk(vh.slice(1 * C, C, dim=1), v1, v_ptr, block, stride_row, v_valid,
+                    1 * _PKW, K_SC)  # fmt: skip
+        _pk_v_chunk(vh.slice(2 * C, C, dim=1), v2, v_ptr, block, stride_row, v_valid,
+                    2 * _PKW, K_SC)  # fmt: skip
+        _pk_v_chunk(vh.slice(3 * C, C, dim=1), v3, v_ptr, block, stride_row, v_valid,
+                    3 * _PKW, K_SC)  # fmt: skip
+        fence_async_shared()
+        gl.barrier()
+        mbarrier.arrive(landed.index(s * _NCH + 1))
+    bad_smem.store(n_bad)
+    gl.barrier()
+    mbarrier.arrive(done)
+
+
 @gluon.jit
 def _producer_tma(
     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc, bt_row, lo, n_tiles, stride_bt_p,
@@ -398,11 +553,14 @@ def _own_tile(
         p16 = _p_hat(p, quant[1], QUANT[1]).to(dtype)
     else:
         p16 = p.to(dtype)
-    if TMA and QUANT[3] != 0:  # V_SEP: the V̂ tile (its own barrier), rows past its blocks
+    if (TMA or QUANT[5]) and QUANT[3] != 0:  # V_SEP: the V̂ tile (its own barrier)
         mbarrier.wait(landed.index(s * _NCH + 1), phase)
-        v_end = (hi + 15) // 16 * 16 - lo - t * N  # the open block (if any): _tail_v's
-        if v_end < N:
-            _zero_tail(v_ring.index(s), v_end)
+        if TMA:  # rows past its blocks (PACKED: zeros already)
+            v_end = (hi + 15) // 16 * 16 - lo - t * N  # the open block (if any): _tail_v's
+            if v_end < N:
+                _zero_tail(v_ring.index(s), v_end)
+        else:
+            fence_async_shared()
     elif TMA:  # noqa: SIM102  (static: the tail tile's rows past the split are real rows)
         if lo + t * N + N > hi:
             _zero_tail(kv_ring.index(s), hi - lo - t * N)
@@ -597,6 +755,7 @@ def gluon_decode_ws_kernel(
     P_FMT: gl.constexpr,
     V_SEP: gl.constexpr,
     LAZY_RESCALE: gl.constexpr,
+    PACKED: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
     Q/K/P/V through the float16 shadow (V̂ = K̂).
@@ -631,7 +790,11 @@ def gluon_decode_ws_kernel(
     P V read the V̂ slot; ``P_FMT`` 2: P̂ nvfp4 in 16-token blocks. With ``TMA`` (whole
     tiles): ``kv_desc = (K̂ descriptor, V̂ descriptor)``, the V̂ tile on the slot's second
     barrier, its rows past the open block zeroed by the owner (``_zero_tail``) before
-    ``_tail_v``. None and False elsewhere (no code).
+    ``_tail_v``. None and False elsewhere (no code). ``PACKED`` (with ``V_SEP``, not
+    ``TMA``): the shadow is the packed nvfp4 one (``split[1]``'s K̂ and V̂ pointers uint8, one
+    stride pair for both, in bytes); the producer decodes its E2M1 codes and E4M3 block
+    scales into the same float16 K̂ and V̂ tiles (``_producer_packed``), so the math
+    warpgroups run unchanged and the outputs are the ``fp16`` storage's bit for bit.
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     if V_SEP:  # (K̂ tiles, V̂ section, raw rows, K scales) and their (page, row) strides
@@ -659,7 +822,12 @@ def gluon_decode_ws_kernel(
     gl.static_assert((P_FMT >= 0) and (P_FMT <= 2), "P_FMT: P none, fp8 or nvfp4")
     gl.static_assert((not V_SEP) or ((not (TMA and CHUNKED)) and (PAGE % 16 == 0)),
                      "V_SEP: whole-tile loads, pages of whole 16-token V blocks")  # fmt: skip
-    dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    gl.static_assert((not PACKED) or (V_SEP and not TMA and not CHUNKED),
+                     "PACKED: a V̂ section, decoded by the producer (no TMA, whole tiles)")  # fmt: skip
+    if PACKED:  # noqa: SIM108  (static) the decoded tiles are float16
+        dtype: gl.constexpr = gl.float16
+    else:
+        dtype: gl.constexpr = kv_ptr.dtype.element_ty
 
     n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
     hg, split_i, b, seq_len, poisoned, lo, hi = split_program(split, SHAPE, n_splits)
@@ -672,7 +840,8 @@ def gluon_decode_ws_kernel(
     kv_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D1], kv_layout)
     kpe_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D2], kpe_layout)
     if V_SEP:  # the V̂ ring (float16, as the K̂ tiles)
-        gl.static_assert(v_ptr.dtype.element_ty == dtype, "V_SEP: V̂ in the K̂ tiles' type")
+        gl.static_assert(PACKED or (v_ptr.dtype.element_ty == dtype),
+                         "V_SEP: V̂ in the K̂ tiles' type")  # fmt: skip
         vh_ring = gl.allocate_shared_memory(dtype, [STAGES, N, D1], kv_layout)
     m_smem = gl.allocate_shared_memory(gl.float32, [2 * _HEADS], _VEC)  # a warpgroup's last
     l_smem = gl.allocate_shared_memory(gl.float32, [4 * _HEADS], _VEC)
@@ -696,7 +865,7 @@ def gluon_decode_ws_kernel(
 
     RAW: gl.constexpr = (K_FMT == 0) or (not Q_SCALED)
     QUANT: gl.constexpr = gl.constexpr((RAW, P_FMT, Q_SCALED, PAGE if V_SEP else 0,
-                                        LAZY_RESCALE))  # fmt: skip
+                                        LAZY_RESCALE, PACKED))  # fmt: skip
     if V_SEP:  # the V̂ ring, and what the open V block is quantized from
         tail = (raw_ptr, split[7], bt_ptr + b * stride_bt_b, stride_bt_p, num_blocks,
                 v_tail_scales)  # fmt: skip
@@ -729,6 +898,20 @@ def gluon_decode_ws_kernel(
                     kv_ring, kpe_ring, landed, free, done, bad_smem, k_desc,
                     bt_ptr + b * stride_bt_b, lo, n_tiles, stride_bt_p, num_blocks, D1, PAGE,
                     CHUNKED, vsec_tma, V_SEP,
+                )),
+            ],
+            [_WARPS, _WARPS],
+            [MATH_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+    elif PACKED:
+        gl.warp_specialize(
+            [
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
+                (_producer_packed, (
+                    kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, kv_ptr, v_ptr,
+                    bt_ptr + b * stride_bt_b, lo, hi, (hi // 16) * 16, n_tiles, stride_bt_p,
+                    stride_kv_page, stride_kv_row, num_blocks, PAGE,
                 )),
             ],
             [_WARPS, _WARPS],
