@@ -24,6 +24,7 @@ writes ``packed-bench.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -121,27 +122,20 @@ def bench(
         }  # fmt: skip
         sh16 = filled(cache, "fp16")
         shpk = filled(cache, "packed")
+        fp16 = functools.partial(decode_shadow, q, cache, sh16, table, lens, **kw)
+        pk = functools.partial(decode_shadow, q, cache, shpk, table, lens, storage="packed", **kw)
         runs: dict[str, tuple[Any, int]] = {
             "flashmla": (flashmla_run(q, cache, table, lens, 0.1), 1152),
             "fp16-" + NVFP4_CONFIG.name: (
-                lambda: decode_shadow(q, cache, sh16, table, lens, config=NVFP4_CONFIG, **kw),
+                functools.partial(fp16, config=NVFP4_CONFIG),
                 lay16.token_bytes,
             ),
-            "fp16-auto": (lambda: decode_shadow(q, cache, sh16, table, lens, **kw),
-                          lay16.token_bytes),  # fmt: skip
-            "packed-triton": (
-                lambda: decode_shadow(q, cache, shpk, table, lens, storage="packed",
-                                      impl="triton", **kw),  # fmt: skip
-                laypk.token_bytes,
-            ),
+            "fp16-auto": (fp16, lay16.token_bytes),
+            "packed-triton": (functools.partial(pk, impl="triton"), laypk.token_bytes),
         }
         for name in names:
-            cfg = PACKED[name]
-            runs["packed-" + name] = (
-                lambda cfg=cfg: decode_shadow(q, cache, shpk, table, lens, storage="packed",
-                                              config=cfg, **kw),  # fmt: skip
-                laypk.token_bytes,
-            )
+            runs["packed-" + name] = (functools.partial(pk, config=PACKED[name]),
+                                      laypk.token_bytes)  # fmt: skip
         base = None
         for name, (run, token_bytes) in runs.items():
             t0 = time.time()
@@ -181,7 +175,7 @@ def bench(
                   f"{r['bw_vs_flashmla']:5.2f}x | graph {r.get('graph_vs_flashmla', 0):5.2f}x "
                   f"bw {r.get('graph_bw_vs_flashmla', 0):5.2f}x same {r['same_as_fp16_ws']}",
                   flush=True)  # fmt: skip
-        del runs, sh16, shpk
+        del runs, fp16, pk, sh16, shpk
         torch.cuda.empty_cache()
     return rows
 
@@ -206,8 +200,9 @@ def main() -> int:
             json.dump({"rows": rows, "failed": bad}, f, indent=1)
         print(f"{len(bad)} failed of {sum('ok' in r for r in rows)}; {path}")
         return 1 if bad else 0
-    rows = bench(args.shapes.split(","), args.warmup_ms, args.rep_ms, args.graph,
-                 args.configs.split(","))
+    rows = bench(
+        args.shapes.split(","), args.warmup_ms, args.rep_ms, args.graph, args.configs.split(",")
+    )
     with open(os.path.join(args.out, "packed-bench.json"), "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__,
                    "device": torch.cuda.get_device_name()}, f, indent=1)  # fmt: skip

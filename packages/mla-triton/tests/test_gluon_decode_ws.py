@@ -40,8 +40,8 @@ from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
 from mla_triton.gluon_decode_ws import (
     FP8_SHADOW,
     NVFP4_CONFIG,
-    NVFP4_PACKED_CONFIG,
     NVFP4_PACKED,
+    NVFP4_PACKED_CONFIG,
     NVFP4_SHADOW,
     NVFP4_TMA_CONFIG,
     VARIANTS,

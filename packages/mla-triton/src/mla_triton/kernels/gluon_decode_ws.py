@@ -823,8 +823,8 @@ def gluon_decode_ws_kernel(
     gl.static_assert((not V_SEP) or ((not (TMA and CHUNKED)) and (PAGE % 16 == 0)),
                      "V_SEP: whole-tile loads, pages of whole 16-token V blocks")  # fmt: skip
     gl.static_assert((not PACKED) or (V_SEP and not TMA and not CHUNKED),
-                     "PACKED: a V̂ section, decoded by the producer (no TMA, whole tiles)")  # fmt: skip
-    if PACKED:  # noqa: SIM108  (static) the decoded tiles are float16
+                     "PACKED: a V̂ section decoded by the producer, whole tiles")  # fmt: skip
+    if PACKED:  # (static) the decoded tiles are float16
         dtype: gl.constexpr = gl.float16
     else:
         dtype: gl.constexpr = kv_ptr.dtype.element_ty
