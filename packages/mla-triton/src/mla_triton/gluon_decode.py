@@ -356,13 +356,16 @@ def gluon_unsupported(
     forced: bool = False,
     recipe: Callable[[AttentionQuant | None], GluonRecipe | str] = gluon_recipe,
     stride_align: int = 16,
+    any_heads: bool = False,
 ) -> Unsupported | None:
     """None when ``impl="auto"`` (``forced``: ``"gluon"``) runs the call through the
     Gluon kernel, else why not. A pure function of ``f`` (testable without a GPU);
     ``recipe``: the recipe rule (``gluon_recipe``; ``decode_shadow``: the shadow's);
     ``stride_align``: the multiple of elements the tiles' page and row strides must be
     (16: ``decode``'s rule; the kernel needs 8 elements, 16-byte rows, which
-    ``decode_shadow`` takes for its shadow sections)."""
+    ``decode_shadow`` takes for its shadow sections); ``any_heads``: ``"auto"`` takes the
+    Gluon kernel at any head count (``decode_shadow``'s nvfp4 V̂ section, which the
+    warp-specialized kernel runs faster than the Triton one at 16 heads too)."""
     if f.device_type != "cuda":
         return Unsupported(f"tensors on {f.device_type}, not CUDA", False)
     if f.capability != (9, 0):
@@ -389,7 +392,7 @@ def gluon_unsupported(
         return Unsupported(
             "nvfp4 / V̂ of its own on read: off under auto (GLUON_ON_READ_AUTO)", False
         )
-    if not forced and not gluon_decode_preferred(f.heads):
+    if not forced and not any_heads and not gluon_decode_preferred(f.heads):
         return Unsupported(f"{f.heads} heads: the Triton kernel is faster up to 32", False)
     return None
 

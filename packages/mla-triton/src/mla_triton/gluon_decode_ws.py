@@ -313,11 +313,13 @@ NVFP4_PACKED = replace(NVFP4_SHADOW, packed=True)
 """``NVFP4_SHADOW`` on the packed shadow (624 bytes a token: E2M1 codes and E4M3 block
 scales, decoded by the producer into the same float16 tiles): ``compile_ws(recipe=...)``'s."""
 
-NVFP4_PACKED_CONFIG = WsConfig(block_n=32, stages=2, math_regs=208, producer_regs=88)
-"""The configuration the packed nvfp4 shadow runs with (``ws-r208-p88-tile-n32s2``:
+NVFP4_PACKED_CONFIG = WsConfig(block_n=32, stages=2, math_regs=200, producer_regs=104)
+"""The configuration the packed nvfp4 shadow runs with (``ws-r200-p104-tile-n32s2``:
 ``NVFP4_CONFIG``'s ring, registers moved from the math warpgroups to the decoding
-producer). ``twin``-like reference: ``NVFP4_CONFIG`` on the ``fp16`` shadow of the same
-cache (the same tiles, the same bits)."""
+producer: the fastest of 208/88, 216/72 and 200/104 on an H200, sitting 11). Its
+reference: ``NVFP4_CONFIG`` on the ``fp16`` shadow of the same cache (the same tiles, the
+same bits). Latency-bound: 4.5 ms at b128 h128 L8192 against the fp16 shadow's 0.92
+(docs/gluon.md, "The packed shadow")."""
 
 WS_SHADOW_AUTO = True
 """Whether ``decode_shadow`` (``impl="auto"`` and ``"gluon"``, no config), where it picked
