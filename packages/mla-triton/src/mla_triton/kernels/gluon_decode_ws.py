@@ -824,10 +824,8 @@ def gluon_decode_ws_kernel(
                      "V_SEP: whole-tile loads, pages of whole 16-token V blocks")  # fmt: skip
     gl.static_assert((not PACKED) or (V_SEP and not TMA and not CHUNKED),
                      "PACKED: a V̂ section decoded by the producer, whole tiles")  # fmt: skip
-    if PACKED:  # (static) the decoded tiles are float16
-        dtype: gl.constexpr = gl.float16
-    else:
-        dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    # the tiles' type (PACKED: the decoded float16)
+    dtype: gl.constexpr = gl.float16 if PACKED else kv_ptr.dtype.element_ty
 
     n_splits = num_splits if MULTI_SPLIT else 1  # a constant with one split
     hg, split_i, b, seq_len, poisoned, lo, hi = split_program(split, SHAPE, n_splits)
