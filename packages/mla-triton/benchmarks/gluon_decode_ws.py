@@ -100,14 +100,22 @@ RECIPES: dict[str, AttentionQuant | None] = {
     "none": None,
     "fp8-shadow": AttentionQuant.uniform("fp8"),
     "nvfp4-shadow": AttentionQuant.uniform("nvfp4"),
+    # the nvfp4 shadow's bound, one factor at a time (bench): q and P fp8, then P none
+    "nvfp4-shadow-qp8": AttentionQuant(q="fp8", k="nvfp4", v="nvfp4", p="fp8"),
+    "nvfp4-shadow-q8": AttentionQuant(q="fp8", k="nvfp4", v="nvfp4"),
 }
 """``--recipe``: ``decode`` unquantized, or ``decode_shadow`` on a float16 fp8 or nvfp4
-shadow."""
+shadow (``nvfp4-shadow-*``: nvfp4 K and V, its V̂ section, with q and P fp8 or P none)."""
 
 
 def _gluon(recipe: str) -> Any:
     """``gluon_decode``'s configuration for ``recipe`` (a V̂ section: ``SEPARATE_V_CONFIG``)."""
-    return SEPARATE_V_CONFIG if recipe == "nvfp4-shadow" else GLUON_VARIANTS[0]
+    return SEPARATE_V_CONFIG if _v_section(recipe) else GLUON_VARIANTS[0]
+
+
+def _v_section(recipe: str) -> bool:
+    """Whether ``recipe`` reads the shadow's V̂ section (nvfp4 V)."""
+    return recipe.startswith("nvfp4-shadow")
 
 
 Decoder = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -498,7 +506,7 @@ def main() -> int:
         if os.path.exists(done):
             with open(done) as f:
                 skip |= set(json.load(f)["failed"])
-        default = NV_CONFIGS if args.recipe == "nvfp4-shadow" else [c.name for c in VARIANTS]
+        default = NV_CONFIGS if _v_section(args.recipe) else [c.name for c in VARIANTS]
         names = [n for n in (named or list(default)) if n not in skip]
         result = {"info": info, "skipped": sorted(skip),
                   "rows": bench(args.warmup_ms, args.rep_ms, names, args.recipe,

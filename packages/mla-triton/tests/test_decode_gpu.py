@@ -208,8 +208,8 @@ def test_head_counts(heads: int, recipe: str, impl: str) -> None:
 @pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 GPU")
 def test_auto_runs_the_gluon_kernel_on_sm90() -> None:
     """``impl="auto"`` launches the Gluon kernels at 128 heads (none: the
-    warp-specialized one; fp8 and nvfp4: ``gluon_decode``'s), the Triton one at 16
-    heads."""
+    warp-specialized one; fp8 and nvfp4: ``gluon_decode``'s); at 16 heads the
+    warp-specialized one for recipe none, the Triton one for fp8."""
     from mla_triton.warmup import _intercept
 
     seen: list[str] = []
@@ -222,8 +222,10 @@ def test_auto_runs_the_gluon_kernel_on_sm90() -> None:
         for recipe in ("none", "fp8", "nvfp4"):
             decode(q, cache, table, seq, softmax_scale=SCALE, quant=RECIPES[recipe])
         decode(q[:, :16], cache, table, seq, softmax_scale=SCALE)
+        decode(q[:, :16], cache, table, seq, softmax_scale=SCALE, quant=RECIPES["fp8"])
     split = [name for name in seen if name.endswith(("split_kernel", "ws_kernel"))]
-    want = ["gluon_decode_ws_kernel", *["gluon_decode_split_kernel"] * 2, "decode_split_kernel"]
+    want = ["gluon_decode_ws_kernel", *["gluon_decode_split_kernel"] * 2,
+            "gluon_decode_ws_kernel", "decode_split_kernel"]  # fmt: skip
     assert split == want, seen
 
 

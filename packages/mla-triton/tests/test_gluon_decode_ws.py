@@ -331,11 +331,12 @@ def _split(call: Any) -> str:
 
 @pytest.mark.usefixtures("as_sm90")
 def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On sm90, ``WS_AUTO`` off: ``decode`` launches ``gluon_decode``'s kernel. On (the
-    shipped value): recipe none under ``"auto"`` (above 32 heads) and ``"gluon"`` (any heads)
-    launches the warp-specialized kernel (``WsFamily``, ``DEFAULT_CONFIG``) with the very
-    arguments of ``decode(config=DEFAULT_CONFIG)``; a ``GluonDecodeConfig``, fp8 and the
-    shadow (``WS_SHADOW_AUTO`` off here) keep theirs."""
+    """On sm90, ``WS_AUTO`` off: ``decode`` launches ``gluon_decode``'s kernel (the Triton
+    one at 20 heads under ``"auto"``). On (the shipped value): recipe none under ``"auto"``
+    and ``"gluon"``, at any head count, launches the warp-specialized kernel (``WsFamily``,
+    ``DEFAULT_CONFIG``) with the very arguments of ``decode(config=DEFAULT_CONFIG)``; a
+    ``GluonDecodeConfig``, fp8 (20 heads: the Triton kernel) and the shadow
+    (``WS_SHADOW_AUTO`` off here) keep theirs."""
     from mla_triton import allocate_shadow, decode_shadow
     from mla_triton.decode import _check, _dispatch
 
@@ -355,9 +356,9 @@ def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         return _dispatch(c, cache, quant, 512, impl, None)[0]
 
     plain = {"auto": call(), "gluon": call(impl="gluon"), "none": call(quant=AttentionQuant()),
-             "h20": call(q20, impl="gluon")}  # fmt: skip
+             "h20": call(q20, impl="gluon"), "h20-auto": call(q20)}  # fmt: skip
     kept = {"config": call(config=GLUON_VARIANTS[0]), "fp8": call(quant=fp8),
-            "h20-auto": call(q20),
+            "h20-fp8": call(q20, quant=fp8),
             "shadow": lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
                                             quant=fp8, num_splits=2, impl="gluon")}  # fmt: skip
     before = {name: _split(c) for name, c in (plain | kept).items()}

@@ -17,8 +17,9 @@ printed.
 
 ``impl="gluon"`` (sm90 only; the shadows ``gluon_shadow_unsupported`` takes: fp16 storage
 with V̂ = K̂, or a V̂ section: nvfp4 with its open block quantized in the kernel, dynamic
-K, K and V of different recipes): ``decode_shadow`` through the Gluon kernel against the
-Triton shadow kernel and on-read decode with the same split count (``_agree``'s bounds:
+K, K and V of different recipes; the packed nvfp4 shadow): ``decode_shadow`` through the
+Gluon kernel against the Triton shadow kernel and on-read decode with the same split count
+(``_agree``'s bounds:
 the quantized operands are the same bits, the summation order differs), and against
 ``mla_reference.decode`` (float64, CPU) with test_decode_gpu's bounds, after each step.
 """
@@ -137,11 +138,14 @@ GLUON_ONLY = {
 GLUON_CASES = [
     c
     for c, (quant, storage, _) in (CASES | GLUON_ONLY).items()
-    if storage == "fp16"
-    and isinstance(gluon_shadow_recipe(quant, shadow_layout(quant), torch.bfloat16), GluonRecipe)
+    if isinstance(
+        gluon_shadow_recipe(quant, shadow_layout(quant, storage=storage), torch.bfloat16),
+        GluonRecipe,
+    )
 ]
-"""The cases ``decode_shadow(impl="gluon")`` takes (fp16 storage): V̂ = K̂ (fp8,
-fp8-scale-3) and a V̂ section (nvfp4, calibrated, and the two of ``GLUON_ONLY``)."""
+"""The cases ``decode_shadow(impl="gluon")`` takes: fp16 storage with V̂ = K̂ (fp8,
+fp8-scale-3) or a V̂ section (nvfp4, calibrated, and the two of ``GLUON_ONLY``), and the
+packed nvfp4 shadow (nvfp4-packed: the warp-specialized kernel's decoding producer)."""
 
 
 def _pool(case: str) -> Pool:

@@ -793,7 +793,7 @@ def _dispatch(
             raise ValueError("config: impl='gluon' takes a GluonDecodeConfig, got a DecodeConfig")
         return triton, config  # a Triton tile configuration: the Triton kernel
     facts = gluon.gluon_facts(c.q_nope, kv_cache, quant, kv_lora_rank)
-    if gluon.choose_impl(impl, facts, rule or gluon.gluon_unsupported) == "triton":
+    if gluon.choose_impl(impl, facts, rule or ws.decode_unsupported) == "triton":
         return triton, None
     if isinstance(config, gluon.GluonDecodeConfig):
         return make(config), None

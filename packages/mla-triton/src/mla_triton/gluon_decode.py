@@ -268,6 +268,8 @@ def gluon_decode_preferred(num_heads: int) -> bool:
     ran 1.5x the Triton one; with 16 it ran 0.85x to 0.93x (48 of its 64 wgmma rows
     are padding, and one CTA fills an SM's shared memory, where the Triton kernel runs
     16 heads a program, several programs an SM). Up to 32 heads: the Triton kernel.
+    This rule is this kernel's: recipe none runs the warp-specialized kernel at any head
+    count (``gluon_decode_ws.decode_unsupported``).
     """
     return num_heads > 32
 

@@ -8,7 +8,8 @@ combines) follow the same contract. Recipe none only (bf16/fp16, widths 512 + 64
 sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
 ``ws_config_family`` refuses the rest). ``decode`` without a config runs it, with
 ``DEFAULT_CONFIG``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
-recipe none while ``WS_AUTO`` is True (the shipped value).
+recipe none while ``WS_AUTO`` is True (the shipped value), at any head count
+(``decode_unsupported``).
 
 ``mla_triton.decode_shadow(..., config=WsConfig(...))`` runs it on a float16 shadow with
 V̂ = K̂ (fp8 K and V of one static scale) or with an nvfp4 V̂ section (``NVFP4_CONFIG``'s
@@ -56,6 +57,7 @@ __all__ = [
     "WsRoute",
     "WsShadowFamily",
     "compile_ws",
+    "decode_unsupported",
     "tma_descriptor",
     "twin",
     "ws_config_family",
@@ -223,12 +225,12 @@ class WsShadowFamily(WsFamily):
     def __init__(
         self, config: WsConfig, tiles: torch.Tensor,
         sections: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None,
-        packed: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(config)
         self.tiles = tiles
         self.sections = sections
-        self.packed = packed
+        # the packed nvfp4 shadow: its K tiles are the shadow's bytes (the producer decodes)
+        self.packed = sections is not None and sections[0][0].dtype == torch.uint8
 
     def v_shares_k(self, ops: _Operands) -> bool:
         return True  # P̂ and q̂ in float16 (PV_F16): V̂ is K̂'s first 512 features or float16
@@ -377,13 +379,12 @@ Sections = tuple[tuple[torch.Tensor, ...], tuple[int, ...]]
 
 
 def ws_shadow_family(
-    config: WsConfig, tiles: torch.Tensor, sections: Sections | None = None,
-    packed: bool = False,
+    config: WsConfig, tiles: torch.Tensor, sections: Sections | None = None
 ) -> WsShadowFamily:  # fmt: skip
     """The shadow split family of ``config`` reading ``tiles`` (and a V̂ section's
-    ``sections``; ``packed``: they are the packed nvfp4 shadow's bytes; a new one a call: it
+    ``sections``: uint8 K tiles are the packed nvfp4 shadow's bytes; a new one a call: it
     holds the tensors)."""
-    return WsShadowFamily(config, tiles, sections, packed=packed)
+    return WsShadowFamily(config, tiles, sections)
 
 
 def ws_shadow_config_family(
@@ -420,7 +421,7 @@ def ws_shadow_config_family(
     if why is not None:
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
                          f"{why.reason}")  # fmt: skip
-    return ws_shadow_family(config, tiles, sections if kind.v_sep else None, kind.packed)
+    return ws_shadow_family(config, tiles, sections if kind.v_sep else None)
 
 
 def ws_dispatched(facts: gd.GluonFacts) -> bool:
@@ -428,6 +429,14 @@ def ws_dispatched(facts: gd.GluonFacts) -> bool:
     ``gluon_decode.choose_impl`` said ``"gluon"``, no ``GluonDecodeConfig`` given), runs it
     through this kernel: ``WS_AUTO`` is on and the recipe is none."""
     return WS_AUTO and _recipe_none(facts.quant) == gd.UNQUANTIZED
+
+
+def decode_unsupported(facts: gd.GluonFacts, *, forced: bool = False) -> gd.Unsupported | None:
+    """``decode``'s dispatch rule: ``gluon_decode.gluon_unsupported``, at any head count
+    where this kernel takes the call (``ws_dispatched``: recipe none, ``WS_AUTO``). At b128
+    h16 L8192 it ran 1.07x FlashMLA (sitting 10), the Triton kernel 0.82x (sitting 11,
+    Triton 3.8): ``gluon_decode_preferred``'s 32-head rule is ``gluon_decode``'s kernel's."""
+    return gd.gluon_unsupported(facts, forced=forced, any_heads=ws_dispatched(facts))
 
 
 def _recipe_none(quant: AttentionQuant | None) -> gd.GluonRecipe | str:
@@ -492,7 +501,7 @@ def ws_shadow_route(
     def default(facts: gd.GluonFacts) -> WsFamily | None:
         del facts  # the shadow's recipe decides (taken)
         if isinstance(taken, GluonRecipe) and ws_shadow_dispatched(taken):
-            return ws_shadow_family(ws_shadow_default(taken), tiles, sections, taken.packed)
+            return ws_shadow_family(ws_shadow_default(taken), tiles, sections)
         return None
 
     return WsRoute(configured, default)

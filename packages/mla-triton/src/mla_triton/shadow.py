@@ -756,18 +756,17 @@ def gluon_shadow_recipe(
     if qq.k.is_identity and qq.v.is_identity:
         return base
     ko, vo = _operand(qq.k), _operand(qq.v)
+    packed_nvfp4 = (ko.code, vo.code) == (2, 2) and not (ko.dynamic or vo.dynamic) and vo.pow2
+    if layout.storage != "fp16" and not packed_nvfp4:
+        return (f"shadow storage {layout.storage!r}: the Gluon kernel reads nvfp4 K and V of "
+                "static scales (V's a power of two) only")  # fmt: skip
+    if ko.code and not base.q_scaled and dtype != torch.float16:
+        return f"q {dtype} not quantized with a quantized K: K̂ is float16 (no cast in the tile)"
     if layout.storage != "fp16":
-        if (ko.code, vo.code) != (2, 2) or ko.dynamic or vo.dynamic or not vo.pow2:
-            return (f"shadow storage {layout.storage!r}: the Gluon kernel reads nvfp4 K and V of "
-                    "static scales (V's a power of two) only")  # fmt: skip
-        if not base.q_scaled and dtype != torch.float16:
-            return f"q {dtype} not quantized with a quantized K: K̂ is float16 (no cast in the tile)"
         return replace(
             base, shadow_f16=True, k_fmt=2, k_gs=ko.gs, v_gs=vo.gs, v_sep=True, v_f16=True,
             v_tail=True, v_fmt=2, packed=True,
         )  # fmt: skip
-    if ko.code and not base.q_scaled and dtype != torch.float16:
-        return f"q {dtype} not quantized with a quantized K: K̂ is float16 (no cast in the tile)"
     if layout.v_shared:
         return replace(base, shadow_f16=True, k_fmt=ko.code, k_gs=ko.gs, v_gs=ko.gs, v_fmt=1)
     if vo.code == 0:
