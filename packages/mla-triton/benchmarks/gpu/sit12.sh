@@ -3,9 +3,11 @@
 # 16 heads through the warp-specialized kernel against FlashMLA and the Triton kernel; the
 # nvfp4 shadow's bound, one factor at a time (32-token tiles on the fp8 shadow, q and P fp8,
 # P none); then the GPU tests of this sitting's changes (the h16 dispatch, the packed shadow).
-# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit12.sh
+# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit12.sh bench|tests (two calls on one
+# warm machine: the bundle is installed once)
 set -u
-bash /root/parts/install.sh > "$OUT/install.log" 2>&1
+MODE=${1:?bench or tests}
+[ -d /tmp/site/vllm ] || bash /root/parts/install.sh > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src:packages/mla-triton/tests
 export TRITON_INTERPRET=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 B=packages/mla-triton/benchmarks
@@ -17,6 +19,7 @@ ws() {  # name, timeout, then gluon_decode_ws.py's arguments
     timeout "$to" python $B/gluon_decode_ws.py --plan bench --graph "$@" "$OUT/$name" \
         > "$OUT/$name.txt" 2>&1; echo "$name rc=$?" >> "$OUT/$name.txt"
 }
+if [ "$MODE" = bench ]; then
 # 16 heads: recipe none (the new auto) and the fp8 shadow, ws against FlashMLA
 ws h16-none 60 --recipe none --shapes $H16 --variants $WS
 ws h16-fp8 60 --recipe fp8-shadow --shapes $H16 --variants $WS
@@ -25,14 +28,18 @@ timeout 90 python $B/decode.py --flashmla --impls triton,auto --recipes none,fp8
     --no-ceilings --out "$OUT/h16-decode" > "$OUT/h16-decode.txt" 2>&1; echo "rc=$?" >> "$OUT/h16-decode.txt"
 # the nvfp4 shadow's bound at 128 heads: the same 32-token 2-slot tiles on the fp8 shadow
 # (1152 bytes a token, V̂ = K̂), nvfp4 K/V with q and P fp8, with q fp8 and P none
-ws abl-fp8 90 --recipe fp8-shadow --variants $WS,ws-r232-p40-tile,$N32
-ws abl-nv 60 --recipe nvfp4-shadow --variants $N32
-ws abl-nv-qp8 60 --recipe nvfp4-shadow-qp8 --variants $N32
-ws abl-nv-q8 60 --recipe nvfp4-shadow-q8 --variants $N32
-ws abl-none 60 --recipe none --variants $WS,$N32
-# GPU tests: the h16 dispatch, the packed shadow through test_gluon_shadow_bf16, ws at few heads
-timeout 200 python -m pytest -q -p no:cacheprovider -W error packages/mla-triton/tests/test_decode_gpu.py \
+ws abl-fp8 90 --shapes b128-h128-L8192 --recipe fp8-shadow --variants $WS,ws-r232-p40-tile,$N32
+ws abl-nv 60 --shapes b128-h128-L8192 --recipe nvfp4-shadow --variants $N32
+ws abl-nv-qp8 60 --shapes b128-h128-L8192 --recipe nvfp4-shadow-qp8 --variants $N32
+ws abl-nv-q8 60 --shapes b128-h128-L8192 --recipe nvfp4-shadow-q8 --variants $N32
+ws abl-none 60 --shapes b128-h128-L8192 --recipe none --variants $WS,$N32
+fi
+if [ "$MODE" = tests ]; then
+# GPU tests: the h16 dispatch, every test_gluon_shadow_bf16 id (the packed shadow now too), ws at
+# few heads
+timeout 500 python -m pytest -q -p no:cacheprovider -W error packages/mla-triton/tests/test_decode_gpu.py \
     "packages/mla-triton/tests/test_shadow_gpu.py::test_gluon_shadow_bf16" \
-    -k "packed or auto_runs or (head_counts and gluon)" > "$OUT/tests.txt" 2>&1
+    -k "gluon_shadow_bf16 or auto_runs or (head_counts and gluon)" > "$OUT/tests.txt" 2>&1
 echo "tests rc=$?" >> "$OUT/tests.txt"
+fi
 tail -n 4 "$OUT"/*.txt
