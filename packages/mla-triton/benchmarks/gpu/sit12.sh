@@ -3,13 +3,16 @@
 # 16 heads through the warp-specialized kernel against FlashMLA and the Triton kernel; the
 # nvfp4 shadow's bound, one factor at a time (32-token tiles on the fp8 shadow, q and P fp8,
 # P none); then the GPU tests of this sitting's changes (the h16 dispatch, the packed shadow).
-# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit12.sh bench|tests (two calls on one
-# warm machine: the bundle is installed once)
+# Mode prefill: the prefill GPU suite's impl="gluon" ids (AUTO_CONFIGS' tilings, 8 shards),
+# then gluon_prefill.py's sweep of AUTO_CONFIGS' tilings with --ablate (each schedule without
+# its softmax: the MMA-issue floor) beside FA3.
+# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit12.sh bench|tests|prefill (calls on
+# one warm machine: the bundle is installed once)
 set -u
-MODE=${1:?bench or tests}
+MODE=${1:?bench, tests or prefill}
 [ -d /tmp/site/vllm ] || bash /root/parts/install.sh > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src:packages/mla-triton/tests
-export TRITON_INTERPRET=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+export TRITON_INTERPRET=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 MLA_REQUIRE_GPU=1
 B=packages/mla-triton/benchmarks
 H16=b128-h16-L8192
 WS=ws-r232-p40-tile-tma    # DEFAULT_CONFIG
@@ -41,5 +44,21 @@ timeout 500 python -m pytest -q -p no:cacheprovider -W error packages/mla-triton
     "packages/mla-triton/tests/test_shadow_gpu.py::test_gluon_shadow_bf16" \
     -k "gluon_shadow_bf16 or auto_runs or (head_counts and gluon)" > "$OUT/tests.txt" 2>&1
 echo "tests rc=$?" >> "$OUT/tests.txt"
+fi
+if [ "$MODE" = prefill ]; then
+TS=packages/mla-triton/tests/test_prefill_gpu.py
+python -m pytest -q --collect-only -p no:cacheprovider $TS \
+    -k "gluon and not gluon_tilings and not nm_options" 2>/dev/null | grep "::" > /tmp/ids.txt
+for i in 0 1 2 3 4 5 6 7; do
+    ( mapfile -t ids < <(awk -v i="$i" 'NR % 8 == i' /tmp/ids.txt)
+      timeout "${TEST_S:-200}" python -m pytest -q -rA -p no:cacheprovider -W error "${ids[@]}" \
+          > "/tmp/pf-tests-$i.txt" 2>&1; echo "rc=$?" >> "/tmp/pf-tests-$i.txt" ) &
+done
+wait
+for i in 0 1 2 3 4 5 6 7; do echo "=== shard $i"; cat "/tmp/pf-tests-$i.txt"; done > "$OUT/prefill-tests.txt"
+echo "ids $(wc -l < /tmp/ids.txt), passed $(grep -c '^PASSED' "$OUT/prefill-tests.txt"), failed $(grep -cE '^(FAILED|ERROR)' "$OUT/prefill-tests.txt")" >> "$OUT/prefill-tests.txt"
+timeout "${SWEEP_S:-300}" python $B/gluon_prefill.py --sweep --ablate --rep 60 \
+    --tilings pp-128x128x2-ek,pp-128x128x2-ek-ri,nt-128x64x3,ws-128x128x2-ek-np-nr --out "$OUT" \
+    > "$OUT/prefill-sweep.txt" 2>&1; echo "sweep rc=$?" >> "$OUT/prefill-sweep.txt"
 fi
 tail -n 4 "$OUT"/*.txt
