@@ -45,6 +45,8 @@ CASES: dict[str, tuple[ws.WsConfig, Any]] = {
     "nvfp4-shadow-tma": (ws.NVFP4_TMA_CONFIG, ws.NVFP4_SHADOW),
     "nvfp4-shadow-es": (replace(ws.NVFP4_CONFIG, early_s=True), ws.NVFP4_SHADOW),
     "nvfp4-shadow-p-none": (ws.NVFP4_CONFIG, replace(ws.NVFP4_SHADOW, p_fmt=0)),
+    # the fp8 shadow on the nvfp4 shadow's tiles (32 tokens, 2 slots): the tile size alone
+    "fp8-shadow-n32": (ws.NVFP4_CONFIG, ws.FP8_SHADOW),
 }
 """What the docs' table counts: recipe none, the fp8 shadow (V̂ = K̂), the nvfp4 shadow
 (its V̂ section, 32-token tiles; with P not quantized: P̂'s share by difference)."""
