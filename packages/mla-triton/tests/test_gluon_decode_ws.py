@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -393,6 +394,27 @@ def test_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatc
     assert launched == {"gluon_decode_ws_kernel", "decode_merge_kernel"}, launched
     assert len({key for kernel, key in warmed if kernel.endswith("gluon_decode_ws_kernel")}) == 2
     assert warmed == served, (sorted(served - warmed)[:3], sorted(warmed - served)[:3])
+
+
+@pytest.mark.usefixtures("as_sm90")
+@pytest.mark.parametrize("shadow", [False, True], ids=["none", "nvfp4-shadow"])
+def test_warmup_at_16_heads(shadow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 16 heads (TP8 DeepSeek) on sm90 ``impl="auto"`` runs the warp-specialized kernel
+    for recipe none and for the nvfp4 shadow's V̂ section: the warm-up records its keys and
+    exactly those a serving sweep launches (its split policy sees one head group, as the
+    Triton kernel's does)."""
+    import test_warmup as tw
+
+    monkeypatch.setattr(tw, "HEADS", 16)
+    engine = tw.make_engine(tw.NVFP4 if shadow else None, shadow, blocks=37, width=35,
+                            max_rows=40, max_seq_len=2176, dtype=torch.float16,
+                            device="cpu")  # fmt: skip
+    warmed = tw._keys(lambda: tw.warm(engine, prefill_too=False))
+    served = tw._keys(lambda: tw.sweep(engine, random.Random(0), prefill_too=False))
+    names = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
+    split = {n for n in names if "split" in n or "ws" in n}
+    assert split == {"gluon_decode_ws_kernel"}, split
+    assert served <= warmed, sorted(served - warmed)[:3]
 
 
 # ------------------------------------------------------- fp8 through the shadow (CPU)
