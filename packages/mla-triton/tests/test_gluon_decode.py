@@ -531,12 +531,14 @@ SHADOW_TAKEN = {
 
 # the shadow recipes whose Gluon variant passed test_shadow_gpu.py on an H200
 SHADOW_VERIFIED = ("fp8", "fp8-scale-3", "nvfp4", "kdyn-nvfp4-vfp8")
+# those ``"auto"`` runs through the warp-specialized kernel, at any head count
+WS_AT_16 = ("fp8", "fp8-scale-3", "nvfp4")
 
 
 def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``gluon_shadow_unsupported``: ``"gluon"`` takes every fp16 shadow of
     ``gluon_shadow_recipe`` (V̂ = K̂, a V̂ section) and K/V none; ``"auto"`` (above 32
-    heads, and for nvfp4 Q/K/P/V at any head count: the warp-specialized kernel) the
+    heads, and at any head count where the warp-specialized kernel takes it) the
     GPU-verified ones only (``gluon_shadow_verified``), the others with a
     reason; nothing while ``GLUON_SHADOW_AUTO`` is off."""
     from functools import partial
@@ -554,7 +556,7 @@ def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
         if name in SHADOW_VERIFIED:
             assert why is None and choose_impl("auto", f, rule) == "gluon", (name, why)
             why16 = sh.gluon_shadow_unsupported(replace(f, heads=16), layout=lay)
-            if name == "nvfp4":  # the ws kernel's V̂ section: faster at 16 heads too
+            if name in WS_AT_16:  # the ws kernel: faster at 16 heads too
                 assert why16 is None, why16
             else:
                 assert why16 is not None and "16 heads" in why16.reason, name

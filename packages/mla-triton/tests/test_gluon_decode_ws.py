@@ -397,16 +397,18 @@ def test_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.usefixtures("as_sm90")
-@pytest.mark.parametrize("shadow", [False, True], ids=["none", "nvfp4-shadow"])
-def test_warmup_at_16_heads(shadow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("recipe", ["none", "nvfp4-shadow", "fp8-shadow"])
+def test_warmup_at_16_heads(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """At 16 heads (TP8 DeepSeek) on sm90 ``impl="auto"`` runs the warp-specialized kernel
-    for recipe none and for the nvfp4 shadow's V̂ section: the warm-up records its keys and
-    exactly those a serving sweep launches (its split policy sees one head group, as the
-    Triton kernel's does)."""
+    for recipe none and for the nvfp4 (V̂ section) and fp8 (V̂ = K̂) shadows: the warm-up
+    records its keys and every key a serving sweep launches (its split policy sees one
+    head group, as the Triton kernel's does)."""
     import test_warmup as tw
 
     monkeypatch.setattr(tw, "HEADS", 16)
-    engine = tw.make_engine(tw.NVFP4 if shadow else None, shadow, blocks=37, width=35,
+    quant = {"none": None, "nvfp4-shadow": tw.NVFP4, "fp8-shadow": tw.FP8}[recipe]
+    shadow = quant is not None
+    engine = tw.make_engine(quant, shadow, blocks=37, width=35,
                             max_rows=40, max_seq_len=2176, dtype=torch.float16,
                             device="cpu")  # fmt: skip
     warmed = tw._keys(lambda: tw.warm(engine, prefill_too=False))
@@ -654,10 +656,10 @@ def test_shadow_refusals() -> None:
 @pytest.mark.usefixtures("as_sm90")
 def test_shadow_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``WS_SHADOW_AUTO`` off: ``decode_shadow`` (``"auto"``, ``"gluon"``) launches
-    ``gluon_decode``'s kernel. On (shipped): fp8 V̂ = K̂ under ``"auto"`` (above 32 heads)
-    and ``"gluon"`` (any heads) launches the warp-specialized kernel with the very
-    arguments of ``config=DEFAULT_CONFIG``; a ``GluonDecodeConfig``, nvfp4 (a V̂ section,
-    ``WS_SHADOW_NVFP4_AUTO`` off here) and 20 heads under ``"auto"`` keep theirs;
+    ``gluon_decode``'s kernel (at 20 heads ``"auto"``: the Triton one). On (shipped): fp8
+    V̂ = K̂ under ``"auto"`` and ``"gluon"``, at any head count, launches the
+    warp-specialized kernel with the very arguments of ``config=DEFAULT_CONFIG``; a
+    ``GluonDecodeConfig`` and nvfp4 (a V̂ section, ``WS_SHADOW_NVFP4_AUTO`` off here) keep theirs;
     ``decode`` with fp8 on read keeps ``gluon_decode``'s."""
     from mla_triton import allocate_shadow, decode_shadow
 
@@ -676,14 +678,13 @@ def test_shadow_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     plain = {"auto": call(), "gluon": call(impl="gluon"), "h20": call(q20, impl="gluon")}
     kept = {"config": call(config=GLUON_VARIANTS[0]), "nvfp4": call(quant=nvfp4),
-            "h20-auto": call(q20),
             "on-read": lambda: decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2,
                                       quant=FP8_3)}  # fmt: skip
     before = {name: _split(c) for name, c in (plain | kept).items()}
-    assert set(before.values()) == {"gluon_decode_split_kernel", "shadow_decode_split_kernel"}
-    assert {before[n] for n in plain} == {"gluon_decode_split_kernel"}
+    assert set(before.values()) == {"gluon_decode_split_kernel"}
+    assert _split(call(q20)) == "shadow_decode_split_kernel"  # auto at 20 heads, switch off
     monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
-    for name, c in plain.items():
+    for name, c in (plain | {"h20-auto": call(q20)}).items():
         assert _split(c) == "gluon_decode_ws_kernel", name
     assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
     direct = _launched(call(config=ws.DEFAULT_CONFIG))

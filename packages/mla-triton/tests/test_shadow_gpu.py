@@ -205,7 +205,9 @@ def test_gluon_shadow_bf16(case: str, heads: int) -> None:
     q = _query(heads)
     lay = shadow_layout(pool.quant, storage=pool.storage)
     k_hat = lay.views(pool.shadow)[0]  # the K tiles: K̂, or the raw rows for K none
-    facts = gluon_facts(q[..., :512], pool.cache if k_hat is None else k_hat, pool.quant, 512)
+    # the facts' tensor: K̂, or the raw rows (K none; packed: the producer decodes the bytes)
+    raw = k_hat is None or pool.storage == "packed"
+    facts = gluon_facts(q[..., :512], pool.cache if raw else k_hat, pool.quant, 512)
     assert gluon_shadow_unsupported(facts, layout=lay, forced=True) is None
     default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
     same = rows = 0
