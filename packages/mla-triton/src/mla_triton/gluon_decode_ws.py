@@ -434,7 +434,7 @@ def ws_dispatched(facts: gd.GluonFacts) -> bool:
 def decode_unsupported(facts: gd.GluonFacts, *, forced: bool = False) -> gd.Unsupported | None:
     """``decode``'s dispatch rule: ``gluon_decode.gluon_unsupported``, at any head count
     where this kernel takes the call (``ws_dispatched``: recipe none, ``WS_AUTO``). At b128
-    h16 L8192 it ran 1.07x FlashMLA (sitting 10), the Triton kernel 0.82x (sitting 11,
+    h16 L8192 it ran 1.07x FlashMLA, the Triton kernel 0.83x (sitting 12, one process,
     Triton 3.8): ``gluon_decode_preferred``'s 32-head rule is ``gluon_decode``'s kernel's."""
     return gd.gluon_unsupported(facts, forced=forced, any_heads=ws_dispatched(facts))
 
