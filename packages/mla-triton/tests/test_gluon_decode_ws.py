@@ -419,6 +419,23 @@ def test_warmup_at_16_heads(recipe: str, monkeypatch: pytest.MonkeyPatch) -> Non
     assert served <= warmed, sorted(served - warmed)[:3]
 
 
+@pytest.mark.usefixtures("as_sm90")
+def test_warmup_packed_shadow() -> None:
+    """An engine on the packed nvfp4 shadow (128 heads, faked sm90): ``impl="auto"`` runs the
+    warp-specialized kernel's packed producer, and the warm-up (``storage="packed"``)
+    records every key a serving sweep launches."""
+    import test_warmup as tw
+
+    engine = tw.make_engine(tw.NVFP4, True, blocks=37, width=35, max_rows=40,
+                            max_seq_len=2176, dtype=torch.float16, device="cpu")  # fmt: skip
+    engine.storage = "packed"
+    warmed = tw._keys(lambda: tw.warm(engine, prefill_too=False))
+    served = tw._keys(lambda: tw.sweep(engine, random.Random(0), prefill_too=False))
+    names = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
+    assert {n for n in names if "split" in n or "ws" in n} == {"gluon_decode_ws_kernel"}, names
+    assert served <= warmed, sorted(served - warmed)[:3]
+
+
 # ------------------------------------------------------- fp8 through the shadow (CPU)
 
 FP8_3 = AttentionQuant(q="fp8", k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8", 3.0), p="fp8")

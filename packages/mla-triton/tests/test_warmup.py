@@ -104,11 +104,12 @@ def warm(engine: Engine, *, prefill_too: bool = True) -> None:
         softmax_scale=SCALE,
         quant=engine.quant,
         shadow=engine.shadow_bytes,
+        storage=engine.storage,
     )
     shadow = engine.shadow_bytes
     if shadow is not None:
         assert engine.quant is not None
-        warmup_update_cache(engine.raw, shadow, quant=engine.quant)
+        warmup_update_cache(engine.raw, shadow, quant=engine.quant, storage=engine.storage)
     if prefill_too:
         warmup_prefill(
             num_heads=HEADS,
