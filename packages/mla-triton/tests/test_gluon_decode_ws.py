@@ -397,38 +397,25 @@ def test_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.usefixtures("as_sm90")
-@pytest.mark.parametrize("recipe", ["none", "nvfp4-shadow", "fp8-shadow"])
-def test_warmup_at_16_heads(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At 16 heads (TP8 DeepSeek) on sm90 ``impl="auto"`` runs the warp-specialized kernel
-    for recipe none and for the nvfp4 (V̂ section) and fp8 (V̂ = K̂) shadows: the warm-up
-    records its keys and every key a serving sweep launches (its split policy sees one
-    head group, as the Triton kernel's does)."""
+@pytest.mark.parametrize(
+    ("recipe", "heads", "storage"),
+    [("none", 16, "fp16"), ("nvfp4", 16, "fp16"), ("fp8", 16, "fp16"), ("nvfp4", 16, "packed"),
+     ("nvfp4", 128, "packed")],
+)  # fmt: skip
+def test_warmup_covers_the_ws_kernel(
+    recipe: str, heads: int, storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``impl="auto"`` runs the warp-specialized kernel on sm90 (16 heads, TP8
+    DeepSeek: recipe none, the nvfp4 and fp8 shadows, the packed one; the packed shadow at
+    128 heads), the warm-up records every key a serving sweep launches (its split policy
+    sees the kernel's head groups)."""
     import test_warmup as tw
 
-    monkeypatch.setattr(tw, "HEADS", 16)
-    quant = {"none": None, "nvfp4-shadow": tw.NVFP4, "fp8-shadow": tw.FP8}[recipe]
-    shadow = quant is not None
-    engine = tw.make_engine(quant, shadow, blocks=37, width=35,
-                            max_rows=40, max_seq_len=2176, dtype=torch.float16,
-                            device="cpu")  # fmt: skip
-    warmed = tw._keys(lambda: tw.warm(engine, prefill_too=False))
-    served = tw._keys(lambda: tw.sweep(engine, random.Random(0), prefill_too=False))
-    names = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
-    split = {n for n in names if "split" in n or "ws" in n}
-    assert split == {"gluon_decode_ws_kernel"}, split
-    assert served <= warmed, sorted(served - warmed)[:3]
-
-
-@pytest.mark.usefixtures("as_sm90")
-def test_warmup_packed_shadow() -> None:
-    """An engine on the packed nvfp4 shadow (128 heads, faked sm90): ``impl="auto"`` runs the
-    warp-specialized kernel's packed producer, and the warm-up (``storage="packed"``)
-    records every key a serving sweep launches."""
-    import test_warmup as tw
-
-    engine = tw.make_engine(tw.NVFP4, True, blocks=37, width=35, max_rows=40,
+    monkeypatch.setattr(tw, "HEADS", heads)
+    quant = {"none": None, "nvfp4": tw.NVFP4, "fp8": tw.FP8}[recipe]
+    engine = tw.make_engine(quant, quant is not None, blocks=37, width=35, max_rows=40,
                             max_seq_len=2176, dtype=torch.float16, device="cpu")  # fmt: skip
-    engine.storage = "packed"
+    engine.storage = storage
     warmed = tw._keys(lambda: tw.warm(engine, prefill_too=False))
     served = tw._keys(lambda: tw.sweep(engine, random.Random(0), prefill_too=False))
     names = {kernel.rsplit(".", 1)[1] for kernel, _ in served}

@@ -39,6 +39,7 @@ from mla_triton import decode, decode_shadow
 from mla_triton.decode import decode_config, decode_num_splits
 from mla_triton.gluon_decode import GluonRecipe, gluon_facts
 from mla_triton.shadow import (
+    _gluon_tiles,
     gluon_shadow_recipe,
     gluon_shadow_unsupported,
     shadow_decode_config,
@@ -204,10 +205,9 @@ def test_gluon_shadow_bf16(case: str, heads: int) -> None:
     _prefill(pool)
     q = _query(heads)
     lay = shadow_layout(pool.quant, storage=pool.storage)
-    k_hat = lay.views(pool.shadow)[0]  # the K tiles: K̂, or the raw rows for K none
-    # the facts' tensor: K̂, or the raw rows (K none; packed: the producer decodes the bytes)
-    raw = k_hat is None or pool.storage == "packed"
-    facts = gluon_facts(q[..., :512], pool.cache if raw else k_hat, pool.quant, 512)
+    # the facts' tensor, as decode_shadow takes it: K̂, or the raw rows (K none, packed)
+    tiles = _gluon_tiles(pool.quant, lay, q.dtype, pool.cache, lay.views(pool.shadow), None)[0]
+    facts = gluon_facts(q[..., :512], tiles, pool.quant, 512)
     assert gluon_shadow_unsupported(facts, layout=lay, forced=True) is None
     default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
     same = rows = 0

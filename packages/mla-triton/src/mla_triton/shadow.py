@@ -799,11 +799,10 @@ def gluon_shadow_unsupported(
         return "this shadow recipe is not verified on a GPU yet in the Gluon kernel"
 
     taken = gluon_shadow_recipe(f.quant, layout, f.dtype)
-    # a float16 shadow the warp-specialized kernel reads runs it at any head count: at b128
-    # h16 L8192 the nvfp4 V̂ section 0.546 ms against the Triton kernel's 0.866 (sitting 11),
-    # the fp8 shadow (V̂ = K̂) 0.307 ms against 0.399, 1.08x FlashMLA (sitting 12)
-    any_heads = (isinstance(taken, GluonRecipe) and not taken.packed
-                 and ws.ws_shadow_dispatched(taken))  # fmt: skip
+    # a shadow the warp-specialized kernel reads runs it at any head count: at b128 h16
+    # L8192 the nvfp4 V̂ section 0.546 ms against the Triton kernel's 0.866, the packed shadow
+    # 2.30 against 2.79 (sitting 11), the fp8 shadow (V̂ = K̂) 0.307 against 0.399 (sitting 12)
+    any_heads = isinstance(taken, GluonRecipe) and ws.ws_shadow_dispatched(taken)
     return gluon_unsupported(f, forced=forced, recipe=recipe, stride_align=8,
                              any_heads=any_heads)  # fmt: skip
 
