@@ -90,7 +90,7 @@ def _tiling(bm: int, bn: int, stages: int, ws: bool = False, pp: bool = False,
             **options: bool) -> dict[str, Any]:  # fmt: skip
     """``GluonPrefillConfig``'s keyword arguments: the tiling, warp specialization,
     ping-pong, and the schedule options (``turns``, ``early_k``, ``row_inf_check``,
-    ``persistent``)."""
+    ``fma_inf_check``, ``persistent``, ...)."""
     return {"block_m": bm, "block_n": bn, "num_stages": stages, "warp_specialize": ws,
             "pingpong": pp, **options}  # fmt: skip
 
@@ -147,8 +147,14 @@ SWEEP_SIT8: dict[str, dict[str, Any]] = {
         128, 64, 3, True, early_k=True, nm_pairs=True, nm_nan_rank=True
     ),
 }
+# Issue 17, sitting 13 (benchmarks/gpu/sit13.sh): "fi" fma_inf_check (the NaN rule's -inf
+# check in the exponent, one fma a score) on AUTO_CONFIGS' tilings of P none / fp8 and nvfp4
+SWEEP_SIT13: dict[str, dict[str, Any]] = {
+    "pp-128x128x2-ek-fi": _tiling(128, 128, 2, True, True, early_k=True, fma_inf_check=True),
+    "nt-128x64x3-fi": _tiling(128, 64, 3, True, True, turns=False, fma_inf_check=True),
+}
 # what --tilings and benchmarks/gpu/prefill_smoke.py name
-TILINGS = SWEEP_TILINGS | SWEEP_NEXT | SWEEP_SIT8
+TILINGS = SWEEP_TILINGS | SWEEP_NEXT | SWEEP_SIT8 | SWEEP_SIT13
 SWEEP_RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
     "none": (None, None),
     "fp8": (AttentionQuant.uniform("fp8"), None),

@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,6 +76,10 @@ VARIANTS = [
     (torch.float16, 192, 128, gp.GluonPrefillConfig(
         128, 128, 2, True, early_k=True, nm_pairs=True, nm_nan_rank=True), True, True,
      NVFP4 | NM24),
+    (torch.bfloat16, 192, 128, replace(AUTO["none"], fma_inf_check=True), True, True, {}),
+    (torch.float16, 192, 128, replace(AUTO["fp8"], row_inf_check=False, fma_inf_check=True),
+     True, True, FP8),
+    (torch.float16, 192, 128, replace(AUTO["nvfp4"], fma_inf_check=True), True, True, NVFP4),
 ]  # fmt: skip
 SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     4,  # fp8 P at 128 x 128: 72 B
@@ -83,6 +88,8 @@ SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     9,  # ping-pong 128 x 128
     10,  # ping-pong 128 x 128, early_k: 32 B
     14,  # nm_pairs, 2:4 with dense windows at 128 x 128 (its twin without them: 32 B)
+    15,  # AUTO none with fma_inf_check
+    16,  # fp8 P at 128 x 128 with fma_inf_check
 }
 
 
@@ -112,6 +119,7 @@ def compile_stats() -> list[dict[str, Any]]:
             "fp8_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
             "setmaxnreg": "setmaxnreg" in ptx, "num_warps": kernel.metadata.num_warps,
             "mbarrier_init": ptx.count("mbarrier.init"), "min_f32": "min.f32" in ptx,
+            "fma_zero": len(re.findall(r"fma\.rn\.f32\s+%r\d+, %r\d+, 0f00000000,", ptx)),
         } | _resources(kernel.asm["cubin"]))  # fmt: skip
     return stats
 
@@ -158,6 +166,10 @@ def test_every_variant_compiles_for_sm90a() -> None:
         # outside nvfp4 P's QDQ
         if quant.get("p_fmt", 0) != 2:
             assert got["min_f32"] == config.row_inf_check, variant
+        # fma_inf_check: the -inf check as fma(s, 0, t) in the exponent, one a score of a
+        # tile (kept by LLVM: no fast-math folding); elsewhere at most a few such fmas
+        fma_check = config.fma_inf_check and "nm_n" not in quant
+        assert (got["fma_zero"] >= 32) == fma_check, variant
         if index not in SPILLS:
             assert got["STACK"] == 0, variant
     # every tiling the dispatcher picks is compiled above, for its P format
@@ -202,6 +214,7 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("turns", 0),
         ("early_k", 1),
         ("row_inf_check", None),
+        ("fma_inf_check", 1),
         ("persistent", "yes"),
         ("nm_pairs", 1),
         ("nm_nan_rank", "no"),
@@ -210,6 +223,11 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
 def test_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"config.{field}"):
         gp.GluonPrefillConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_rejects_two_inf_checks() -> None:
+    with pytest.raises(ValueError, match=r"config\.fma_inf_check"):
+        gp.GluonPrefillConfig(row_inf_check=True, fma_inf_check=True)
 
 
 @pytest.mark.parametrize(

@@ -353,7 +353,18 @@ SIT8_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | 
     "s8-nt128-ek-ri-nvfp4": (replace(_NT128, row_inf_check=True), "nvfp4", None),
     "s8-ws128-ek-ri-np-nvfp4-2:4": (replace(_WS128_EK_RI, nm_pairs=True), "nvfp4", _NM),
 }  # fmt: skip
-GLUON_CASES |= NEXT_CASES | SIT8_CASES
+# Issue 17, sitting 13 (benchmarks/gpu/sit13.sh): the NaN rule's -inf check in the exponent
+# (fma_inf_check) on AUTO_CONFIGS' tilings of P none, fp8 (instead of its row minimum), nvfp4
+_FI_NONE = replace(_AUTO["none"], fma_inf_check=True)
+_FI_FP8 = replace(_AUTO["fp8"], row_inf_check=False, fma_inf_check=True)
+_FI_NVFP4 = replace(_AUTO["nvfp4"], fma_inf_check=True)
+SIT13_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
+    "s13-pp128-ek-fi-none": (_FI_NONE, "none", None),
+    "s13-pp128-ek-fi-fp8": (_FI_FP8, "fp8", None),
+    "s13-nt64-fi-nvfp4": (_FI_NVFP4, "nvfp4", None),
+    "s13-nt64-fi-nvfp4-2:4": (_FI_NVFP4, "nvfp4", _NM),
+}
+GLUON_CASES |= NEXT_CASES | SIT8_CASES | SIT13_CASES
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
@@ -376,9 +387,9 @@ def test_gluon_tilings(case: str) -> None:
     [_PP64, _PP128, _EK128, _NT128, _RI64, gluon_prefill.GluonPrefillConfig(row_inf_check=True),
      gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True,
                                       row_inf_check=True), _PER64, _WSPER64, _NT64_EK_RI,
-     _WS128_EK_RI],
+     _WS128_EK_RI, _FI_NONE, _FI_NVFP4],
     ids=["pp64", "pp128", "pp128-ek", "nt128", "pp64-ri", "plain-ri", "pp128-ek-ri", "pp64-per",
-         "ws64-ek-per", "s8-nt64-ek-ri", "s8-ws128-ek-ri"],
+         "ws64-ek-per", "s8-nt64-ek-ri", "s8-ws128-ek-ri", "s13-pp128-ek-fi", "s13-nt64-fi"],
 )  # fmt: skip
 def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> None:
     """The NaN rule on the ping-pong tilings: a masked V tile is checked and zeroed by
@@ -387,6 +398,35 @@ def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> Non
     K element (key 70: on an unmasked tile for the queries of the second 128-row tile)
     poisons its rows through the row minimum."""
     _nan_rule("gluon", config)
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
+@pytest.mark.parametrize(
+    ("config", "name"),
+    [(_FI_NONE, "none"), (_FI_FP8, "fp8"), (_FI_NVFP4, "nvfp4")],
+    ids=["s13-fi-none", "s13-fi-fp8", "s13-fi-nvfp4"],
+)  # fmt: skip
+def test_fma_inf_check_bit_for_bit(config: gluon_prefill.GluonPrefillConfig, name: str) -> None:
+    """``fma_inf_check`` computes the same P as the compare and select: out and LSE bit for
+    bit against the same tiling without it (varlen causal, GQA; a chunked context; the NaN
+    rule's batch, causal and not: a NaN in Q, an infinite K element on an unmasked tile, a
+    -inf in V)."""
+    nan_batch = make_batch([300, 200], [300, 200], 16, 16, seed=7)
+    q, k, v = nan_batch[:3]
+    q[10, 3, 5] = float("nan")
+    k[300 + 70, 5, 100] = float("inf")
+    v[300 + 130, 7, 2] = float("-inf")
+    batches = [(True, make_batch(LENS, LENS, 16, 4, seed=3)),
+               (False, make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)),
+               (True, nan_batch), (False, nan_batch)]  # fmt: skip
+    for index, (causal, (q, k, v, cu_q, cu_k, scale)) in enumerate(batches):
+        kwargs = {"softmax_scale": scale, "return_lse": True, "causal": causal,
+                  "quant": QUANTS[name], "impl": "gluon"}  # fmt: skip
+        got = [prefill(q, k, v, cu_q, cu_k, config=c, **kwargs)
+               for c in (config, replace(config, fma_inf_check=False))]  # fmt: skip
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a.isnan(), b.isnan()), (name, index)
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (name, index)
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")

@@ -58,7 +58,10 @@ class GluonPrefillConfig:
     two stages the next K load then has a whole key step to land instead of none;
     ``row_inf_check``: the NaN rule's check for ``-inf`` raw scores on unmasked tiles
     by one row minimum a tile (one min a score instead of a compare and a select; the
-    row's ``l`` is made NaN: the same out and LSE); ``persistent`` (with
+    row's ``l`` is made NaN: the same out and LSE); ``fma_inf_check`` (not with
+    ``row_inf_check``; no effect with N:M): the same check in the exponent instead, ``P =
+    2^fma(s, 0, s scale - m)`` (NaN for an infinite score: one ``fma`` a score against a
+    compare and a select, and no row reduction; the same P); ``persistent`` (with
     ``warp_specialize``, not with ``turns=False``): one program an SM loops over the
     query tiles (heaviest first over every head), the K/V ring and the turns running on
     across them, the producer loading the next tile's Q once the consumers' last ``Q Kᵀ``
@@ -82,6 +85,7 @@ class GluonPrefillConfig:
     turns: bool = True
     early_k: bool = False
     row_inf_check: bool = False
+    fma_inf_check: bool = False
     persistent: bool = False
     nm_pairs: bool = False
     nm_nan_rank: bool = False
@@ -92,8 +96,8 @@ class GluonPrefillConfig:
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
         names = (
-            "warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "persistent",
-            "nm_pairs", "nm_nan_rank",
+            "warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "fma_inf_check",
+            "persistent", "nm_pairs", "nm_nan_rank",
         )  # fmt: skip
         for name in names:
             if not isinstance(getattr(self, name), bool):
@@ -106,6 +110,8 @@ class GluonPrefillConfig:
             raise ValueError("config.turns: False needs pingpong=True")
         if self.early_k and not self.warp_specialize:
             raise ValueError("config.early_k: needs warp_specialize=True")
+        if self.row_inf_check and self.fma_inf_check:
+            raise ValueError("config.fma_inf_check: not with row_inf_check=True")
         if self.persistent and not (self.warp_specialize and self.turns):
             raise ValueError("config.persistent: needs warp_specialize=True and turns=True")
 
@@ -328,7 +334,8 @@ class Variant:
             "NM_PAIRS": config.nm_pairs, "NM_NAN_RANK": config.nm_nan_rank,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
             "PINGPONG": config.pingpong, "TURNS": config.turns, "EARLY_K": config.early_k,
-            "ROW_INF": config.row_inf_check, "PERSISTENT": config.persistent,
+            "INF_CHECK": 1 if config.row_inf_check else 2 if config.fma_inf_check else 0,
+            "PERSISTENT": config.persistent,
             "PRODUCER_REGS": 24,
             "CONSUMER_REGS": CONSUMER_REGS, "num_warps": config.num_warps,
         }  # fmt: skip

@@ -171,26 +171,69 @@ def _nm_keep(
 
 
 @gluon.jit
+def _softmax_fma_inf(m_i, l_i, s, row_scale):
+    """``common.softmax_step`` on an unmasked tile, the NaN rule in its exponent: ``P =
+    2^fma(s, 0, t)`` for ``t = s row_scale - m`` is ``2^t`` for a finite score and NaN for
+    an infinite one (``0 * inf``), one ``fma`` a score against a compare and a select.
+    A ``-inf`` score left in the maximum changes nothing (it never wins; a row of them
+    only is NaN either way). Returns ``(m_new, alpha, p, l)``."""
+    m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=1) * row_scale))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    t = gl.fma(s, gl.expand_dims(row_scale, 1), -gl.expand_dims(m_use, 1))
+    p = gl.exp2(gl.fma(s, 0.0, t))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return m_new, alpha, p, l_i
+
+
+@gluon.jit
+def _softmax_masked(
+    s, m_i, l_i, start_n, seq_len_k, q_pos, row_scale, s_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """``common.softmax_step`` on a masked tile (at or past ``mid``; no N:M): raw ``-inf``
+    scores made NaN one by one, then the keys a row does not see set to ``-inf``."""
+    s = gl.where(s == float("-inf"), float("nan"), s)
+    key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    visible = gl.expand_dims(key_pos < seq_len_k, 0)
+    if CAUSAL:
+        visible = visible & (gl.expand_dims(key_pos, 0) <= gl.expand_dims(q_pos, 1))
+    s = gl.where(visible, s, float("-inf"))
+    return common.softmax_step(m_i, l_i, s, row_scale, True, True)
+
+
+@gluon.jit
 def _softmax(
     s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_scales,
     nm, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
-    ROW_INF: gl.constexpr,
+    INF_CHECK: gl.constexpr,
 ):  # fmt: skip
     """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout: P's
     factored fp8 value with ``P_FMT == 1``, ``l`` summed before that QDQ).
 
-    The NaN rule's raw ``-inf`` scores: made NaN one by one (a compare and a select a
-    score), or with ``ROW_INF`` on unmasked tiles (before ``mid``) by the row minimum
-    (one min a score): a row whose minimum is ``-inf`` gets ``l = NaN``, so its out
-    and LSE are NaN as they are when the score itself is NaN (its P is 0 instead of
-    NaN, every other row is untouched). Masked tiles keep the first way: there the
-    keys a row does not see must not poison it."""
-    bad = gl.zeros([BLOCK_M], gl.int1, gl.SliceLayout(1, s_layout))
+    The NaN rule's raw ``-inf`` scores (``INF_CHECK``): 0, made NaN one by one (a compare
+    and a select a score); 1, on unmasked tiles (before ``mid``) by the row minimum (one
+    min a score): a row whose minimum is ``-inf`` gets ``l = NaN``, so its out and LSE
+    are NaN as they are when the score itself is NaN (its P is 0 instead of NaN, every
+    other row is untouched); 2, on unmasked tiles without N:M, in the exponent (one
+    ``fma`` a score, ``_softmax_fma_inf``: the same P). Masked tiles keep the first way:
+    there the keys a row does not see must not poison it."""
     if K_DYNAMIC:  # K's per-key global scales (static ones live in row_scale)
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         col_gs = gl.load(ks_base + key_pos * stride_kst, mask=key_pos < seq_len_k, other=1.0)
         s = s * gl.expand_dims(col_gs, 0)
+    if INF_CHECK == 2 and NM[0] == 0:
+        if start_n < mid:
+            m_new, alpha, p, l_i = _softmax_fma_inf(m_i, l_i, s, row_scale)
+        else:
+            m_new, alpha, p, l_i = _softmax_masked(
+                s, m_i, l_i, start_n, seq_len_k, q_pos, row_scale, s_layout, BLOCK_N, CAUSAL
+            )  # fmt: skip
+        p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N)
+        return p, alpha, m_new, l_i
+    ROW_INF: gl.constexpr = INF_CHECK == 1
+    bad = gl.zeros([BLOCK_M], gl.int1, gl.SliceLayout(1, s_layout))
     if ROW_INF:
         if start_n >= mid:
             s = gl.where(s == float("-inf"), float("nan"), s)
@@ -334,8 +377,8 @@ def _attend(
     row_nan)``. With ``ISSUE_LOADS`` it issues the K/V loads of the tile ``NUM_STAGES``
     ahead itself; otherwise (warp specialized) it releases ring slots to the producer
     through ``empties = (empty_bars, k_empty_bars, q_empty)``: ``empty_bars[slot]`` once
-    a slot's P V MMA is done, and with ``EARLY_K`` (``SCHED = (TURNS, EARLY_K, ROW_INF,
-    PERSISTENT)``; ``ROW_INF``: ``_softmax``) its K half on ``k_empty_bars[slot]`` as
+    a slot's P V MMA is done, and with ``EARLY_K`` (``SCHED = (TURNS, EARLY_K, INF_CHECK,
+    PERSISTENT)``; ``INF_CHECK``: ``_softmax``) its K half on ``k_empty_bars[slot]`` as
     soon as the slot's ``S = Q Kᵀ`` is done (FA3's separate K and V pipelines: a K load
     then has a whole key step to land, even with two stages). ``counts = (ring0, turn0,
     q_phase)``: the ring index of the first key tile, the first turn and Q's barrier
@@ -356,7 +399,7 @@ def _attend(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TURNS: gl.constexpr = SCHED[0]
     EARLY_K: gl.constexpr = SCHED[1]
-    ROW_INF: gl.constexpr = SCHED[2]
+    INF_CHECK: gl.constexpr = SCHED[2]
     PERSISTENT: gl.constexpr = SCHED[3]
     PP: gl.constexpr = WG >= 0 and TURNS  # ping-pong turns
     empty_bars, k_empty_bars, q_empty = empties
@@ -390,7 +433,7 @@ def _attend(
             mbarrier.arrive(k_empty_bars.index(ring0 % NUM_STAGES), count=1)
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
-            p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM, ROW_INF,
+            p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM, INF_CHECK,
         )  # fmt: skip
         for j in range(1, n_tiles):
             prev = j - 1
@@ -426,7 +469,7 @@ def _attend(
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
                 stride_kst, p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
-                NM, ROW_INF,
+                NM, INF_CHECK,
             )  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if ISSUE_LOADS:
@@ -800,7 +843,7 @@ def gluon_prefill_kernel(
     PINGPONG: gl.constexpr,
     TURNS: gl.constexpr,
     EARLY_K: gl.constexpr,
-    ROW_INF: gl.constexpr,
+    INF_CHECK: gl.constexpr,
     PERSISTENT: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -828,8 +871,9 @@ def gluon_prefill_kernel(
     the persistent kernel only (one program an SM, ``PERSISTENT``: ``_consume_all``);
     ``TURNS`` (default True): they take turns on the tensor cores, else they run
     independently. ``EARLY_K`` (with ``WARP_SPEC``): K slots released apart from V
-    slots, once their ``Q Kᵀ`` is done (``_attend``, ``_producer``). ``ROW_INF``: the
-    NaN rule's ``-inf`` check by row minima on unmasked tiles (``_softmax``).
+    slots, once their ``Q Kᵀ`` is done (``_attend``, ``_producer``). ``INF_CHECK``: the
+    NaN rule's ``-inf`` check on unmasked tiles, 0 a select a score, 1 by row minima, 2 in
+    the exponent (``_softmax``).
     """
     NQ: gl.constexpr = DQK // CHUNK
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
@@ -843,7 +887,7 @@ def gluon_prefill_kernel(
     gl.static_assert(PINGPONG or TURNS)
     gl.static_assert(WARP_SPEC or not PERSISTENT)
     gl.static_assert(TURNS or not PERSISTENT)
-    SCHED: gl.constexpr = (TURNS, EARLY_K, ROW_INF, PERSISTENT)
+    SCHED: gl.constexpr = (TURNS, EARLY_K, INF_CHECK, PERSISTENT)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
