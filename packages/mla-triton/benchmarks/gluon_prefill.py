@@ -52,6 +52,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import time
 import traceback
@@ -523,14 +524,17 @@ def ablation(result: dict[str, Any]) -> None:
 def _sweep_shape(
     shape: str, tilings: dict[str, Any], rep: int, shard: tuple[int, int] | None = None,
     rows: list[dict[str, Any]] | None = None, flush: Callable[[], None] = lambda: None,
-    ablated: bool = False,
+    ablated: bool = False, rounds: int = 1, only: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """``--sweep``'s rows at one shape: FA3 first, then per recipe Triton and the tilings,
     appended to ``rows`` (a new list by default), ``flush()`` after each (a cut-off run
     keeps what it timed). ``shard (i, n)``: only compile (one call each) the Triton and
     Gluon calls ``i, i + n, ...`` (``--warm``: several processes fill Triton's cache side
     by side). ``ablated``: the Gluon kernel in place is the one without its softmax step
-    (``_ablated_kernel``): recipe none only, rows labelled ``none-no-softmax``, no Triton."""
+    (``_ablated_kernel``): recipe none only, rows labelled ``none-no-softmax``, no Triton.
+    ``only``: these ``SWEEP_RECIPES`` names (comma-separated; ``--recipes``), else all.
+    Every call is compiled and run once first, then timed ``rounds`` times round robin
+    (``do_bench`` medians of ``rep`` ms each); a row's ``ms`` is the median of its rounds."""
     import triton
 
     from mla_triton import prefill
@@ -552,7 +556,9 @@ def _sweep_shape(
         )  # fmt: skip
 
     fns: list[tuple[str, str, Callable[[], Any]]] = []
-    recipes = {"none-no-softmax": (None, None)} if ablated else SWEEP_RECIPES
+    recipes = {"none-no-softmax": (None, None)} if ablated else {
+        n: r for n, r in SWEEP_RECIPES.items() if only is None or n in only.split(",")
+    }  # fmt: skip
     for recipe, (quant, sparsity) in recipes.items():
         if not ablated:
             fns.append((recipe, "triton", call(quant, sparsity, "triton", None)))
@@ -569,24 +575,39 @@ def _sweep_shape(
                 print(f"warm {recipe} {impl}: {exc!r}", flush=True)
         return []
     rows = [] if rows is None else rows
-    fa3_ms = None
-    for recipe, impl, fn in [("-", "fa3", lambda: None), *fns]:
+    entries: list[tuple[str, str, Callable[[], Any] | None]] = [("-", "fa3", None), *fns]
+    ready: list[tuple[dict[str, Any], Callable[[], Any]]] = []
+    for recipe, impl, fn in entries:  # compile and warm every call first
         row: dict[str, Any] = {"shape": shape, "recipe": recipe, "impl": impl}
         try:
-            if impl == "fa3":  # vLLM's wheel imported here: a missing one costs this row
+            if fn is None:  # FA3: vLLM's wheel imported here, a missing one costs this row
                 fn = _fa3(q, k, v, cu, lens)
             fn()
             torch.cuda.synchronize()
-            ms = float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-            fa3_ms = ms if impl == "fa3" else fa3_ms
-            row |= {"ms": ms, "tflops": _tflops(lens, heads, ms)}
-            if fa3_ms is not None:
-                row["vs_fa3"] = fa3_ms / ms
-            print(f"{shape:17s} {recipe:10s} {impl:16s} {ms:8.3f} ms {row['tflops']:7.1f} "
-                  f"TFLOP/s {row.get('vs_fa3', 0.0):6.3f}x FA3", flush=True)  # fmt: skip
+            ready.append((row, fn))
         except Exception as exc:
             traceback.print_exc()
             row["error"] = repr(exc)
+            rows.append(row)
+    times: list[list[float]] = [[] for _ in ready]
+    for _ in range(rounds):  # round robin: a drift in clocks reaches every call alike
+        for i, (_, fn) in enumerate(ready):
+            times[i].append(
+                float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+            )  # fmt: skip
+    fa3_ms = None
+    for (row, _), ms_rounds in zip(ready, times, strict=True):
+        ms = statistics.median(ms_rounds)
+        fa3_ms = ms if row["impl"] == "fa3" else fa3_ms
+        row |= {"ms": ms, "tflops": _tflops(lens, heads, ms)}
+        if rounds > 1:
+            row["ms_rounds"] = ms_rounds
+        if fa3_ms is not None:
+            row["vs_fa3"] = fa3_ms / ms
+        spread = f" (rounds {min(ms_rounds):.3f}-{max(ms_rounds):.3f})" if rounds > 1 else ""
+        print(f"{shape:17s} {row['recipe']:10s} {row['impl']:16s} {ms:8.3f} ms "
+              f"{row['tflops']:7.1f} TFLOP/s {row.get('vs_fa3', 0.0):6.3f}x FA3{spread}",
+              flush=True)  # fmt: skip
         rows.append(row)
         flush()
     return rows
@@ -601,7 +622,7 @@ def _sweep_tilings(pingpong: bool, names: str | None) -> dict[str, dict[str, Any
 
 def sweep(
     result: dict[str, Any], pingpong: bool, rep: int, out: str, names: str | None = None,
-    ablate: bool = False,
+    ablate: bool = False, rounds: int = 1, only: str | None = None,
 ) -> None:  # fmt: skip
     """``--sweep``: every tiling x recipe at ``SWEEP_SHAPES`` with the Triton kernel and
     FA3 (bf16) in the same process; rows ``{shape, recipe, impl, ms, tflops, vs_fa3}``,
@@ -609,7 +630,8 @@ def sweep(
     ``out/gluon-prefill-sweep.json`` after each row (a cut-off run keeps its rows).
     ``names``: ``--tilings``. ``ablate`` (``--ablate``): then the same tilings without the
     softmax step, recipe none, beside FA3 again: the bound of each schedule's MMA issue
-    pattern (what hiding the softmax completely could reach)."""
+    pattern (what hiding the softmax completely could reach). ``rounds`` (``--rounds``) and
+    ``only`` (``--recipes``): ``_sweep_shape``'s."""
     from mla_triton.kernels import gluon_prefill as kmod
 
     tilings = _sweep_tilings(pingpong, names)
@@ -620,14 +642,16 @@ def sweep(
         _write(out, result, "gluon-prefill-sweep.json")
 
     for shape in SWEEP_SHAPES:
-        _sweep_shape(shape, tilings, rep, rows=rows, flush=flush)
+        _sweep_shape(shape, tilings, rep, rows=rows, flush=flush, rounds=rounds, only=only)
         torch.cuda.empty_cache()
     if ablate:
         real = kmod.gluon_prefill_kernel
         try:
             kmod.gluon_prefill_kernel = _ablated_kernel()
             for shape in SWEEP_SHAPES:
-                _sweep_shape(shape, tilings, rep, rows=rows, flush=flush, ablated=True)
+                _sweep_shape(
+                    shape, tilings, rep, rows=rows, flush=flush, ablated=True, rounds=rounds
+                )  # fmt: skip
                 torch.cuda.empty_cache()
         finally:
             kmod.gluon_prefill_kernel = real
@@ -664,6 +688,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="--sweep: do_bench rep (ms)")
     parser.add_argument(
+        "--rounds", type=int, default=1, help="--sweep: timings of each call, round robin"
+    )  # fmt: skip
+    parser.add_argument("--recipes", default=None, help="--sweep: these SWEEP_RECIPES (a,b)")
+    parser.add_argument(
         "--ablate", action="store_true", help="--sweep: then its tilings without the softmax"
     )  # fmt: skip
     parser.add_argument(
@@ -698,7 +726,10 @@ def main() -> None:
         _sweep_shape("b1-h16-L16384", tilings, args.rep, (i, n))
         return
     if args.sweep:
-        sweep(result, not args.no_pingpong, args.rep, args.out, args.tilings, args.ablate)
+        sweep(
+            result, not args.no_pingpong, args.rep, args.out, args.tilings, args.ablate,
+            args.rounds, args.recipes,
+        )  # fmt: skip
         _write(args.out, result, "gluon-prefill-sweep.json")
         print(f"total {time.time() - t0:.0f}s")
         return

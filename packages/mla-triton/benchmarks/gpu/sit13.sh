@@ -4,9 +4,11 @@
 # test_prefill_gpu.py ("s13": against the oracle and the Triton kernel, the NaN rule, bit for
 # bit against the same tilings without it), 4 shards. Mode sweep: gluon_prefill.py's sweep of
 # AUTO_CONFIGS' tilings for none / fp8 / nvfp4 beside their "-fi" twins, FA3 in the process.
-# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit13.sh tests|sweep
+# Mode ab: the same tilings for none / fp8 / nvfp4 timed round robin (--rounds 9: every
+# call's do_bench median 9 times in turn, its median of those; FA3 in the rotation).
+# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit13.sh tests|sweep|ab
 set -u
-MODE=${1:?tests or sweep}
+MODE=${1:?tests, sweep or ab}
 [ -d /tmp/site/vllm ] || bash /root/parts/install.sh > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src:packages/mla-triton/tests
 export TRITON_INTERPRET=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 MLA_REQUIRE_GPU=1
@@ -29,4 +31,10 @@ timeout "${SWEEP_S:-500}" python $B/gluon_prefill.py --sweep --rep 60 \
     --tilings pp-128x128x2-ek,pp-128x128x2-ek-fi,pp-128x128x2-ek-ri,nt-128x64x3,nt-128x64x3-fi \
     --out "$OUT" > "$OUT/s13-sweep.txt" 2>&1; echo "sweep rc=$?" >> "$OUT/s13-sweep.txt"
 tail -20 "$OUT/s13-sweep.txt"
+fi
+if [ "$MODE" = ab ]; then
+timeout "${SWEEP_S:-500}" python $B/gluon_prefill.py --sweep --rep 30 --rounds 9 --recipes none,fp8,nvfp4 \
+    --tilings pp-128x128x2-ek,pp-128x128x2-ek-fi,pp-128x128x2-ek-ri,nt-128x64x3,nt-128x64x3-fi \
+    --out "$OUT" > "$OUT/s13-ab.txt" 2>&1; echo "ab rc=$?" >> "$OUT/s13-ab.txt"
+grep -E "FA3|rc=" "$OUT/s13-ab.txt" | tail -60
 fi
