@@ -17,7 +17,7 @@ Triton kernel under ``impl="auto"`` while ``prefill.GLUON_NM_AUTO`` is off);
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -148,7 +148,9 @@ class GluonPrefillConfig:
 # 0.794x / 0.778x / 0.731x with it), N:M with ``nm_pairs`` and ``nm_nan_rank``
 # (``ws-128x128x2-ek-np-nr``: nvfp4 + 2:4 0.357x / 0.359x / 0.332x against 0.340x / 0.339x
 # / 0.317x without them); fp8 and nvfp4 as sitting 7 chose (0.710x / 0.795x / 0.650x and
-# 0.478x / 0.522x / 0.441x).
+# 0.478x / 0.522x / 0.441x). Sitting 13 (round-robin timing, benchmarks/results/gpu-sit13):
+# fp8 takes recipe none's tiling, the row-minimum check off (0.737x / 0.821x / 0.677x against
+# 0.720x / 0.804x / 0.660x with it); fma_inf_check is not faster on any of these tilings.
 _PINGPONG = GluonPrefillConfig(128, 128, 2, warp_specialize=True, pingpong=True, early_k=True)
 _NO_TURNS = GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True, turns=False)
 _WS_NM = GluonPrefillConfig(
@@ -156,7 +158,7 @@ _WS_NM = GluonPrefillConfig(
 )
 AUTO_CONFIGS: dict[str, GluonPrefillConfig] = {
     "none": _PINGPONG,
-    "fp8": replace(_PINGPONG, row_inf_check=True),
+    "fp8": _PINGPONG,
     "nvfp4": _NO_TURNS,
 }
 AUTO_CONFIGS |= {f"{name}+nm": _WS_NM for name in tuple(AUTO_CONFIGS)}
