@@ -481,10 +481,20 @@ def timings(result: dict[str, Any], fa3: bool, recipe: str = "none", ws: bool = 
 # its time bounds what hiding the softmax (ping-pong) could reach.
 _SOFTMAX = "m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)"
 _NO_SOFTMAX = "m_new, alpha, p, l_i = m_i, gl.full_like(m_i, 1.0), s, l_i"
+# the masked tiles' V check of the NaN rule (_sanitize_v), never taken (compiled still)
+_V_CHECK = "    if start_n >= mid:\n        bad_layout"
+_NO_V_CHECK = "    if start_n < 0:\n        bad_layout"
+ABLATIONS: dict[str, tuple[str, str]] = {
+    "no-softmax": (_SOFTMAX, _NO_SOFTMAX),
+    "no-v-check": (_V_CHECK, _NO_V_CHECK),
+}
+"""``--ablate``'s kernel edits: the text of the kernel module replaced, and by what."""
 
 
-def _ablated_kernel() -> Any:
-    """``gluon_prefill_kernel`` compiled from a copy of its module without the softmax."""
+def _ablated_kernel(name: str = "no-softmax") -> Any:
+    """``gluon_prefill_kernel`` compiled from a copy of its module with ``ABLATIONS[name]``
+    applied (``no-softmax``: without the softmax step; ``no-v-check``: masked tiles' V
+    rows neither checked nor zeroed)."""
     import importlib.util
     import tempfile
     from pathlib import Path
@@ -492,11 +502,13 @@ def _ablated_kernel() -> Any:
     from mla_triton.kernels import gluon_prefill as kmod
 
     text = Path(str(kmod.__file__)).read_text()
-    if text.count(_SOFTMAX) != 1:
-        raise RuntimeError("the softmax step to ablate is not in the kernel module")
-    path = Path(tempfile.mkdtemp(prefix="gluon-ablation-")) / "gluon_prefill_no_softmax.py"
-    path.write_text(text.replace(_SOFTMAX, _NO_SOFTMAX))
-    spec = importlib.util.spec_from_file_location("gluon_prefill_no_softmax", path)
+    old, new = ABLATIONS[name]
+    if text.count(old) != 1:
+        raise RuntimeError(f"the step to ablate ({name}) is not in the kernel module once")
+    module_name = "gluon_prefill_" + name.replace("-", "_")
+    path = Path(tempfile.mkdtemp(prefix="gluon-ablation-")) / f"{module_name}.py"
+    path.write_text(text.replace(old, new))
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -524,14 +536,14 @@ def ablation(result: dict[str, Any]) -> None:
 def _sweep_shape(
     shape: str, tilings: dict[str, Any], rep: int, shard: tuple[int, int] | None = None,
     rows: list[dict[str, Any]] | None = None, flush: Callable[[], None] = lambda: None,
-    ablated: bool = False, rounds: int = 1, only: str | None = None,
+    ablated: str | None = None, rounds: int = 1, only: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """``--sweep``'s rows at one shape: FA3 first, then per recipe Triton and the tilings,
     appended to ``rows`` (a new list by default), ``flush()`` after each (a cut-off run
     keeps what it timed). ``shard (i, n)``: only compile (one call each) the Triton and
     Gluon calls ``i, i + n, ...`` (``--warm``: several processes fill Triton's cache side
-    by side). ``ablated``: the Gluon kernel in place is the one without its softmax step
-    (``_ablated_kernel``): recipe none only, rows labelled ``none-no-softmax``, no Triton.
+    by side). ``ablated``: an ``ABLATIONS`` name, the Gluon kernel in place is that ablation
+    (``_ablated_kernel``): recipe none only, rows labelled ``none-<name>``, no Triton.
     ``only``: these ``SWEEP_RECIPES`` names (comma-separated; ``--recipes``), else all.
     Every call is compiled and run once first, then timed ``rounds`` times round robin
     (``do_bench`` medians of ``rep`` ms each); a row's ``ms`` is the median of its rounds."""
@@ -556,7 +568,7 @@ def _sweep_shape(
         )  # fmt: skip
 
     fns: list[tuple[str, str, Callable[[], Any]]] = []
-    recipes = {"none-no-softmax": (None, None)} if ablated else {
+    recipes = {f"none-{ablated}": (None, None)} if ablated else {
         n: r for n, r in SWEEP_RECIPES.items() if only is None or n in only.split(",")
     }  # fmt: skip
     for recipe, (quant, sparsity) in recipes.items():
@@ -622,15 +634,17 @@ def _sweep_tilings(pingpong: bool, names: str | None) -> dict[str, dict[str, Any
 
 def sweep(
     result: dict[str, Any], pingpong: bool, rep: int, out: str, names: str | None = None,
-    ablate: bool = False, rounds: int = 1, only: str | None = None,
+    ablate: str | None = None, rounds: int = 1, only: str | None = None,
 ) -> None:  # fmt: skip
     """``--sweep``: every tiling x recipe at ``SWEEP_SHAPES`` with the Triton kernel and
     FA3 (bf16) in the same process; rows ``{shape, recipe, impl, ms, tflops, vs_fa3}``,
     then ``result["best"]``: the fastest Gluon tiling per shape and recipe. Written to
     ``out/gluon-prefill-sweep.json`` after each row (a cut-off run keeps its rows).
-    ``names``: ``--tilings``. ``ablate`` (``--ablate``): then the same tilings without the
-    softmax step, recipe none, beside FA3 again: the bound of each schedule's MMA issue
-    pattern (what hiding the softmax completely could reach). ``rounds`` (``--rounds``) and
+    ``names``: ``--tilings``. ``ablate`` (``--ablate``, ``ABLATIONS`` names, comma-separated;
+    by default none): then the same tilings with each ablation, recipe none, beside FA3
+    again (``no-softmax``: without the softmax step, the bound of each schedule's MMA issue
+    pattern, what hiding the softmax completely could reach; ``no-v-check``: the masked
+    tiles' V check skipped, what it costs). ``rounds`` (``--rounds``) and
     ``only`` (``--recipes``): ``_sweep_shape``'s."""
     from mla_triton.kernels import gluon_prefill as kmod
 
@@ -644,20 +658,21 @@ def sweep(
     for shape in SWEEP_SHAPES:
         _sweep_shape(shape, tilings, rep, rows=rows, flush=flush, rounds=rounds, only=only)
         torch.cuda.empty_cache()
-    if ablate:
+    ablations = ablate.split(",") if ablate else []
+    for name in ablations:
         real = kmod.gluon_prefill_kernel
         try:
-            kmod.gluon_prefill_kernel = _ablated_kernel()
+            kmod.gluon_prefill_kernel = _ablated_kernel(name)
             for shape in SWEEP_SHAPES:
                 _sweep_shape(
-                    shape, tilings, rep, rows=rows, flush=flush, ablated=True, rounds=rounds
+                    shape, tilings, rep, rows=rows, flush=flush, ablated=name, rounds=rounds
                 )  # fmt: skip
                 torch.cuda.empty_cache()
         finally:
             kmod.gluon_prefill_kernel = real
     best: list[dict[str, Any]] = []
     for shape in SWEEP_SHAPES:
-        for recipe in [*SWEEP_RECIPES, *(["none-no-softmax"] if ablate else [])]:
+        for recipe in [*SWEEP_RECIPES, *(f"none-{name}" for name in ablations)]:
             timed = [r for r in rows if r["shape"] == shape and r["recipe"] == recipe
                      and "ms" in r and r["impl"] != "triton"]  # fmt: skip
             if timed:
@@ -692,7 +707,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--recipes", default=None, help="--sweep: these SWEEP_RECIPES (a,b)")
     parser.add_argument(
-        "--ablate", action="store_true", help="--sweep: then its tilings without the softmax"
+        "--ablate", nargs="?", const="no-softmax", default=None,
+        help="--sweep: then its tilings with these ABLATIONS (a,b; default no-softmax)",
     )  # fmt: skip
     parser.add_argument(
         "--warm", default=None, help="--sweep: I/N, only compile shard I of N (at L16384)"

@@ -6,9 +6,11 @@
 # AUTO_CONFIGS' tilings for none / fp8 / nvfp4 beside their "-fi" twins, FA3 in the process.
 # Mode ab: the same tilings for none / fp8 / nvfp4 timed round robin (--rounds 9: every
 # call's do_bench median 9 times in turn, its median of those; FA3 in the rotation).
-# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit13.sh tests|sweep|ab
+# Mode vcheck: recipe none on auto's tiling with the masked tiles' V check ablated, and without
+# the softmax, round robin beside FA3.
+# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit13.sh tests|sweep|ab|vcheck
 set -u
-MODE=${1:?tests, sweep or ab}
+MODE=${1:?tests, sweep, ab or vcheck}
 [ -d /tmp/site/vllm ] || bash /root/parts/install.sh > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src:packages/mla-triton/tests
 export TRITON_INTERPRET=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 MLA_REQUIRE_GPU=1
@@ -37,4 +39,10 @@ timeout "${SWEEP_S:-500}" python $B/gluon_prefill.py --sweep --rep 30 --rounds 9
     --tilings pp-128x128x2-ek,pp-128x128x2-ek-fi,pp-128x128x2-ek-ri,nt-128x64x3,nt-128x64x3-fi \
     --out "$OUT" > "$OUT/s13-ab.txt" 2>&1; echo "ab rc=$?" >> "$OUT/s13-ab.txt"
 grep -E "FA3|rc=" "$OUT/s13-ab.txt" | tail -60
+fi
+if [ "$MODE" = vcheck ]; then  # what the masked tiles' V check and the softmax cost, round robin
+timeout "${SWEEP_S:-400}" python $B/gluon_prefill.py --sweep --rep 30 --rounds 7 --recipes none \
+    --tilings pp-128x128x2-ek --ablate no-v-check,no-softmax \
+    --out "$OUT" > "$OUT/s13-vcheck.txt" 2>&1; echo "vcheck rc=$?" >> "$OUT/s13-vcheck.txt"
+grep -E "FA3|rc=" "$OUT/s13-vcheck.txt" | tail -20
 fi
