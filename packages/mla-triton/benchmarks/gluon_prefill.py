@@ -711,7 +711,7 @@ def main() -> None:
         help="--sweep: then its tilings with these ABLATIONS (a,b; default no-softmax)",
     )  # fmt: skip
     parser.add_argument(
-        "--warm", default=None, help="--sweep: I/N, only compile shard I of N (at L16384)"
+        "--warm", default=None, help="--sweep: I/N, compile shard I of N only (L16384; --recipes)"
     )  # fmt: skip
     parser.add_argument(
         "--dispatch", action="store_true",
@@ -739,7 +739,7 @@ def main() -> None:
     if args.sweep and args.warm:
         i, n = map(int, args.warm.split("/"))
         tilings = _sweep_tilings(not args.no_pingpong, args.tilings)
-        _sweep_shape("b1-h16-L16384", tilings, args.rep, (i, n))
+        _sweep_shape("b1-h16-L16384", tilings, args.rep, (i, n), only=args.recipes)
         return
     if args.sweep:
         sweep(

@@ -514,3 +514,63 @@ def test_hardware_e4m3_and_fast_e2m1_match_reference() -> None:
         _hw_kernel[(1,)](x[s : s + n], y[s : s + n], z[s : s + n], n)
     assert torch.equal(y, e4m3_round(x.abs()))
     assert torch.equal(z, e2m1_round(x.abs()))
+
+
+@triton.jit
+def _recip_kernel(x_ptr, hw_ptr, div_ptr, N: tl.constexpr):
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(hw_ptr + offs, dev.recip_hw(x, True))
+    tl.store(div_ptr + offs, 1.0 / x)
+
+
+def test_recip_hw_equals_triton_division() -> None:
+    """``recip_hw``'s one ``rcp.approx.ftz`` gives the bits of Triton's ``1.0 / x``
+    (``div.full.f32``) on the range it is for: every E4M3 block scale times global
+    scales across it (the ``1e-30`` clamp up to 448 times a bf16 amax's), and random
+    float32 values of that range, NaN too."""
+    sb = e4m3_round(torch.arange(0, 449, dtype=torch.float32))
+    sb = torch.unique(torch.cat([sb, e4m3_round(torch.rand(4096) * 448)]))
+    sb = sb[sb > 0]
+    gs = torch.tensor([2.0**-30, 1 / 2688, 1 / 448, 1.0, 3.7e-7, 0.123, 3.4e38 / 2688])
+    x = torch.cat([(sb[:, None] * gs[None, :]).flatten(), torch.tensor([1e-30, float("nan")])])
+    rnd = torch.exp2(torch.rand(1 << 16, dtype=torch.float64) * 225 - 99).float()  # 2^-99..2^126
+    x = torch.cat([x, rnd.clamp(min=1e-30, max=2.0**126 * (1 - 2**-24))])
+    n = 1024
+    x = torch.cat([x, torch.ones(-x.numel() % n)]).cuda()
+    hw, div = torch.empty_like(x), torch.empty_like(x)
+    _recip_kernel[(x.numel() // n,)](x, hw, div, n)
+    assert torch.equal(hw.isnan(), div.isnan()) and int(hw.isnan().sum()) == 1
+    ok = ~hw.isnan()
+    assert torch.equal(hw[ok].view(torch.int32), div[ok].view(torch.int32))
+
+
+@triton.jit
+def _p_qdq_kernel(p_ptr, hw_ptr, sw_ptr, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offs = tl.program_id(0) * ROWS * COLS + tl.arange(0, ROWS)[:, None] * COLS
+    offs += tl.arange(0, COLS)[None, :]
+    p = tl.load(p_ptr + offs)
+    tl.store(hw_ptr + offs, dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, True))
+    tl.store(sw_ptr + offs, dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, False))
+
+
+@pytest.mark.parametrize("amax", [1.0, 0.37, 1e-3])
+def test_nvfp4_qdq_p_hardware_path_bit_for_bit(amax: float) -> None:
+    """P's nvfp4 QDQ with ``HW`` (the E4M3 conversion, ``recip_hw`` and the codes times
+    block scales in f16x2) equals its float32 path on the same GPU, bit for bit: P tiles
+    of exponentials, blocks of tiny and zero values and NaN included."""
+    g = torch.Generator().manual_seed(14)
+    t = (
+        -torch.rand(64, 32, 128, generator=g)
+        * torch.tensor([1.0, 8.0, 40.0]).repeat(22)[:64, None, None]
+    )
+    p = torch.exp2(t * 4)
+    p[::7, :, :16] = 0.0
+    p[::5, 3, 17] = float("nan")
+    gs = amax / 2688
+    p = p.cuda()
+    hw, sw = torch.empty_like(p), torch.empty_like(p)
+    _p_qdq_kernel[(p.shape[0],)](p, hw, sw, gs, 1 / (6 * gs), 32, 128)
+    assert torch.equal(hw.isnan(), sw.isnan())
+    assert torch.equal(hw.nan_to_num().view(torch.int32), sw.nan_to_num().view(torch.int32))
+    assert int((sw != 0).sum()) > p.numel() // 4  # not a tile of zeros

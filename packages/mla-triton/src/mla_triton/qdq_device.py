@@ -254,6 +254,24 @@ def e4m3_round_hw(x, HW: tl.constexpr):
 
 
 @triton.jit
+def recip_hw(x, HW: tl.constexpr):
+    """``1 / x`` for float32 ``x`` in ``[1e-30, 2^126)`` or NaN; ``HW``: one ``MUFU.RCP``.
+
+    Triton's ``1.0 / x`` is ``div.full.f32``: ``MUFU.RCP`` of ``x`` times 1 on that range,
+    behind range checks and rescales (seven instructions more, sitting 14's SASS); with
+    ``HW`` (GPUs only: the interpreter runs no PTX) the same reciprocal is asked for
+    directly (``rcp.approx.ftz.f32``), the same bits. Block scales times global scales
+    fall in that range: at least the ``1e-30`` they are clamped to, at most 448 times a
+    global scale of a finite bf16 amax (``3.4e38 / 2688``).
+    """
+    if HW:
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return 1.0 / x
+
+
+@triton.jit
 def e2m1_round_nonneg(y):
     """E2M1 round-to-nearest-even of ``y >= 0`` (NaN-free), saturating at 6.
 
@@ -271,25 +289,37 @@ def e2m1_round_nonneg(y):
 
 
 @triton.jit
-def nvfp4_qdq_p(p, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr):
+def nvfp4_qdq_p(
+    p, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr, HW: tl.constexpr,
+    OUT: tl.constexpr = tl.float32,
+):  # fmt: skip
     """Fast NVFP4 QDQ of a nonnegative float32 tile ``[ROWS, COLS]`` along axis 1.
 
     ``gs`` the (scalar) global scale and ``inv_6gs = 1 / (6 gs)``. Returns the
-    factored value ``E2M1(p / (sb gs)) * sb``; see the section comment for how it
-    may differ from ``nvfp4_qdq``.
+    factored value ``E2M1(p / (sb gs)) * sb`` in ``OUT`` (exact in fp16 and bf16); see
+    the section comment for how it may differ from ``nvfp4_qdq``. With ``HW`` the
+    reciprocal is ``recip_hw``'s (the same bits) and the codes are multiplied by their
+    block scales in fp16, two a ``mul.f16x2`` (exact: at most 6 significant bits, within
+    ``[2^-10, 2688]``).
     """
     xb = tl.reshape(p, (ROWS, COLS // 16, 16))
     sb = e4m3_round_hw(tl.max(xb, axis=2) * inv_6gs, HW)  # saturates at 448
     # a zero block scale: any finite code times 0 gives the reference's 0
-    inv = 1.0 / tl.maximum(sb * gs, 1e-30)
+    inv = recip_hw(tl.maximum(sb * gs, 1e-30), HW)
     code = e2m1_round_nonneg(xb * tl.expand_dims(inv, 2))
-    return tl.reshape(code * tl.expand_dims(sb, 2), (ROWS, COLS))
+    if HW:
+        h = code.to(tl.float16) * tl.expand_dims(sb.to(tl.float16), 2)
+        return tl.reshape(h, (ROWS, COLS)).to(OUT)
+    return tl.reshape(code * tl.expand_dims(sb, 2), (ROWS, COLS)).to(OUT)
 
 
 @triton.jit
-def fp8_qdq_p(p, inv_scale, HW: tl.constexpr):
-    """Fast FP8 QDQ factored value ``E4M3(min(p * inv_scale, 448))`` of ``p >= 0``."""
-    return e4m3_round_hw(p * inv_scale, HW)  # both roundings saturate at 448
+def fp8_qdq_p(p, inv_scale, HW: tl.constexpr, OUT: tl.constexpr = tl.float32):
+    """Fast FP8 QDQ factored value ``E4M3(min(p * inv_scale, 448))`` of ``p >= 0``, in
+    ``OUT`` (with ``HW``: converted from fp8 directly, one ``cvt`` two values for fp16)."""
+    if HW:
+        return (p * inv_scale).to(tl.float8e4nv).to(OUT)  # cvt.rn.satfinite: saturates
+    return e4m3_round(p * inv_scale).to(OUT)  # saturates at 448
 
 
 # -- fast paths for 16-bit K and V tiles, quantized on read in the decode loop ------
@@ -321,7 +351,7 @@ def _nvfp4_fast_blocks(a, bmax, gs, inv_6gs, HW: tl.constexpr, SNAP: tl.constexp
     if SNAP:
         v = snap_ties(v)
     sb = poison(e4m3_round_hw(v, HW), bmax)  # both roundings saturate finite values at 448
-    inv = 1.0 / tl.maximum(sb * gs, 1e-30)  # sb = 0: finite codes times 0 give 0
+    inv = recip_hw(tl.maximum(sb * gs, 1e-30), HW)  # sb = 0: finite codes times 0 give 0
     return sb, inv
 
 

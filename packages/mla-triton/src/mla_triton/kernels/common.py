@@ -125,17 +125,21 @@ def qdq_latent(
 
 @triton.jit
 def qdq_p(
-    p, scales, FMT: tl.constexpr, HW_FP8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr
-):
-    """Factored QDQ of P ``[ROWS, COLS]`` (values in [0, 1]) along axis 1 (tokens).
+    p, scales, FMT: tl.constexpr, HW_FP8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    OUT: tl.constexpr = tl.float32,
+):  # fmt: skip
+    """Factored QDQ of P ``[ROWS, COLS]`` (values in [0, 1]) along axis 1 (tokens), in
+    ``OUT`` (the P V dot's operand dtype: the hardware paths convert to it directly).
 
     ``scales = (gs, 1 / gs, 1 / (6 gs))``, static; the fast forms of ``qdq_device``.
     """
     gs, inv_gs, inv_6gs = scales
     if FMT == 1:
-        p = dev.fp8_qdq_p(p, inv_gs, HW_FP8)
+        p = dev.fp8_qdq_p(p, inv_gs, HW_FP8, OUT)
     elif FMT == 2:
-        p = dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, HW_FP8)
+        p = dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, HW_FP8, OUT)
+    else:
+        p = p.to(OUT)
     return p
 
 

@@ -207,10 +207,12 @@ def _softmax(
     s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_scales,
     nm, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
-    INF_CHECK: gl.constexpr,
+    INF_CHECK: gl.constexpr, pv_dtype: gl.constexpr,
 ):  # fmt: skip
-    """One tile's online softmax: ``(p, alpha, m, l)`` (p float32 in ``s``'s layout: P's
-    factored fp8 value with ``P_FMT == 1``, ``l`` summed before that QDQ).
+    """One tile's online softmax: ``(p, alpha, m, l)`` (p in ``s``'s layout as the P V
+    dot's ``pv_dtype``: P's factored QDQ value with ``P_FMT`` 1 or 2, converted to it
+    directly, and carried to the next key step at half the registers of float32; ``l``
+    summed before that QDQ).
 
     The NaN rule's raw ``-inf`` scores (``INF_CHECK``): 0, made NaN one by one (a compare
     and a select a score); 1, on unmasked tiles (before ``mid``) by the row minimum (one
@@ -230,7 +232,7 @@ def _softmax(
             m_new, alpha, p, l_i = _softmax_masked(
                 s, m_i, l_i, start_n, seq_len_k, q_pos, row_scale, s_layout, BLOCK_N, CAUSAL
             )  # fmt: skip
-        p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N)
+        p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N, pv_dtype)
         return p, alpha, m_new, l_i
     ROW_INF: gl.constexpr = INF_CHECK == 1
     bad = gl.zeros([BLOCK_M], gl.int1, gl.SliceLayout(1, s_layout))
@@ -259,7 +261,7 @@ def _softmax(
     if ROW_INF:
         l_i = gl.where(bad, float("nan"), l_i)
     # P's QDQ along the keys (nvfp4 blocks of 16 at multiples of 16: the tile's start)
-    p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N)
+    p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N, pv_dtype)
     return p, alpha, m_new, l_i
 
 
@@ -302,7 +304,7 @@ def _sanitize_v(
                 sub = buf.slice(c * SUB, SUB, dim=0)
                 v = sub.load(v_layout)
                 key_pos = start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
-                row = gl.sum((v - v).to(gl.float32), axis=1)  # NaN for a non-finite row
+                row = gl.sum(v - v, axis=1)  # NaN for a non-finite row (a sum of zeros else)
                 bad = row != row
                 sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
                 bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
@@ -434,6 +436,7 @@ def _attend(
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
             p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM, INF_CHECK,
+            pv_dtype,
         )  # fmt: skip
         for j in range(1, n_tiles):
             prev = j - 1
@@ -469,7 +472,7 @@ def _attend(
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
                 stride_kst, p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
-                NM, INF_CHECK,
+                NM, INF_CHECK, pv_dtype,
             )  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if ISSUE_LOADS:
