@@ -546,19 +546,29 @@ def test_recip_hw_equals_triton_division() -> None:
 
 
 @triton.jit
-def _p_qdq_kernel(p_ptr, hw_ptr, sw_ptr, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _p_qdq_kernel(
+    p_ptr, new_ptr, old_ptr, sw_ptr, gs, inv_6gs, ROWS: tl.constexpr, COLS: tl.constexpr
+):  # fmt: skip
     offs = tl.program_id(0) * ROWS * COLS + tl.arange(0, ROWS)[:, None] * COLS
     offs += tl.arange(0, COLS)[None, :]
     p = tl.load(p_ptr + offs)
-    tl.store(hw_ptr + offs, dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, True))
+    tl.store(new_ptr + offs, dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, True))
     tl.store(sw_ptr + offs, dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, False))
+    # the same QDQ as sitting 13's kernels computed it: Triton's division, float32 products
+    xb = tl.reshape(p, (ROWS, COLS // 16, 16))
+    sb = dev.e4m3_round_hw(tl.max(xb, axis=2) * inv_6gs, True)
+    inv = 1.0 / tl.maximum(sb * gs, 1e-30)
+    code = dev.e2m1_round_nonneg(xb * tl.expand_dims(inv, 2))
+    tl.store(old_ptr + offs, tl.reshape(code * tl.expand_dims(sb, 2), (ROWS, COLS)))
 
 
 @pytest.mark.parametrize("amax", [1.0, 0.37, 1e-3])
 def test_nvfp4_qdq_p_hardware_path_bit_for_bit(amax: float) -> None:
-    """P's nvfp4 QDQ with ``HW`` (the E4M3 conversion, ``recip_hw`` and the codes times
-    block scales in f16x2) equals its float32 path on the same GPU, bit for bit: P tiles
-    of exponentials, blocks of tiny and zero values and NaN included."""
+    """P's nvfp4 QDQ (``recip_hw``'s reciprocal, the codes times block scales in f16x2)
+    equals, bit for bit, the same QDQ with Triton's division and float32 products (the
+    kernels before sitting 14) and the float32 path of GPUs without fp8 conversions (its
+    software E4M3 of the products ``bmax * inv_6gs``: wrong before ``poison`` stopped
+    using ``a - a``): P tiles of exponentials, blocks of zeros, NaN included."""
     g = torch.Generator().manual_seed(14)
     t = (
         -torch.rand(64, 32, 128, generator=g)
@@ -569,8 +579,9 @@ def test_nvfp4_qdq_p_hardware_path_bit_for_bit(amax: float) -> None:
     p[::5, 3, 17] = float("nan")
     gs = amax / 2688
     p = p.cuda()
-    hw, sw = torch.empty_like(p), torch.empty_like(p)
-    _p_qdq_kernel[(p.shape[0],)](p, hw, sw, gs, 1 / (6 * gs), 32, 128)
-    assert torch.equal(hw.isnan(), sw.isnan())
-    assert torch.equal(hw.nan_to_num().view(torch.int32), sw.nan_to_num().view(torch.int32))
-    assert int((sw != 0).sum()) > p.numel() // 4  # not a tile of zeros
+    new, old, sw = torch.empty_like(p), torch.empty_like(p), torch.empty_like(p)
+    _p_qdq_kernel[(p.shape[0],)](p, new, old, sw, gs, 1 / (6 * gs), 32, 128)
+    for other in (old, sw):
+        assert torch.equal(new.isnan(), other.isnan())
+        assert torch.equal(new.nan_to_num().view(torch.int32), other.nan_to_num().view(torch.int32))
+    assert int((old != 0).sum()) > p.numel() // 4  # not a tile of zeros

@@ -12,9 +12,12 @@
 # before it (ab-old/: HEAD's mla-triton src by `git archive`, not committed), gluon_prefill.py's
 # sweep of AUTO_CONFIGS' tilings for every recipe, FA3 in each process, processes new, old,
 # new, old (5 rounds round robin each).
-# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit14.sh tests|ab
+# Mode final (after poison's fix: ``y + a * 0`` instead of ``y + (a - a)``, which LLVM fused
+# with the multiply that made ``a``): the prefill GPU suite but for the tiling sweeps, the decode
+# and shadow GPU suites whole, the Gluon decode kernels' nvfp4 ids (8 shards).
+# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit14.sh tests|ab|final
 set -u
-MODE=${1:?tests or ab}
+MODE=${1:?tests, ab or final}
 [ -d /tmp/site/vllm ] || bash /root/parts/install.sh > "$OUT/install.log" 2>&1
 SRC=packages/mla-formats/src:packages/mla-reference/src
 NEW=/tmp/site:$SRC:packages/mla-triton/src:packages/mla-triton/tests
@@ -25,6 +28,25 @@ B=packages/mla-triton/benchmarks
 T=packages/mla-triton/tests
 TILINGS=pp-128x128x2-ek,nt-128x64x3,ws-128x128x2-ek-np-nr
 RECIPES=none,fp8,nvfp4,nvfp4+2:4
+shards() {  # run the ids of /tmp/ids.txt in 8 shards into $OUT/$1.txt
+    for i in 0 1 2 3 4 5 6 7; do
+        ( mapfile -t ids < <(awk -v i="$i" 'NR % 8 == i' /tmp/ids.txt)
+          timeout "${TEST_S:-520}" python -m pytest -q -rA -p no:cacheprovider -W error "${ids[@]}" \
+              > "/tmp/$1-$i.txt" 2>&1; echo "rc=$?" >> "/tmp/$1-$i.txt" ) &
+    done
+    wait
+    for i in 0 1 2 3 4 5 6 7; do echo "=== shard $i"; cat "/tmp/$1-$i.txt"; done > "$OUT/$1.txt"
+    echo "ids $(wc -l < /tmp/ids.txt), passed $(grep -c '^PASSED' "$OUT/$1.txt"), failed $(grep -cE '^(FAILED|ERROR)' "$OUT/$1.txt")" >> "$OUT/$1.txt"
+    grep -E "^(FAILED|ERROR)" "$OUT/$1.txt" | head -20; grep "^rc=" "$OUT/$1.txt" | tr '\n' ' '
+    tail -1 "$OUT/$1.txt"
+}
+if [ "$MODE" = final ]; then
+{ python -m pytest -q --collect-only -p no:cacheprovider $T/test_prefill_gpu.py -k "not gluon_tilings and not s13"
+  python -m pytest -q --collect-only -p no:cacheprovider $T/test_decode_gpu.py $T/test_shadow_gpu.py
+  python -m pytest -q --collect-only -p no:cacheprovider $T/test_gluon_decode.py $T/test_gluon_decode_ws.py -k nvfp4
+} 2>/dev/null | grep "::" > /tmp/ids.txt
+shards s14-final
+fi
 if [ "$MODE" = tests ]; then
 K="(gluon and not gluon_tilings and not s13) or recip_hw or qdq_p_hardware or hardware_e4m3"
 K="$K or (nvfp4 and triton and varlen)"

@@ -12,8 +12,11 @@ Non-finite input (docs/numerics.md, the NaN rule): NaN and ±inf become NaN and
 poison what shares their scale: block maxima propagate NaN (``nan_max``), an
 infinite maximum turns its scale into NaN (``poison``), and the element roundings
 keep NaN and turn ±inf into NaN. A finite value beyond the range still saturates.
-``a - a`` is 0 for a finite ``a`` and NaN otherwise, so ``y + (a - a)`` poisons
-``y`` in two instructions (a zero result loses its sign, which no dot sees).
+``a * 0`` is 0 for a finite ``a`` and NaN otherwise, so ``y + a * 0`` poisons ``y``
+in one ``fma`` (a zero result loses its sign, which no dot sees). Not ``y + (a - a)``:
+compiled for a GPU, LLVM contracts ``a - a`` with the multiply that made ``a`` into
+``fma(b, c, -a)``, the product's rounding error instead of 0 (sitting 14: software
+E4M3 scales of ``bmax * inv_6gs`` came out as 447.99997 or 5.7e-14).
 
 E2M1 without a division: ``E2M1(a / scale)`` only depends on which of the grid's
 midpoints ``a / scale`` passes, so ``a`` is compared with ``midpoint * scale``.
@@ -85,8 +88,9 @@ INTERPRETER_NAN_MAX_IN_NUMPY = _interpreter_nan_max_in_numpy()
 
 @triton.jit
 def poison(y, a):
-    """``y`` where ``a`` is finite, else NaN (``a`` broadcasts against ``y``)."""
-    return y + (a - a)
+    """``y`` where ``a`` is finite, else NaN (``a`` broadcasts against ``y``); exact
+    whether or not the compiler fuses it into ``fma(a, 0, y)``."""
+    return y + a * 0.0
 
 
 @triton.jit
