@@ -28,7 +28,7 @@ B=packages/mla-triton/benchmarks
 T=packages/mla-triton/tests
 TILINGS=pp-128x128x2-ek,nt-128x64x3,ws-128x128x2-ek-np-nr
 RECIPES=none,fp8,nvfp4,nvfp4+2:4
-shards() {  # run the ids of /tmp/ids.txt in 8 shards into $OUT/$1.txt
+shards() {  # run the ids of /tmp/ids.txt in 8 shards into $OUT/$1.txt (waits for every job)
     for i in 0 1 2 3 4 5 6 7; do
         ( mapfile -t ids < <(awk -v i="$i" 'NR % 8 == i' /tmp/ids.txt)
           timeout "${TEST_S:-520}" python -m pytest -q -rA -p no:cacheprovider -W error "${ids[@]}" \
@@ -54,20 +54,11 @@ K="$K or (nvfp4 and triton and varlen)"
   python -m pytest -q --collect-only -p no:cacheprovider $T/test_decode_gpu.py \
       $T/test_shadow_gpu.py $T/test_gluon_decode.py $T/test_gluon_decode_ws.py -k nvfp4
 } 2>/dev/null | grep "::" > /tmp/ids.txt
-for i in 0 1 2 3 4 5 6 7; do
-    ( mapfile -t ids < <(awk -v i="$i" 'NR % 8 == i' /tmp/ids.txt)
-      timeout "${TEST_S:-520}" python -m pytest -q -rA -p no:cacheprovider -W error "${ids[@]}" \
-          > "/tmp/s14-tests-$i.txt" 2>&1; echo "rc=$?" >> "/tmp/s14-tests-$i.txt" ) &
-done
 for tree in NEW OLD; do for i in 0 1 2 3; do
     ( PYTHONPATH=${!tree} timeout 520 python $B/gluon_prefill.py --sweep --tilings $TILINGS \
         --recipes $RECIPES --warm "$i/4" > "/tmp/s14-warm-$tree-$i.txt" 2>&1 ) &
 done; done
-wait
-for i in 0 1 2 3 4 5 6 7; do echo "=== shard $i"; cat "/tmp/s14-tests-$i.txt"; done > "$OUT/s14-tests.txt"
-echo "ids $(wc -l < /tmp/ids.txt), passed $(grep -c '^PASSED' "$OUT/s14-tests.txt"), failed $(grep -cE '^(FAILED|ERROR)' "$OUT/s14-tests.txt")" >> "$OUT/s14-tests.txt"
-grep -E "^(FAILED|ERROR)" "$OUT/s14-tests.txt" | head -20; grep "^rc=" "$OUT/s14-tests.txt" | tr '\n' ' '
-tail -1 "$OUT/s14-tests.txt"
+shards s14-tests  # its wait: the warm processes too
 for f in /tmp/s14-warm-*.txt; do echo "== $f"; cat "$f"; done > "$OUT/s14-warm.txt"
 echo "warm: $(grep -c '^warm' "$OUT/s14-warm.txt") calls, $(grep -c 'Error' "$OUT/s14-warm.txt") errors"
 fi

@@ -320,10 +320,8 @@ def nvfp4_qdq_p(
 @triton.jit
 def fp8_qdq_p(p, inv_scale, HW: tl.constexpr, OUT: tl.constexpr = tl.float32):
     """Fast FP8 QDQ factored value ``E4M3(min(p * inv_scale, 448))`` of ``p >= 0``, in
-    ``OUT`` (with ``HW``: converted from fp8 directly, one ``cvt`` two values for fp16)."""
-    if HW:
-        return (p * inv_scale).to(tl.float8e4nv).to(OUT)  # cvt.rn.satfinite: saturates
-    return e4m3_round(p * inv_scale).to(OUT)  # saturates at 448
+    ``OUT`` (exact in fp16 and bf16)."""
+    return e4m3_round_hw(p * inv_scale, HW).to(OUT)  # both roundings saturate at 448
 
 
 # -- fast paths for 16-bit K and V tiles, quantized on read in the decode loop ------
