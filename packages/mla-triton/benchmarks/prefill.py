@@ -11,8 +11,17 @@ on all four operands, nvfp4 on all four, nvfp4 + 2:4 sparsity, and two
 ablations (nvfp4 on P alone; nvfp4 on Q, K, V with P unquantized). The baseline
 is ``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash
 backend, V zero-padded to 192 (flash needs equal head dims), one call per
-sequence for the varlen batch. TFLOP/s count ``2 Lq Lk (192 + 128)`` per head,
-halved for causal, for every row (the baseline's padding is not credited).
+sequence for the varlen batch. Where vLLM's wheel is importable (its
+FlashAttention-3, ``vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)``,
+bf16, one varlen call) FA3 is timed in the same process too and every row gets its
+ratio to it (``vs_fa3``); without vLLM that row is left out and noted. TFLOP/s count
+``2 Lq Lk (192 + 128)`` per head, halved for causal, for every row (the baseline's
+padding is not credited).
+
+Ablations beside the four recipes (issue 17's bounds: what each part of a recipe costs
+on its own, with ``auto``'s tiling for the P format it leaves): fp8 and nvfp4 on P
+alone, fp8 and nvfp4 on Q, K, V with P unquantized, and 2:4 sparsity without
+quantization.
 
 The main table runs ``prefill(..., impl=IMPL)`` (``--impl``, default ``auto``: the
 Gluon kernel on an sm90 GPU where it covers the recipe, see docs/gluon.md; the
@@ -25,7 +34,8 @@ this one process, interleaved, with the ratio after/before: that copy is importe
 as ``mla_triton_before`` (its own imports renamed), with this checkout's
 mla-formats. Every time is the
 median of ``triton.testing.do_bench`` (rep 200 ms) on random inputs; the main
-table is measured twice (``ms`` and ``ms_2``) to show the run-to-run spread.
+table is measured in ``--rounds`` passes round robin (default 2; ``ms`` and ``ms_2`` the
+first two, ``ms_rounds`` all), a row's time the best of them.
 Kernels are compiled first in parallel worker processes (Triton's cache is shared).
 """
 
@@ -65,8 +75,11 @@ RECIPES: dict[str, tuple[AttentionQuant | None, NMSparsity | None]] = {
     "fp8": (AttentionQuant.uniform("fp8"), None),
     "nvfp4": (AttentionQuant.uniform("nvfp4"), None),
     "nvfp4+2:4": (AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4)),
+    "fp8-p-only": (AttentionQuant(p="fp8"), None),
+    "fp8-qkv-only": (AttentionQuant(q="fp8", k="fp8", v="fp8"), None),
     "nvfp4-p-only": (AttentionQuant(p="nvfp4"), None),
     "nvfp4-qkv-only": (AttentionQuant(q="nvfp4", k="nvfp4", v="nvfp4"), None),
+    "none+2:4": (None, NMSparsity(2, 4)),
 }
 # (block_m, block_n, num_warps, num_stages). default_config takes the first, or the
 # second when P is nvfp4 (chosen from this sweep; see docs/benchmarks.md). The 64-row
@@ -164,6 +177,17 @@ def _sdpa(x: dict[str, Any], heads: int) -> Any:
     return run
 
 
+def _fa3(x: dict[str, Any]) -> Any:
+    """FlashAttention-3 (bf16, vLLM's wheel) on the same varlen batch; ImportError
+    without vLLM."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    return lambda: flash_attn_varlen_func(
+        x["q"], x["k"], x["v"], x["max"], x["cu"], x["max"], cu_seqlens_k=x["cu"],
+        softmax_scale=DQK**-0.5, causal=True, fa_version=3,
+    )  # fmt: skip
+
+
 def _kv_pass(x: dict[str, Any], quant: AttentionQuant) -> Any:
     """The K/V QDQ pass alone, as ``prefill`` launches it (fp16 factored outputs)."""
     from mla_triton.prefill import quantize_kv
@@ -194,7 +218,11 @@ def main() -> None:
     parser.add_argument("--before", help="another checkout's packages/mla-triton/src: A/B")
     parser.add_argument("--impl", default="auto", choices=("auto", "triton", "gluon"),
                         help="prefill's impl for the main table (sm90: auto is Gluon)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="main table: passes over every call, round robin (>= 2)")  # fmt: skip
     args = parser.parse_args()
+    if args.rounds < 2:
+        raise ValueError(f"--rounds: expected at least 2, got {args.rounds}")
 
     jobs = [Job(r, impl=args.impl) for r in RECIPES]
     extra = [] if args.quick else [Job(r, config=c) for r in SWEPT for c in CONFIGS[1:]]
@@ -220,35 +248,44 @@ def main() -> None:
         "device": gpu, "nvidia_smi": smi, "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
         "ceilings": _ceilings(), "impl": args.impl, "rows": [], "kv_pass": [], "configs": [],
-        "before": [],
+        "before": [], "rounds": args.rounds,
     }  # fmt: skip
     lines = [f"{gpu}  torch {torch.__version__}  triton {result['triton']}  ({smi})"]
     lines.append(f"ceilings: {result['ceilings']}")
     lines.append(
         f"{'shape':16s} {'recipe':15s} {'ms':>8s} {'ms_2':>8s} {'TFLOP/s':>8s} {'vs none':>8s}"
+        "  vs FA3 (best of the rounds)"
     )
     for shape, (lens, heads) in SHAPES.items():
         x = _inputs(lens, heads)
         fns = {r: _call(x, Job(r, impl=args.impl)) for r in RECIPES}
         fns["sdpa-flash"] = _sdpa(x, heads)
-        times = {r: _bench(fn) for r, fn in fns.items()}
-        times_2 = {r: _bench(fn) for r, fn in fns.items()}
+        try:
+            fns["fa3-bf16"] = _fa3(x)
+            fns["fa3-bf16"]()
+        except ImportError as exc:
+            fns.pop("fa3-bf16", None)
+            lines.append(f"  no FA3 row: {exc!r}")
+        passes = [{r: _bench(fn) for r, fn in fns.items()} for _ in range(args.rounds)]
+        best = {r: min(p[r] for p in passes) for r in fns}
         for r in fns:
-            ms = min(times[r], times_2[r])
             row = {
-                "shape": shape, "recipe": r, "ms": times[r], "ms_2": times_2[r],
-                "tflops": _tflops(lens, heads, ms),
-                "slowdown_vs_none": ms / min(times["none"], times_2["none"]),
+                "shape": shape, "recipe": r, "ms": passes[0][r], "ms_2": passes[1][r],
+                "ms_rounds": [p[r] for p in passes], "tflops": _tflops(lens, heads, best[r]),
+                "slowdown_vs_none": best[r] / best["none"],
             }  # fmt: skip
+            if "fa3-bf16" in best:
+                row["vs_fa3"] = best["fa3-bf16"] / best[r]
             result["rows"].append(row)
             lines.append(
-                f"{shape:16s} {r:15s} {times[r]:8.3f} {times_2[r]:8.3f} "
-                f"{row['tflops']:8.1f} {row['slowdown_vs_none']:8.3f}"
+                f"{shape:16s} {r:15s} {passes[0][r]:8.3f} {passes[1][r]:8.3f} "
+                f"{row['tflops']:8.1f} {row['slowdown_vs_none']:8.3f} "
+                f"{row.get('vs_fa3', float('nan')):6.3f}x FA3"
             )
         # the K/V QDQ pass alone, within the nvfp4 total
         quant = RECIPES["nvfp4"][0]
         assert quant is not None
-        total_ms = min(times["nvfp4"], times_2["nvfp4"])
+        total_ms = best["nvfp4"]
         pass_ms = _bench(_kv_pass(x, quant))
         result["kv_pass"].append({"shape": shape, "recipe": "nvfp4", "total_ms": total_ms,
                                   "kv_pass_ms": pass_ms})  # fmt: skip
