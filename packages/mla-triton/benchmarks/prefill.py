@@ -27,7 +27,8 @@ The main table runs ``prefill(..., impl=IMPL)`` (``--impl``, default ``auto``: t
 Gluon kernel on an sm90 GPU where it covers the recipe, see docs/gluon.md; the
 tile sweep always the Triton kernel, ``PrefillConfig``).
 
-Also measured: the K/V QDQ pass alone, and a few tile configurations. With
+Also measured: the K/V QDQ pass and Q's pass alone (fp8 and nvfp4), and a few tile
+configurations. With
 ``--before SRC`` (a ``packages/mla-triton/src`` of another checkout, e.g. a git
 worktree of the previous commit) the main table is timed for both versions in
 this one process, interleaved, with the ratio after/before: that copy is imported
@@ -198,6 +199,16 @@ def _kv_pass(x: dict[str, Any], quant: AttentionQuant) -> Any:
     )  # fmt: skip
 
 
+def _q_pass(x: dict[str, Any], quant: AttentionQuant) -> Any:
+    """Q's QDQ pass alone, as the Gluon launcher runs it (the K/V pass's K path)."""
+    from mla_triton.prefill import quantize_kv
+
+    only_q = AttentionQuant(k=quant.q)
+    return lambda: quantize_kv(
+        x["q"], x["q"], x["cu"], only_q, max_seqlen_k=x["max"], k_dtype=torch.float16
+    )  # fmt: skip
+
+
 def _ceilings() -> dict[str, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms_mm = _bench(lambda: a @ a)
@@ -282,14 +293,16 @@ def main() -> None:
                 f"{row['tflops']:8.1f} {row['slowdown_vs_none']:8.3f} "
                 f"{row.get('vs_fa3', float('nan')):6.3f}x FA3"
             )
-        # the K/V QDQ pass alone, within the nvfp4 total
-        quant = RECIPES["nvfp4"][0]
-        assert quant is not None
-        total_ms = best["nvfp4"]
-        pass_ms = _bench(_kv_pass(x, quant))
-        result["kv_pass"].append({"shape": shape, "recipe": "nvfp4", "total_ms": total_ms,
-                                  "kv_pass_ms": pass_ms})  # fmt: skip
-        lines.append(f"  nvfp4: total {total_ms:.3f} ms, of which the K/V pass {pass_ms:.3f}")
+        # the K/V QDQ pass alone, within the fp8 and nvfp4 totals, and Q's pass (the Gluon
+        # launcher's; the Triton kernel quantizes Q in its prologue)
+        for recipe in ("fp8", "nvfp4"):
+            quant = RECIPES[recipe][0]
+            assert quant is not None
+            kv_ms, q_ms = _bench(_kv_pass(x, quant)), _bench(_q_pass(x, quant))
+            result["kv_pass"].append({"shape": shape, "recipe": recipe, "total_ms": best[recipe],
+                                      "kv_pass_ms": kv_ms, "q_pass_ms": q_ms})  # fmt: skip
+            lines.append(f"  {recipe}: total {best[recipe]:.3f} ms, of which the K/V pass "
+                         f"{kv_ms:.3f}, Q's pass {q_ms:.3f}")  # fmt: skip
         if args.before:  # interleaved: before, after, before, after
             for r in RECIPES:
                 fns_ab = (_call(x, Job(r, before=True)), fns[r])

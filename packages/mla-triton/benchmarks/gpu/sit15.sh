@@ -9,9 +9,10 @@
 # recipe and the ablations that bound them (fp8 / nvfp4 on P alone, on Q, K, V alone, 2:4
 # without quantization); then gluon_prefill.py's dispatch table (auto against the Triton
 # kernel and FA3).
-# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit15.sh final|bench
+# Mode varlen: gpu/sit15_varlen.py (prefill.py and the dispatch table 5% apart on the varlen batch).
+# Usage: OUT=$OUT bash packages/mla-triton/benchmarks/gpu/sit15.sh final|bench|varlen
 set -u
-MODE=${1:?final or bench}
+MODE=${1:?final, bench or varlen}
 [ -d /tmp/site/vllm ] || bash /root/parts/install.sh > "$OUT/install.log" 2>&1
 if [ "$MODE" = final ]; then
     TEST_S=${TEST_S:-500} bash packages/mla-triton/benchmarks/gpu/sit14.sh final
@@ -27,4 +28,10 @@ if [ "$MODE" = bench ]; then
     timeout "${DISPATCH_S:-200}" python $B/gluon_prefill.py --dispatch --fa3 --out "$OUT/dispatch" \
         > "$OUT/s15-dispatch.log" 2>&1; echo "dispatch rc=$?" >> "$OUT/s15-dispatch.log"
     tail -25 "$OUT/s15-dispatch.log" | cut -c1-110
+fi
+if [ "$MODE" = varlen ]; then  # sit15_varlen.py: the varlen batch's two timings in one process
+    export PYTHONPATH=/tmp/site:packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
+    export TRITON_INTERPRET=0 PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+    timeout "${BENCH_S:-400}" python packages/mla-triton/benchmarks/gpu/sit15_varlen.py \
+        2>&1 | tee "$OUT/s15-varlen.txt"
 fi
