@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 # one benchmark dataset: the shapes of benchmarks/prefill.py (this script's folder)
-from prefill import DQK, DV, SHAPES
+from prefill import DQK, DV, SHAPES, fa3
 
 from mla_formats import AttentionQuant, NMSparsity
 
@@ -396,16 +396,6 @@ def _tflops(lens: list[int], heads: int, ms: float) -> float:
     return flop / (ms * 1e-3) / 1e12
 
 
-def _fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-         lens: list[int]) -> Callable[[], Any]:  # fmt: skip
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    return lambda: flash_attn_varlen_func(
-        q, k, v, max(lens), cu, max(lens), cu_seqlens_k=cu, softmax_scale=DQK**-0.5,
-        causal=True, fa_version=3,
-    )  # fmt: skip
-
-
 def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict[str, Any],
                 recipe: str = "none", ws: bool = False, ablate: bool = False,
                 dispatch: bool = False) -> None:  # fmt: skip
@@ -439,7 +429,7 @@ def _time_shape(shape: str, lens: list[int], heads: int, fa3: bool, result: dict
     else:
         fns |= {f"gluon{c}": gluon(c) for c in (CONFIGS if recipe == "none" else CONFIGS[:2])}
     if fa3 and (recipe == "none" or dispatch) and not ws and not ablate:
-        fns["fa3"] = _fa3(q, k, v, cu, lens)  # bf16, the reference of every recipe
+        fns["fa3"] = fa3(q, k, v, cu, max(lens))  # bf16, the reference of every recipe
     for name, fn in fns.items():
         try:
             fn()
@@ -593,7 +583,7 @@ def _sweep_shape(
         row: dict[str, Any] = {"shape": shape, "recipe": recipe, "impl": impl}
         try:
             if fn is None:  # FA3: vLLM's wheel imported here, a missing one costs this row
-                fn = _fa3(q, k, v, cu, lens)
+                fn = fa3(q, k, v, cu, max(lens))
             fn()
             torch.cuda.synchronize()
             ready.append((row, fn))

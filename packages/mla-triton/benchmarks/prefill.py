@@ -178,14 +178,15 @@ def _sdpa(x: dict[str, Any], heads: int) -> Any:
     return run
 
 
-def _fa3(x: dict[str, Any]) -> Any:
-    """FlashAttention-3 (bf16, vLLM's wheel) on the same varlen batch; ImportError
-    without vLLM."""
+def fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+        max_len: int) -> Any:  # fmt: skip
+    """FlashAttention-3 (bf16, vLLM's wheel), causal, on the varlen batch ``cu`` (queries =
+    keys); ImportError without vLLM. gluon_prefill.py times it too."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     return lambda: flash_attn_varlen_func(
-        x["q"], x["k"], x["v"], x["max"], x["cu"], x["max"], cu_seqlens_k=x["cu"],
-        softmax_scale=DQK**-0.5, causal=True, fa_version=3,
+        q, k, v, max_len, cu, max_len, cu_seqlens_k=cu, softmax_scale=DQK**-0.5, causal=True,
+        fa_version=3,
     )  # fmt: skip
 
 
@@ -272,7 +273,7 @@ def main() -> None:
         fns = {r: _call(x, Job(r, impl=args.impl)) for r in RECIPES}
         fns["sdpa-flash"] = _sdpa(x, heads)
         try:
-            fns["fa3-bf16"] = _fa3(x)
+            fns["fa3-bf16"] = fa3(x["q"], x["k"], x["v"], x["cu"], x["max"])
             fns["fa3-bf16"]()
         except ImportError as exc:
             fns.pop("fa3-bf16", None)

@@ -45,7 +45,7 @@ def time_shape(shape: str) -> None:
         )  # fmt: skip
 
     fns: dict[str, Callable[[], Any]] = {
-        "fa3": pb._fa3(x),
+        "fa3": pb.fa3(x["q"], x["k"], x["v"], x["cu"], x["max"]),
         "prefill.py inputs": call(x),
         "prefill.py inputs, out=": call(x, out=out),
         "gluon_prefill inputs, out=": call(y, out=out),
