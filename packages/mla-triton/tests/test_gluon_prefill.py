@@ -80,7 +80,21 @@ VARIANTS = [
     (torch.float16, 192, 128, replace(AUTO["fp8"], row_inf_check=False, fma_inf_check=True),
      True, True, FP8),
     (torch.float16, 192, 128, replace(AUTO["nvfp4"], fma_inf_check=True), True, True, NVFP4),
+    # Q's QDQ in the kernel (q_in_kernel), bf16 Q and fp16 K, P and V: dynamic fp8 Q on
+    # AUTO fp8's tiling, static nvfp4 Q by the reciprocal path on AUTO nvfp4's, static
+    # nvfp4 Q by division with 2:4 on AUTO nvfp4+nm's and on the persistent
+    # warp-specialized tiling
+    (torch.bfloat16, 192, 128, replace(AUTO["fp8"], q_in_kernel=True), True, True,
+     FP8 | {"q_fmt": 1}),
+    (torch.bfloat16, 192, 128, replace(AUTO["nvfp4"], q_in_kernel=True), True, True,
+     {"p_fmt": 2, "q_fmt": 2, "q_fast": True}),
+    (torch.bfloat16, 192, 128, replace(AUTO["nvfp4+nm"], q_in_kernel=True), True, True,
+     {"p_fmt": 2, "q_fmt": 2} | NM24),
+    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
+        128, 64, 3, True, early_k=True, persistent=True, q_in_kernel=True), True, True,
+     {"p_fmt": 2, "q_fmt": 2} | NM24),
 ]  # fmt: skip
+Q_IN_KERNEL = {18: 4, 19: 5, 20: 7, 21: 12}  # variant: its twin with Q's pass (fp16 Q)
 SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     4,  # fp8 P at 128 x 128: 72 B
     6,  # AUTO none: ping-pong 128 x 128, early_k, row_inf_check: 32 B
@@ -90,6 +104,8 @@ SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
     14,  # nm_pairs, 2:4 with dense windows at 128 x 128 (its twin without them: 32 B)
     15,  # AUTO none with fma_inf_check
     16,  # fp8 P at 128 x 128 with fma_inf_check
+    18,  # fp8 P at 128 x 128, Q's QDQ in the kernel: 88 B (its twin, 4: 48 B)
+    20,  # nvfp4 P + 2:4 at 128 x 128, Q's QDQ in the kernel: 8 B (its twin, 7: 32 B)
 }
 
 
@@ -109,7 +125,10 @@ def compile_stats() -> list[dict[str, Any]]:
     """Compile every variant for sm_90a; what the tests check of each (PTX, resources)."""
     stats = []
     for dtype, dim, dim_v, config, causal, lse, quant in VARIANTS:
-        kernel: Any = gp.compile_sm90(dtype, dim, dim_v, config, gp.Variant(causal, lse, **quant))
+        # Q's QDQ in the kernel: Q raw (bf16), K, P and V factored in fp16
+        half = torch.float16 if config.q_in_kernel else None
+        variant = gp.Variant(causal, lse, **quant)
+        kernel: Any = gp.compile_sm90(dtype, dim, dim_v, config, variant, half, half)
         ptx: str = kernel.asm["ptx"]
         stats.append({
             "sm_90a": ".target sm_90a" in ptx, "wgmma": ptx.count("wgmma.mma_async"),
@@ -117,6 +136,8 @@ def compile_stats() -> list[dict[str, Any]]:
             "shared": kernel.metadata.shared,
             "lse_store": "st.global.b32" in ptx or "st.global.f32" in ptx,
             "fp8_cvt": "cvt.rn.satfinite.e4m3x2.f32" in ptx,
+            "fp8_cvts": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+            "fences": ptx.count("fence.proxy.async.shared::cta"),
             "setmaxnreg": "setmaxnreg" in ptx, "num_warps": kernel.metadata.num_warps,
             "mbarrier_init": ptx.count("mbarrier.init"), "min_f32": "min.f32" in ptx,
             "fma_zero": len(re.findall(r"fma\.rn\.f32\s+%r\d+, %r\d+, 0f00000000,", ptx)),
@@ -168,10 +189,19 @@ def test_every_variant_compiles_for_sm90a() -> None:
             assert got["min_f32"] == config.row_inf_check, variant
         # fma_inf_check: the -inf check as fma(s, 0, t) in the exponent, one a score of a
         # tile (kept by LLVM: no fast-math folding); elsewhere at most a few such fmas
+        # (Q's QDQ in the kernel poisons with such fmas too: one a Q element)
         fma_check = config.fma_inf_check and "nm_n" not in quant
-        assert (got["fma_zero"] >= 32) == fma_check, variant
+        if not config.q_in_kernel:
+            assert (got["fma_zero"] >= 32) == fma_check, variant
         if index not in SPILLS:
             assert got["STACK"] == 0, variant
+    # Q's QDQ in the kernel: a fence for the async proxy before the first Q K^T (each
+    # consumer), and by the conversion instruction (fp8 codes, or nvfp4 block scales by
+    # the reciprocal path) E4M3 conversions beside P's
+    for index, twin in Q_IN_KERNEL.items():
+        assert stats[index]["fences"] > stats[twin]["fences"], index
+        if VARIANTS[index][6].get("q_fmt") == 1 or VARIANTS[index][6].get("q_fast"):
+            assert stats[index]["fp8_cvts"] > stats[twin]["fp8_cvts"], index
     # every tiling the dispatcher picks is compiled above, for its P format
     picked = {(c, q.get("p_fmt", 0), "nm_n" in q) for _, _, _, c, _, _, q in VARIANTS}
     assert {(AUTO[f], i, False) for i, f in enumerate(("none", "fp8", "nvfp4"))} <= picked
@@ -438,3 +468,40 @@ def test_positive_nan_sort_keys_rank_first() -> None:
     others = torch.tensor([float("inf"), 3.4e38, 1.0, 0.0, -0.0, -1.0, float("-inf")])
     lowest_nan = _sort_keys(nans.repeat_interleave(4).reshape(2, 4)).min()
     assert lowest_nan > _sort_keys(others.repeat_interleave(4).reshape(-1, 4)).max()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the K/V pass on CPU")
+@pytest.mark.parametrize("q_amax", ["dynamic", 5.0])
+def test_q_in_kernel_launches_raw_q(
+    monkeypatch: pytest.MonkeyPatch, q_amax: Literal["dynamic"] | float
+) -> None:
+    """``q_in_kernel``: Q reaches the kernel raw (no pass over it) with its format code and
+    static scale, K and V factored by the pass as before; nvfp4 Q with a dynamic amax keeps
+    the pass."""
+    from mla_formats import OperandQuant
+    from mla_triton.kernels import gluon_prefill as kernels
+
+    capture = _Capture()
+    monkeypatch.setattr(kernels, "gluon_prefill_kernel", capture)
+    monkeypatch.setattr(PREFILL, "_capability", lambda device: (9, 0))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(21, 2, 192, generator=gen).bfloat16()
+    k = torch.randn(21, 1, 192, generator=gen).bfloat16()
+    v = torch.randn(21, 1, 128, generator=gen).bfloat16()
+    cu = torch.tensor([0, 3, 21], dtype=torch.int32)
+    for fmt, code in (("fp8", 1), ("nvfp4", 2)):
+        quant = AttentionQuant(q=OperandQuant(fmt, q_amax), k=fmt, p=fmt, v=fmt)
+        config = replace(gp.auto_config(PREFILL.Recipe.of(quant)), q_in_kernel=True)
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, config=config,
+                max_seqlen_q=18, max_seqlen_k=18)  # fmt: skip
+        q_desc, k_desc = capture.args[:2]
+        q_gs, q_inv = capture.args[13:15]
+        in_kernel = q_amax != "dynamic" or fmt == "fp8"
+        assert capture.kwargs["Q_FMT"] == (code if in_kernel else 0), fmt
+        assert (q_desc.base is q) == in_kernel, fmt
+        assert k_desc.base.dtype == torch.float16, fmt
+        if q_amax != "dynamic":
+            unit = 448.0 if fmt == "fp8" else 2688.0
+            assert q_gs == pytest.approx(5.0 / unit), fmt
+            assert q_inv == pytest.approx(unit / 5.0 / (6.0 if fmt == "nvfp4" else 1.0)), fmt
+            assert not capture.kwargs["Q_FAST"]  # 5 / unit: not a power of two

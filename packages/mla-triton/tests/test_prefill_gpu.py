@@ -42,7 +42,7 @@ import mla_reference
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant, e2m1_round, e4m3_round
 from mla_triton import gluon_prefill, prefill
 from mla_triton import qdq_device as dev
-from mla_triton.prefill import PrefillConfig
+from mla_triton.prefill import PrefillConfig, Recipe
 
 torch.set_num_threads(2)  # one of several xdist workers sharing the host's cores
 
@@ -455,6 +455,50 @@ def test_nm_options_bit_for_bit(name: str, sparsity: NMSparsity, options: dict[s
                   "quant": QUANTS[name], "sparsity": sparsity, "impl": "gluon"}  # fmt: skip
         got = [prefill(q, k, v, cu_q, cu_k, config=replace(_WS128_EK, **on), **kwargs)
                for on in (options, {})]  # fmt: skip
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a.isnan(), b.isnan()), (name, index)
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (name, index)
+        assert bool(got[0][0].isnan().any()) == (index >= 2), (name, index)
+
+
+_Q_STATIC = {
+    "fp8-static-q": AttentionQuant(q=OperandQuant("fp8", 5.0), k="fp8", p="fp8", v="fp8"),
+    "nvfp4-static-q": AttentionQuant(q=OperandQuant("nvfp4", 5.0), k="nvfp4", p="nvfp4",
+                                     v="nvfp4"),
+    "fp8-pow2-q": AttentionQuant(q=OperandQuant("fp8", 7.0), k="fp8", p="fp8", v="fp8"),
+    "nvfp4-pow2-q": AttentionQuant(q=OperandQuant("nvfp4", 5.25), k="nvfp4", p="nvfp4",
+                                   v="nvfp4"),
+}  # fmt: skip
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
+@pytest.mark.parametrize(
+    ("name", "sparse"),
+    [("fp8", False), ("fp8-dynamic-k", False), ("fp8-static-q", False),
+     ("fp8-pow2-q", False), ("nvfp4-static-q", False), ("nvfp4-pow2-q", False),
+     ("nvfp4-static-q", True), ("fp8", True)],
+    ids=["s16-fp8", "s16-fp8-dyn-k", "s16-fp8-static-q", "s16-fp8-pow2-q", "s16-nvfp4-static-q",
+         "s16-nvfp4-pow2-q", "s16-nvfp4-static-q-2:4", "s16-fp8-2:4"],
+)  # fmt: skip
+def test_q_in_kernel_bit_for_bit(name: str, sparse: bool) -> None:
+    """``q_in_kernel`` (Q's QDQ in the kernel) gives the factored Q of the pass: out and
+    LSE bit for bit against the same tiling (AUTO_CONFIGS') with the pass (varlen causal,
+    GQA; a chunked context; the NaN rule's batch: a NaN and an inf in Q, causal and not)."""
+    quant = QUANTS.get(name) or _Q_STATIC[name]
+    sparsity = NMSparsity(2, 4) if sparse else None
+    config = gluon_prefill.auto_config(Recipe.of(quant), sparse)
+    nan_batch = make_batch([300, 200], [300, 200], 16, 16, seed=7)
+    q, k, v = nan_batch[:3]
+    q[10, 3, 5] = float("nan")
+    q[300 + 40, 6, 150] = float("inf")
+    batches = [(True, make_batch(LENS, LENS, 16, 4, seed=3)),
+               (False, make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)),
+               (True, nan_batch), (False, nan_batch)]  # fmt: skip
+    for index, (causal, (q, k, v, cu_q, cu_k, scale)) in enumerate(batches):
+        kwargs = {"softmax_scale": scale, "return_lse": True, "causal": causal,
+                  "quant": quant, "sparsity": sparsity, "impl": "gluon"}  # fmt: skip
+        got = [prefill(q, k, v, cu_q, cu_k, config=replace(config, q_in_kernel=on), **kwargs)
+               for on in (True, False)]  # fmt: skip
         for a, b in zip(*got, strict=True):
             assert torch.equal(a.isnan(), b.isnan()), (name, index)
             assert torch.equal(a.nan_to_num(), b.nan_to_num()), (name, index)

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from mla_formats import AttentionQuant, NMSparsity
-from mla_triton.prefill import Checked, PrefillFamily, Recipe, quantize_kv
+from mla_triton.prefill import Checked, PrefillFamily, Recipe, _fast_qdq_exact, quantize_kv
 
 __all__ = [
     "AUTO_CONFIGS",
@@ -75,7 +75,12 @@ class GluonPrefillConfig:
     score): a NaN score here is the kernel's own NaN constant (the NaN rule's ``-inf``) or
     a result of the GPU's arithmetic, a positive NaN whose sort key is above every other,
     so at most the third and fourth NaN of a group are dropped, and the row stays NaN
-    (GPU tests: bit for bit against the guard; no effect without N:M)."""
+    (GPU tests: bit for bit against the guard; no effect without N:M); ``q_in_kernel``:
+    a quantized Q is QDQ'd in the kernel, by each consumer in shared memory before its first
+    ``Q Kᵀ`` (its dynamic per-token scales too), instead of by a pass over Q before the
+    launch (one kernel and Q's round trip through memory fewer; the same factored values:
+    GPU tests bit for bit against the pass; no effect for an unquantized Q, nor for nvfp4
+    Q with a dynamic amax, which keeps the pass)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -89,6 +94,7 @@ class GluonPrefillConfig:
     persistent: bool = False
     nm_pairs: bool = False
     nm_nan_rank: bool = False
+    q_in_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -97,7 +103,7 @@ class GluonPrefillConfig:
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
         names = (
             "warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "fma_inf_check",
-            "persistent", "nm_pairs", "nm_nan_rank",
+            "persistent", "nm_pairs", "nm_nan_rank", "q_in_kernel",
         )  # fmt: skip
         for name in names:
             if not isinstance(getattr(self, name), bool):
@@ -268,7 +274,12 @@ class _Gluon(PrefillFamily):
                 k, v, c.cu_k, c.quant, max_seqlen_k=c.max_seqlen_k, k_dtype=qk_dtype,
                 v_dtype=pv_dtype,
             )  # fmt: skip
-        if r.q_fmt:  # Q through the pass's K path (V left alone: format none)
+        q_gs, q_inv, q_fast = r.q_gs, 1.0, False  # Q's QDQ in the kernel (q_in_kernel)
+        in_kernel = config.q_in_kernel and (r.q_fmt == 1 or not r.q_dynamic)
+        if r.q_fmt and in_kernel:
+            q_inv = 1.0 / (6.0 * q_gs) if r.q_fmt == 2 else 1.0 / q_gs
+            q_fast = not r.q_dynamic and _fast_qdq_exact(q, q_gs)
+        elif r.q_fmt:  # Q through the pass's K path (V left alone: format none)
             q, _, q_scales = quantize_kv(
                 q, q, c.cu_q, AttentionQuant(k=c.quant.q), max_seqlen_k=c.max_seqlen_q,
                 k_dtype=qk_dtype,
@@ -276,7 +287,8 @@ class _Gluon(PrefillFamily):
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
         bm, bn = config.block_m, config.block_n
         variant = Variant(c.causal, c.return_lse, r.q_dynamic, r.k_dynamic, r.p_fmt,
-                          *Variant.nm_of(c.sparsity))  # fmt: skip
+                          *Variant.nm_of(c.sparsity), q_fmt=r.q_fmt if in_kernel else 0,
+                          q_fast=q_fast)  # fmt: skip
         n_sink, n_recent = (
             (c.sparsity.dense_sink_tokens, c.sparsity.dense_recent_tokens) if c.sparsity
             else (0, 0)
@@ -291,7 +303,8 @@ class _Gluon(PrefillFamily):
         gluon_prefill_kernel[launch](
             _descriptor(q, [config.q_rows, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
             _descriptor(v, [bn, dim_v]), c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k,
-            r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, heads // kv_heads,
+            r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, q_gs, q_inv,
+            heads // kv_heads,
             n_sink, n_recent, q.stride(1), k.stride(1), v.stride(1),
             q_scales.stride(0) if r.q_dynamic else 0,
             k_scales.stride(0) if r.k_dynamic else 0, c.out.stride(0), c.out.stride(1),
@@ -307,7 +320,9 @@ class Variant:
     """The kernel's compile-time switches besides the tiling: causal masking, LSE
     output, dynamic (per-token) Q and K global scales, P's format code (0 none, 1 fp8,
     2 nvfp4), and N:M sparsity (``nm_n`` of every ``nm_m`` keys, 0 for none;
-    ``nm_dense``: dense sink or recent keys)."""
+    ``nm_dense``: dense sink or recent keys); Q's format code ``q_fmt`` and ``q_fast``
+    (16-bit Q, a static power-of-two global scale: the reciprocal path), read only for a
+    tiling with ``q_in_kernel``."""
 
     causal: bool
     return_lse: bool
@@ -317,6 +332,8 @@ class Variant:
     nm_n: int = 0
     nm_m: int = 1
     nm_dense: bool = False
+    q_fmt: int = 0
+    q_fast: bool = False
 
     @staticmethod
     def nm_of(sparsity: NMSparsity | None) -> tuple[int, int, bool]:
@@ -332,6 +349,8 @@ class Variant:
             "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
             "NUM_STAGES": config.num_stages, "CAUSAL": self.causal,
             "Q_DYNAMIC": self.q_dynamic, "K_DYNAMIC": self.k_dynamic, "P_FMT": self.p_fmt,
+            "Q_FMT": self.q_fmt if config.q_in_kernel else 0,
+            "Q_FAST": self.q_fast and config.q_in_kernel,
             "NM_N": self.nm_n, "NM_M": self.nm_m, "NM_DENSE": self.nm_dense,
             "NM_PAIRS": config.nm_pairs, "NM_NAN_RANK": config.nm_nan_rank,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
@@ -350,9 +369,11 @@ def compile_sm90(
     config: GluonPrefillConfig,
     variant: Variant,
     pv_dtype: torch.dtype | None = None,
+    k_dtype: torch.dtype | None = None,
 ) -> object:
     """Compile the kernel for sm_90a without a GPU (as ``launch`` would specialize it;
-    ``dtype`` that of Q, K and out, ``pv_dtype`` that of V and P, ``dtype`` by default);
+    ``dtype`` that of Q and out, ``k_dtype`` that of K, ``pv_dtype`` that of V and P, both
+    ``dtype`` by default);
     returns Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.metadata.shared`` bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -366,10 +387,12 @@ def compile_sm90(
 
     bn, pv = config.block_n, pv_dtype or dtype
     signature = {
-        "q_desc": desc([config.q_rows, _CHUNK], dtype), "k_desc": desc([bn, _CHUNK], dtype),
+        "q_desc": desc([config.q_rows, _CHUNK], dtype),
+        "k_desc": desc([bn, _CHUNK], k_dtype or dtype),
         "v_desc": desc([bn, dim_v], pv), "Out": f"*{names[dtype]}", "Lse": "*fp32",
         "QS": "*fp32", "KS": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
         "qk_scale": "fp32", "p_gs": "fp32", "p_inv_gs": "fp32", "out_scale": "fp32",
+        "q_gs": "fp32", "q_inv": "fp32",
         "group": "i32", "n_sink": "i32", "n_recent": "i32",
         "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",
         "stride_kst": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",

@@ -101,7 +101,20 @@ def dynamic_global_scale(x1, x2, FMT: tl.constexpr, AXIS: tl.constexpr):
     the amax reduced along ``AXIS`` of both tiles; an all-zero row takes the unit
     amax (its values quantize to zeros); a row with a non-finite element gets NaN.
     """
-    amax = _maximum_nan(nan_max(tl.abs(x1), AXIS), nan_max(tl.abs(x2), AXIS))
+    return global_scale_of_amax(amax_update(nan_max(tl.abs(x1), AXIS), x2, AXIS), FMT)
+
+
+@triton.jit
+def amax_update(amax, x, AXIS: tl.constexpr):
+    """``max(amax, max |x|)`` with ``|x|`` reduced along ``AXIS``: NaN where either holds
+    a NaN (a dynamic amax over several tiles)."""
+    return _maximum_nan(amax, nan_max(tl.abs(x), AXIS))
+
+
+@triton.jit
+def global_scale_of_amax(amax, FMT: tl.constexpr):
+    """``dynamic_global_scale`` of a reduced ``amax``: ``amax / unit_amax`` (the
+    reference's rounded division), the unit amax for 0, NaN for a non-finite amax."""
     unit = 448.0 if FMT == 1 else 2688.0
     return poison(tl.math.div_rn(tl.where(amax == 0.0, unit, amax), unit), amax)
 

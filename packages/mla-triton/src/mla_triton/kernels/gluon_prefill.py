@@ -57,8 +57,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla_triton import qdq_device as dev
 from mla_triton.kernels import common
-from mla_triton.kernels.prefill_kernel import key_bounds, query_tile
+from mla_triton.kernels.prefill_kernel import (
+    _qdq_features,
+    _qdq_features_fast,
+    key_bounds,
+    query_tile,
+)
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns of one Q / K shared tile (128 bytes)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -365,13 +371,59 @@ def _turn_pv(
 
 
 @gluon.jit
+def _qdq_q(
+    q_smem, q_in, mma_dtype: gl.constexpr, ROWS: gl.constexpr, NQ: gl.constexpr,
+    Q0: gl.constexpr, QQ: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Q's QDQ in shared memory (``QQ = (dynamic, format, fast)``, format 1 fp8 or 2
+    nvfp4): the raw rows of shared tiles ``Q0 .. Q0 + NQ`` (``[ROWS, 64]`` each) become
+    their factored values in ``mma_dtype`` (K's dtype; the same 16-bit NVMMA tiles), as the
+    prefill core's pass computes them (``prefill_kernel._qdq_features`` on its K path;
+    dynamic: the row's amax over all ``NQ`` tiles, ``qdq_device.global_scale_of_amax``,
+    NaN for a row with a non-finite element). ``q_in = (QS, q_gs, q_inv)``: the static
+    global scale and its reciprocal (``1 / q_gs`` fp8, ``1 / (6 q_gs)`` nvfp4; ``QQ[2]``:
+    the reciprocal path, 16-bit Q and a power-of-two ``q_gs``). Each thread stores what it
+    loaded, so no thread overwrites another's raw values; fenced for the async proxy and
+    met at a barrier of the calling warps before any MMA reads them. Returns the tiles in
+    ``mma_dtype`` and the rows' global scales ``[ROWS]`` (dynamic; else ``q_gs``). fp8 Q
+    with any scale, nvfp4 Q with a static one (a dynamic nvfp4 Q keeps the pass: its
+    per-row scales against the 16-column blocks are not built in this layout yet)."""
+    _, q_gs, q_inv = q_in
+    FMT: gl.constexpr = QQ[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    gl.static_assert(q_smem.dtype.primitive_bitwidth == 16)
+    gl.static_assert(FMT == 1 or not QQ[0])  # dynamic nvfp4 Q: the pass
+    if QQ[0]:
+        amax = gl.zeros([ROWS], gl.float32, rows)
+        for c in gl.static_range(NQ):
+            amax = dev.amax_update(amax, q_smem.index(Q0 + c).load(layout).to(gl.float32), 1)
+        gs = dev.global_scale_of_amax(amax, FMT)
+    else:
+        gs = gl.full([ROWS], q_gs, gl.float32, rows)
+    q_mma = q_smem._reinterpret(mma_dtype)
+    for c in gl.static_range(NQ):
+        x = q_smem.index(Q0 + c).load(layout).to(gl.float32)
+        if QQ[2]:
+            y = _qdq_features_fast(x, q_gs, q_inv, FMT, ROWS, CHUNK, True)
+        elif FMT == 2:  # static: the scalar scale (per-row scales: the pass)
+            y = dev.nvfp4_qdq(x, q_gs, ROWS, CHUNK, 1, True, True)
+        else:
+            y = _qdq_features(x, gs, FMT, ROWS, CHUNK, True)
+        q_mma.index(Q0 + c).store(y.to(mma_dtype))
+    fence_async_shared()
+    gl.barrier()
+    return q_mma, gs
+
+
+@gluon.jit
 def _attend(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem, k_desc,
-    v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col, v_col,
+    v_desc, q_in, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col, v_col,
     mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm, counts,
     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
     pv_dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
+    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, QQ: gl.constexpr,
     K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, ISSUE_LOADS: gl.constexpr,
     WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -413,20 +465,26 @@ def _attend(
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     row_nan = gl.zeros([ROWS], gl.int1, row_s)
     row_scale = gl.full([ROWS], qk_scale, gl.float32, row_s)
-    if Q_DYNAMIC:
-        qs = QS + (q_start + offs_m).to(gl.int64) * stride_qst + head
+    if QQ[0] and QQ[1] == 0:  # dynamic Q scales from the pass
+        qs = q_in[0] + (q_start + offs_m).to(gl.int64) * stride_qst + head
         row_scale = row_scale * gl.load(qs, mask=offs_m < seq_len_q, other=1.0)
     ks_base = KS + k_start.to(gl.int64) * stride_kst + kv_head
     acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
     # common.qdq_p's (gs, 1 / gs, 1 / (6 gs)): p_inv_gs is the one P's format uses
     p_scales = (p_gs, p_inv_gs, p_inv_gs)
     mbarrier.wait(q_bar, q_phase)
+    if QQ[1] > 0:  # Q raw in shared memory: its QDQ (and dynamic scales) here
+        q_mma, q_row_gs = _qdq_q(q_smem, q_in, k_desc.dtype, ROWS, NQ, Q0, QQ, num_warps)
+        if QQ[0]:
+            row_scale = row_scale * gl.convert_layout(q_row_gs, row_s)
+    else:
+        q_mma = q_smem
 
     if n_tiles > 0:
         if PP:
             mbarrier.wait(turn_bars.index(WG), turn0 & 1)
         s = _issue_qk(
-            q_smem, k_smem, k_bars, ring0, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
+            q_mma, k_smem, k_bars, ring0, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES, Q0
         )  # fmt: skip
         if PP:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
@@ -445,7 +503,7 @@ def _attend(
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 mbarrier.wait(turn_bars.index(WG), (turn0 + j) & 1)
                 s = _issue_qk(
-                    q_smem, k_smem, k_bars, ring0 + j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES,
+                    q_mma, k_smem, k_bars, ring0 + j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES,
                     Q0,
                 )  # fmt: skip
                 row_nan = _sanitize_v(
@@ -458,7 +516,7 @@ def _attend(
                 mbarrier.arrive(turn_bars.index(1 - WG), count=1)
             else:
                 s = _issue_qk(
-                    q_smem, k_smem, k_bars, ring0 + j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES,
+                    q_mma, k_smem, k_bars, ring0 + j, s_layout, ROWS, BLOCK_N, NQ, NUM_STAGES,
                     Q0,
                 )  # fmt: skip
                 acc, p_op, row_nan = _issue_pv(
@@ -544,12 +602,12 @@ def _epilogue(
 @gluon.jit
 def _consume(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem, k_desc,
-    v_desc, QS, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
+    v_desc, q_in, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
     k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst, stride_kst,
     stride_ot, stride_oh, stride_lh, nm, counts, s_layout: gl.constexpr,
     o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, NQ: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, QQ: gl.constexpr,
     K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr,
     WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -557,10 +615,10 @@ def _consume(
     ``_attend`` over its ``ROWS`` rows (from ``row0``), then their ``_epilogue``."""
     acc, l_i, m_i, row_nan = _attend(
         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem,
-        k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
+        k_desc, v_desc, q_in, KS, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
         k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
         counts, s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES,
-        CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, WG, SCHED, num_warps,
+        CAUSAL, QQ, K_DYNAMIC, P_FMT, NM, False, WG, SCHED, num_warps,
     )  # fmt: skip
     _epilogue(
         acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale, stride_ot,
@@ -627,11 +685,13 @@ def _setup(
     """Shared memory and mbarriers of a program: ``(q_smem, k_smem, v_smem, q_bar, k_bars,
     v_bars, empties, turn_bars, bad_smem)``, ``empties = (empty_bars, k_empty_bars,
     q_empty)`` (the last two only with ``EARLY_K`` / ``PERSISTENT``, else aliases)."""
-    dtype: gl.constexpr = q_desc.dtype  # Q and K
+    dtype: gl.constexpr = q_desc.dtype  # Q (raw, bf16, where its QDQ runs here: Q_FMT)
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
     QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
     q_smem = gl.allocate_shared_memory(dtype, [QH * NQ, ROWS, CHUNK], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(
+        k_desc.dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout
+    )
     v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -729,7 +789,7 @@ def _consume_all(
     bufs, tiles, heads, args, s_layout: gl.constexpr,
     o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
     BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr,
+    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, QQ: gl.constexpr,
     K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr,
     WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -742,7 +802,7 @@ def _consume_all(
     stride_kh = heads[1]
     stride_vh = heads[2]
     (
-        turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse, n_sink, n_recent, qk_scale,
+        turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out, Lse, n_sink, n_recent, qk_scale,
         p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh,
     ) = args  # fmt: skip
     ring = 0
@@ -756,12 +816,12 @@ def _consume_all(
             row0 = start_m * BLOCK_M + (ROWS if WG == 1 else 0)
             _consume(
                 q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem,
-                k_desc, v_desc, QS, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0,
+                k_desc, v_desc, q_in, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0,
                 head, kv_head, kv_head * stride_kh, kv_head * stride_vh, mid, n_tiles,
                 qk_scale, p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot,
                 stride_oh, stride_lh, (n_sink, n_recent, seq_len_q == 1),
                 (ring, turn, done & 1), s_layout, o_layout, p_layout, pv_dtype, ROWS,
-                BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM,
+                BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM,
                 RETURN_LSE, WG, SCHED, num_warps,
             )  # fmt: skip
             ring += n_tiles
@@ -813,6 +873,8 @@ def gluon_prefill_kernel(
     p_gs,
     p_inv_gs,
     out_scale,
+    q_gs,
+    q_inv,
     group,
     n_sink,
     n_recent,
@@ -834,6 +896,8 @@ def gluon_prefill_kernel(
     NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     Q_DYNAMIC: gl.constexpr,
+    Q_FMT: gl.constexpr,
+    Q_FAST: gl.constexpr,
     K_DYNAMIC: gl.constexpr,
     P_FMT: gl.constexpr,
     NM_N: gl.constexpr,
@@ -859,6 +923,12 @@ def gluon_prefill_kernel(
     ``stride_*h`` the head strides in elements; Out ``[T, H, DV]``; Lse ``[H, T]``
     float32. Q and K are raw or factored QDQ values (from the launcher's pre-pass);
     ``QS [T, H]`` / ``KS [Tk, Hkv]`` their per-token global scales when dynamic.
+    ``Q_FMT`` 1 (fp8) or 2 (nvfp4): Q arrives raw and is QDQ'd here, by each consumer in
+    shared memory before its first ``Q Kᵀ`` (``_qdq_q``): its dynamic per-token global
+    scales computed there (``QS`` unread), or the static ``q_gs`` with ``q_inv`` (``1 /
+    q_gs`` fp8, ``1 / (6 q_gs)`` nvfp4) for ``Q_FAST`` (16-bit Q, ``q_gs`` a power of two:
+    the reciprocal path); the factored values in K's dtype (fp16 for a bf16 Q: the same
+    16-bit swizzled tiles). ``Q_FMT`` 0: Q as it is (raw, or factored by the pass).
     ``qk_scale`` = softmax_scale * log2(e) times the static Q and K global scales;
     ``P_FMT`` 0 (none), 1 (fp8) or 2 (nvfp4), ``p_gs`` P's global scale and
     ``p_inv_gs`` ``1 / p_gs`` (fp8) or ``1 / (6 p_gs)`` (nvfp4);
@@ -882,6 +952,8 @@ def gluon_prefill_kernel(
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
     QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
     NM: gl.constexpr = (NM_N, NM_M, NM_DENSE, NM_PAIRS, NM_NAN_RANK)
+    QQ: gl.constexpr = (Q_DYNAMIC, Q_FMT, Q_FAST)  # Q's scales and its QDQ here (_qdq_q)
+    q_in = (QS, q_gs, q_inv)
     gl.static_assert(DQK % CHUNK == 0)
     gl.static_assert(16 * num_warps == ROWS)
     gl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0)
@@ -909,7 +981,7 @@ def gluon_prefill_kernel(
         tiles = (cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group)
         heads = (stride_qh, stride_kh, stride_vh)
         args = (
-            turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse, n_sink, n_recent, qk_scale,
+            turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out, Lse, n_sink, n_recent, qk_scale,
             p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh,
         )  # fmt: skip
         descs = (q_desc, k_desc, v_desc)
@@ -919,12 +991,12 @@ def gluon_prefill_kernel(
                 [
                     (_consume_all, (
                         bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
-                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
                         K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
                     )),
                     (_consume_all, (
                         bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
-                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
                         K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1, SCHED, num_warps,
                     )),
                     (_produce_all, (
@@ -940,7 +1012,7 @@ def gluon_prefill_kernel(
                 [
                     (_consume_all, (
                         bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
-                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
                         K_DYNAMIC, P_FMT, NM, RETURN_LSE, -1, SCHED, num_warps,
                     )),
                     (_produce_all, (
@@ -957,10 +1029,10 @@ def gluon_prefill_kernel(
         )  # fmt: skip
     else:
         _one_tile(
-            q_desc, k_desc, v_desc, Out, Lse, QS, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
+            q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
             p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh,
             stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, s_layout, o_layout,
-            p_layout, pv_dtype, DV, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC,
+            p_layout, pv_dtype, DV, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, QQ, K_DYNAMIC,
             P_FMT, NM, RETURN_LSE, WARP_SPEC, PINGPONG, TURNS, EARLY_K, SCHED, QH, NQ, ROWS,
             PRODUCER_REGS, CONSUMER_REGS, num_warps,
         )  # fmt: skip
@@ -968,12 +1040,12 @@ def gluon_prefill_kernel(
 
 @gluon.jit
 def _one_tile(
-    q_desc, k_desc, v_desc, Out, Lse, QS, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
+    q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
     p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh, stride_qst,
     stride_kst, stride_ot, stride_oh, stride_lh, s_layout: gl.constexpr,
     o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr, DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, Q_DYNAMIC: gl.constexpr, K_DYNAMIC: gl.constexpr,
+    CAUSAL: gl.constexpr, QQ: gl.constexpr, K_DYNAMIC: gl.constexpr,
     P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr, WARP_SPEC: gl.constexpr,
     PINGPONG: gl.constexpr, TURNS: gl.constexpr, EARLY_K: gl.constexpr, SCHED: gl.constexpr,
     QH: gl.constexpr, NQ: gl.constexpr, ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -1007,21 +1079,21 @@ def _one_tile(
                 [
                     (_consume, (
                         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
-                        empties, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out, Lse,
+                        empties, turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out, Lse,
                         q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col,
                         v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst,
                         stride_kst, stride_ot, stride_oh, stride_lh, nm, (0, 0, 0), s_layout,
                         o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
-                        Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
+                        QQ, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
                     )),
                     (_consume, (
                         q_smem, k_smem, v_smem, q_bar, k_bars,
-                        v_bars, empties, turn_bars, bad_smem, k_desc, v_desc, QS, KS, Out,
+                        v_bars, empties, turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out,
                         Lse, q_start, seq_len_q, k_start, seq_len_k, row0 + ROWS, head,
                         kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs,
                         out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, nm,
                         (0, 0, 0), s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
-                        NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1,
+                        NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1,
                         SCHED, num_warps,
                     )),
                     (_producer, (
@@ -1039,12 +1111,12 @@ def _one_tile(
                     [
                         (_attend, (
                             q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties,
-                            turn_bars, bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q,
+                            turn_bars, bad_smem, k_desc, v_desc, q_in, KS, q_start, seq_len_q,
                             k_start, seq_len_k, row0, head, kv_head, k_col, v_col, mid,
                             n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
                             (0, 0, 0), s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N,
                             DV, NQ,
-                            NUM_STAGES, CAUSAL, Q_DYNAMIC, K_DYNAMIC, P_FMT, NM, False, -1,
+                            NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM, False, -1,
                             SCHED, num_warps,
                         )),
                         (_producer, (
@@ -1070,10 +1142,10 @@ def _one_tile(
                         )  # fmt: skip
                 acc, l_i, m_i, row_nan = _attend(
                     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars,
-                    bad_smem, k_desc, v_desc, QS, KS, q_start, seq_len_q, k_start, seq_len_k,
+                    bad_smem, k_desc, v_desc, q_in, KS, q_start, seq_len_q, k_start, seq_len_k,
                     row0, head, kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs,
                     p_inv_gs, stride_qst, stride_kst, nm, (0, 0, 0), s_layout, o_layout,
-                    p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, Q_DYNAMIC,
+                    p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
                     K_DYNAMIC, P_FMT, NM, True, -1, SCHED, num_warps,
                 )  # fmt: skip
             _epilogue(
