@@ -6,9 +6,10 @@ mbarriers) where ``prefill.select_impl`` takes it; the numbers are those of the
 Triton kernel (docs/numerics.md). Q, K and V are QDQ'd (any format) by the prefill
 core's pass ``prefill.quantize_kv`` (Q through its K path) into factored values
 (fp16 where both operands of a dot are quantized, else the input dtype, exact
-either way); P is QDQ'd in the kernel between the two MMAs (fp8 or nvfp4), after
-the optional N:M selection. What the kernel does not cover (N:M groups wider than
-64 keys, float32, head dims other than multiples of 64 up to 256 for Q/K and 64 or
+either way; with ``GluonPrefillConfig.q_in_kernel`` Q is QDQ'd in the kernel instead, fp8
+any scale or nvfp4 a static one); P is QDQ'd in the kernel between the two MMAs (fp8 or
+nvfp4), after the optional N:M selection. What the kernel does not cover (N:M groups
+wider than 64 keys, float32, head dims other than multiples of 64 up to 256 for Q/K and 64 or
 128 for V): ``unsupported`` says why, for the dispatcher (which keeps N:M on the
 Triton kernel under ``impl="auto"`` while ``prefill.GLUON_NM_AUTO`` is off);
 ``api_missing`` whether the installed Triton has the Gluon API.
