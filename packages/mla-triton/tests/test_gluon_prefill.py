@@ -125,8 +125,8 @@ def compile_stats() -> list[dict[str, Any]]:
     """Compile every variant for sm_90a; what the tests check of each (PTX, resources)."""
     stats = []
     for dtype, dim, dim_v, config, causal, lse, quant in VARIANTS:
-        # Q's QDQ in the kernel: Q raw (bf16), K, P and V factored in fp16
-        half = torch.float16 if config.q_in_kernel else None
+        # Q's QDQ in the kernel (a Q format given): Q raw (bf16), K, P and V factored in fp16
+        half = torch.float16 if quant.get("q_fmt") else None
         variant = gp.Variant(causal, lse, **quant)
         kernel: Any = gp.compile_sm90(dtype, dim, dim_v, config, variant, half, half)
         ptx: str = kernel.asm["ptx"]
@@ -374,7 +374,8 @@ class _Capture:
 def test_launch_passes_factored_operands_and_scales(
     monkeypatch: pytest.MonkeyPatch, k_amax: Literal["dynamic"] | float
 ) -> None:
-    """fp8 (dynamic Q, K dynamic or static, static P and V): the kernel gets Q, K and V
+    """fp8 (dynamic Q, K dynamic or static, static P and V) with Q's pass (``q_in_kernel``
+    off; ``test_q_in_kernel_launches_raw_q`` has it on): the kernel gets Q, K and V
     factored by the pass, the dynamic per-token scales, the static ones folded in."""
     from mla_formats import OperandQuant, qdq_factored
     from mla_triton.kernels import gluon_prefill as kernels
@@ -392,9 +393,10 @@ def test_launch_passes_factored_operands_and_scales(
         q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
         v=OperandQuant("fp8", 3.0),
     )  # fmt: skip
-    # impl auto: the Gluon kernel (sm90 patched in above)
+    # auto's tiling for P fp8 with Q's pass (sm90 patched in above)
+    config = replace(gp.AUTO_CONFIGS["fp8"], q_in_kernel=False)
     prefill(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, quant=quant,
-            max_seqlen_q=max(lens), max_seqlen_k=max(lens))  # fmt: skip
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens), config=config)  # fmt: skip
     q_desc, k_desc, v_desc, _, _, qs, ks = capture.args[:7]
     q_ref, q_gs = qdq_factored(q, quant.q)
     k_ref, k_gs = qdq_factored(k, quant.k)

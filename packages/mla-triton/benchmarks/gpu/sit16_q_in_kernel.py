@@ -1,7 +1,9 @@
 """Sitting 16: Q's QDQ in the Gluon prefill kernel (``GluonPrefillConfig.q_in_kernel``)
 against the pass before the launch, on AUTO_CONFIGS' tilings: out and LSE bit for bit
 (fp8 and nvfp4 recipes, dynamic and static Q, a NaN and an inf in Q), then both timed
-round robin beside FA3 bf16 (``do_bench`` medians, 5 rounds) at prefill.py's shapes.
+round robin beside FA3 bf16 (``do_bench`` medians, 5 rounds) at prefill.py's shapes: fp8 and
+nvfp4 with Q's scale dynamic and static (a calibrated MLA_QUANT's), nvfp4 also with 2:4. With
+dynamic nvfp4 Q the launcher keeps the pass, so its two rows time one kernel (the noise floor).
 
 Usage (device, bundle installed): ``python packages/mla-triton/benchmarks/gpu/sit16_q_in_kernel.py``
 with ``PYTHONPATH`` as ``sit15.sh bench`` sets it.
@@ -91,11 +93,12 @@ def time_shape(shape: str) -> None:
         )  # fmt: skip
 
     fns: dict[str, Callable[[], Any]] = {"fa3": pb.fa3(x["q"], x["k"], x["v"], x["cu"], x["max"])}
-    for name in ("fp8", "nvfp4"):
+    for name in ("fp8", "fp8-static-q", "nvfp4", "nvfp4-static-q"):
         for on in (False, True):
             fns[f"{name} q_in_kernel={on}"] = call(RECIPES[name], on)
-    for on in (False, True):
-        fns[f"nvfp4+2:4 q_in_kernel={on}"] = call(RECIPES["nvfp4"], on, True)
+    for name in ("nvfp4", "nvfp4-static-q"):
+        for on in (False, True):
+            fns[f"{name}+2:4 q_in_kernel={on}"] = call(RECIPES[name], on, True)
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
@@ -107,7 +110,7 @@ def time_shape(shape: str) -> None:
     print(f"{shape}:")
     for name, ms in rounds.items():
         med = statistics.median(ms)
-        print(f"  {name:28s} median {med:7.3f} ms (rounds {min(ms):.3f}-{max(ms):.3f}) "
+        print(f"  {name:34s} median {med:7.3f} ms (rounds {min(ms):.3f}-{max(ms):.3f}) "
               f"{fa3 / med:6.3f}x FA3", flush=True)  # fmt: skip
 
 

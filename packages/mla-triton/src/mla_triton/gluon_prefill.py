@@ -158,11 +158,18 @@ class GluonPrefillConfig:
 # 0.478x / 0.522x / 0.441x). Sitting 13 (round-robin timing, benchmarks/results/gpu-sit13):
 # fp8 takes recipe none's tiling, the row-minimum check off (0.737x / 0.821x / 0.677x against
 # 0.720x / 0.804x / 0.660x with it); fma_inf_check is not faster on any of these tilings.
-_PINGPONG = GluonPrefillConfig(128, 128, 2, warp_specialize=True, pingpong=True, early_k=True)
-_NO_TURNS = GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True, turns=False)
-_WS_NM = GluonPrefillConfig(
-    128, 128, 2, warp_specialize=True, early_k=True, nm_pairs=True, nm_nan_rank=True
+# Sitting 17: Q's QDQ in the kernel (``q_in_kernel``) on every tiling (no effect where Q is
+# not quantized, or for nvfp4 Q with a dynamic scale: the launcher keeps the pass for it).
+_PINGPONG = GluonPrefillConfig(
+    128, 128, 2, warp_specialize=True, pingpong=True, early_k=True, q_in_kernel=True
 )
+_NO_TURNS = GluonPrefillConfig(
+    128, 64, 3, warp_specialize=True, pingpong=True, turns=False, q_in_kernel=True
+)
+_WS_NM = GluonPrefillConfig(
+    128, 128, 2, warp_specialize=True, early_k=True, nm_pairs=True, nm_nan_rank=True,
+    q_in_kernel=True
+)  # fmt: skip
 AUTO_CONFIGS: dict[str, GluonPrefillConfig] = {
     "none": _PINGPONG,
     "fp8": _PINGPONG,
