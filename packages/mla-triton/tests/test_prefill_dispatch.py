@@ -7,12 +7,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from mla_formats import AttentionQuant, NMSparsity
+from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 from mla_triton import gluon_prefill as gp
 from mla_triton import prefill
 from mla_triton import warmup as wu
@@ -242,6 +243,24 @@ def test_auto_configs_are_gluon_tilings_for_every_p_format() -> None:
         fmt, sparse = key.removesuffix("+nm"), key.endswith("+nm")
         recipe = P.Recipe.of(AttentionQuant() if fmt == "none" else AttentionQuant.uniform(fmt))
         assert gp.auto_config(recipe, sparse) is config
+
+
+@pytest.mark.parametrize(
+    ("q", "p", "sparse", "in_kernel"),
+    [("fp8", "fp8", False, True), (OperandQuant("fp8", 5.0), "fp8", False, True),
+     ("fp8", "none", False, True), ("fp8", "fp8", True, True),
+     ("nvfp4", "nvfp4", False, False), ("nvfp4", "nvfp4", True, False),
+     (OperandQuant("nvfp4", 5.0), "nvfp4", False, False),
+     (OperandQuant("nvfp4", 5.0), "nvfp4", True, True), ("none", "fp8", False, False)],
+)  # fmt: skip
+def test_auto_q_qdq_in_kernel(q: Any, p: str, sparse: bool, in_kernel: bool) -> None:
+    """Where ``auto``'s tilings QDQ Q in the kernel (sitting 17's measurements): fp8 Q with
+    any scale on the tilings of P none / fp8 and of N:M, static nvfp4 Q with N:M only; a
+    dynamic nvfp4 Q never (the pass); no Q format, no QDQ."""
+    recipe = P.Recipe.of(AttentionQuant(q=q, k="fp8", p=p, v="fp8"))
+    config = gp.auto_config(recipe, sparse)
+    assert gp.q_qdq_in_kernel(config, recipe) is in_kernel
+    assert not gp.q_qdq_in_kernel(replace(config, q_in_kernel=False), recipe)
 
 
 @needs_interpreter

@@ -23,9 +23,10 @@ import triton
 sys.path.insert(0, "packages/mla-triton/benchmarks")
 import prefill as pb
 
-from mla_formats import AttentionQuant, OperandQuant
+from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 from mla_triton import gluon_prefill as gp
 from mla_triton import prefill
+from mla_triton.prefill import Recipe
 
 RECIPES = {
     "fp8": AttentionQuant.uniform("fp8"),
@@ -53,10 +54,8 @@ def bit_for_bit() -> bool:
         for qq in (q, q_bad):
             for causal in (True, False):
                 for sp in sparse:
-                    from mla_formats import NMSparsity
-
                     sparsity = NMSparsity(2, 4) if sp else None
-                    config = gp.auto_config(prefill_recipe(quant), sp is not None)
+                    config = gp.auto_config(Recipe.of(quant), sp is not None)
                     got = [prefill(qq, k, v, cu, cu, softmax_scale=0.07, causal=causal,
                                    return_lse=True, quant=quant, sparsity=sparsity,
                                    impl="gluon", config=replace(config, q_in_kernel=on))
@@ -71,21 +70,13 @@ def bit_for_bit() -> bool:
     return ok
 
 
-def prefill_recipe(quant: AttentionQuant) -> Any:
-    from mla_triton.prefill import Recipe
-
-    return Recipe.of(quant)
-
-
 def time_shape(shape: str) -> None:
     lens, heads = pb.SHAPES[shape]
     x = pb._inputs(lens, heads)
     out = torch.empty(sum(lens), heads, pb.DV, dtype=torch.bfloat16, device="cuda")
 
     def call(quant: AttentionQuant, on: bool, sparse: bool = False) -> Callable[[], Any]:
-        from mla_formats import NMSparsity
-
-        config = replace(gp.auto_config(prefill_recipe(quant), sparse), q_in_kernel=on)
+        config = replace(gp.auto_config(Recipe.of(quant), sparse), q_in_kernel=on)
         return lambda: prefill(
             x["q"], x["k"], x["v"], x["cu"], x["cu"], softmax_scale=pb.DQK**-0.5, causal=True,
             max_seqlen_q=x["max"], max_seqlen_k=x["max"], quant=quant, out=out, impl="gluon",

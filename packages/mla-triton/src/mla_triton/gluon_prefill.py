@@ -6,8 +6,9 @@ mbarriers) where ``prefill.select_impl`` takes it; the numbers are those of the
 Triton kernel (docs/numerics.md). Q, K and V are QDQ'd (any format) by the prefill
 core's pass ``prefill.quantize_kv`` (Q through its K path) into factored values
 (fp16 where both operands of a dot are quantized, else the input dtype, exact
-either way; with ``GluonPrefillConfig.q_in_kernel`` Q is QDQ'd in the kernel instead, fp8
-any scale or nvfp4 a static one); P is QDQ'd in the kernel between the two MMAs (fp8 or
+either way; with ``GluonPrefillConfig.q_in_kernel``, on in ``AUTO_CONFIGS`` but for nvfp4
+P's tiling, Q is QDQ'd in the kernel instead where ``q_qdq_in_kernel`` says: fp8 any scale
+or nvfp4 a static one); P is QDQ'd in the kernel between the two MMAs (fp8 or
 nvfp4), after the optional N:M selection. What the kernel does not cover (N:M groups
 wider than 64 keys, float32, head dims other than multiples of 64 up to 256 for Q/K and 64 or
 128 for V): ``unsupported`` says why, for the dispatcher (which keeps N:M on the
@@ -35,6 +36,7 @@ __all__ = [
     "api_missing",
     "auto_config",
     "compile_sm90",
+    "q_qdq_in_kernel",
     "unsupported",
 ]
 
@@ -158,14 +160,18 @@ class GluonPrefillConfig:
 # 0.478x / 0.522x / 0.441x). Sitting 13 (round-robin timing, benchmarks/results/gpu-sit13):
 # fp8 takes recipe none's tiling, the row-minimum check off (0.737x / 0.821x / 0.677x against
 # 0.720x / 0.804x / 0.660x with it); fma_inf_check is not faster on any of these tilings.
-# Sitting 17: Q's QDQ in the kernel (``q_in_kernel``) on every tiling (no effect where Q is
-# not quantized, or for nvfp4 Q with a dynamic scale: the launcher keeps the pass for it).
+# Sitting 17 (benchmarks/results/gpu-sit17, gpu/sit16_q_in_kernel.py, two runs): Q's QDQ in
+# the kernel (``q_in_kernel``; ``q_qdq_in_kernel`` says where it applies) on the tilings of P
+# none / fp8 and of N:M: fp8 Q with a static scale 0.768-0.769x / 0.887-0.891x / 0.751-0.756x
+# FA3 against 0.728x / 0.829-0.853x / 0.724x with Q's pass, a dynamic one 0.742-0.743x /
+# 0.874-0.887x / 0.747-0.748x against 0.757x / 0.863-0.877x / 0.735-0.740x (a wash), static
+# nvfp4 Q with 2:4 0.406-0.408x / 0.409-0.415x / 0.397-0.399x against 0.404-0.406x / 0.407-0.412x /
+# 0.390-0.392x. Off on nvfp4's tiling: static nvfp4 Q there 0.506-0.509x / 0.596-0.603x /
+# 0.517-0.520x against 0.558-0.561x / 0.605-0.622x / 0.551-0.553x with the pass.
 _PINGPONG = GluonPrefillConfig(
     128, 128, 2, warp_specialize=True, pingpong=True, early_k=True, q_in_kernel=True
 )
-_NO_TURNS = GluonPrefillConfig(
-    128, 64, 3, warp_specialize=True, pingpong=True, turns=False, q_in_kernel=True
-)
+_NO_TURNS = GluonPrefillConfig(128, 64, 3, warp_specialize=True, pingpong=True, turns=False)
 _WS_NM = GluonPrefillConfig(
     128, 128, 2, warp_specialize=True, early_k=True, nm_pairs=True, nm_nan_rank=True,
     q_in_kernel=True
@@ -185,6 +191,14 @@ two of them and the 24 of the producer warp fill the register file)."""
 def auto_config(recipe: Recipe, sparse: bool = False) -> GluonPrefillConfig:
     """``AUTO_CONFIGS``' tiling for ``recipe``'s P format (``sparse``: with N:M)."""
     return AUTO_CONFIGS[_P_FORMATS[recipe.p_fmt] + ("+nm" if sparse else "")]
+
+
+def q_qdq_in_kernel(config: GluonPrefillConfig, recipe: Recipe) -> bool:
+    """Whether the kernel QDQs Q itself: ``config.q_in_kernel`` and a Q format it covers
+    (fp8 with any scale, nvfp4 with a static one); otherwise the launcher's pass does."""
+    return config.q_in_kernel and (
+        recipe.q_fmt == 1 or (recipe.q_fmt == 2 and not recipe.q_dynamic)
+    )
 
 
 @functools.cache
@@ -283,8 +297,8 @@ class _Gluon(PrefillFamily):
                 v_dtype=pv_dtype,
             )  # fmt: skip
         q_gs, q_inv, q_fast = r.q_gs, 1.0, False  # Q's QDQ in the kernel (q_in_kernel)
-        in_kernel = config.q_in_kernel and (r.q_fmt == 1 or not r.q_dynamic)
-        if r.q_fmt and in_kernel:
+        in_kernel = q_qdq_in_kernel(config, r)
+        if in_kernel:
             q_inv = 1.0 / (6.0 * q_gs) if r.q_fmt == 2 else 1.0 / q_gs
             q_fast = not r.q_dynamic and _fast_qdq_exact(q, q_gs)
         elif r.q_fmt:  # Q through the pass's K path (V left alone: format none)
