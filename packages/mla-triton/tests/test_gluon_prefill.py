@@ -479,7 +479,8 @@ def test_q_in_kernel_launches_raw_q(
 ) -> None:
     """``q_in_kernel``: Q reaches the kernel raw (no pass over it) with its format code and
     static scale, K and V factored by the pass as before; nvfp4 Q with a dynamic amax keeps
-    the pass."""
+    the pass. ``auto`` without a config: fp8 Q in the kernel, nvfp4 Q through the pass
+    (``AUTO_CONFIGS``)."""
     from mla_formats import OperandQuant
     from mla_triton.kernels import gluon_prefill as kernels
 
@@ -507,3 +508,12 @@ def test_q_in_kernel_launches_raw_q(
             assert q_gs == pytest.approx(5.0 / unit), fmt
             assert q_inv == pytest.approx(unit / 5.0 / (6.0 if fmt == "nvfp4" else 1.0)), fmt
             assert not capture.kwargs["Q_FAST"]  # 5 / unit: not a power of two
+        # auto, no config: AUTO_CONFIGS' choice (in the kernel for fp8, the pass for nvfp4
+        # P's tiling), as q_qdq_in_kernel says
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, max_seqlen_q=18,
+                max_seqlen_k=18)  # fmt: skip
+        auto_in_kernel = fmt == "fp8"
+        assert gp.q_qdq_in_kernel(gp.auto_config(PREFILL.Recipe.of(quant)),
+                                  PREFILL.Recipe.of(quant)) == auto_in_kernel  # fmt: skip
+        assert capture.kwargs["Q_FMT"] == (code if auto_in_kernel else 0), fmt
+        assert (capture.args[0].base is q) == auto_in_kernel, fmt
