@@ -5,7 +5,8 @@ This is how vLLM's chunked-context prefill uses ``mla_triton.prefill`` (``causal
 False`` over each context chunk, ``causal=True`` over the new tokens, then
 ``merge_attn_states``). Chunk boundaries sit at multiples of 16 keys, so V's and
 P's nvfp4 blocks coincide with the single pass's; each pass has its own
-power-of-two reference point, under which QDQ commutes (SPEC 4), so the
+power-of-two reference point, under which QDQ commutes (docs/numerics.md
+"Softmax, P and schedule invariance"), so the
 quantized merge agrees up to the same rare P-code flips the oracle tests allow.
 """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mla_triton import prefill
-from mla_triton.decode import decode
+from mla_triton import decode
 
 KV_LORA_RANK, ROPE, NOPE, DV, HEADS, PAGE = 512, 64, 128, 128, 4, 16
 

@@ -48,7 +48,7 @@ def preflight(tp: int = 1) -> dict[str, str]:
     if vllm.__version__ != VLLM_VERSION:
         fail(f"needs vLLM {VLLM_VERSION}, found {vllm.__version__}", 2)
     try:
-        import mla_triton.decode  # noqa: F401
+        import mla_triton  # noqa: F401
         import mla_vllm.backend  # noqa: F401
     except ImportError as exc:
         fail(f"needs mla_vllm and mla_triton importable ({exc})", 2)

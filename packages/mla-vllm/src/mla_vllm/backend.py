@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.mla.triton_mla import (
     TritonMLAMetadataBuilder,
 )
 
-from mla_triton.shadow import update_cache
+from mla_triton import update_cache
 from mla_vllm.config import MLAQuantConfig, config_from_vllm
 from mla_vllm.decode import forward_decode
 from mla_vllm.gates import check_layers

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from mla_formats import AttentionQuant
-from mla_triton.decode import decode
-from mla_triton.shadow import decode_shadow
+from mla_triton import decode
+from mla_triton import decode_shadow
 from mla_vllm.shadow import LayerShadow
 from mla_vllm.state import LayerState
 from mla_vllm.workspace import decode_scratch

@@ -70,7 +70,7 @@ class MLAQuantPrefillBackend(MLAPrefillBackend):
     @classmethod
     def is_available(cls) -> bool:
         try:
-            import mla_triton.prefill  # noqa: F401
+            import mla_triton  # noqa: F401
         except ImportError:
             return False
         return True
@@ -116,7 +116,7 @@ class MLAQuantPrefillBackend(MLAPrefillBackend):
         output_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Causal attention of the new tokens: ``out [T, H, Dv]`` (, ``lse [H, T]``)."""
-        from mla_triton.prefill import prefill
+        from mla_triton import prefill
 
         if output_scale is not None:
             raise ValueError(
@@ -175,7 +175,7 @@ class MLAQuantPrefillBackend(MLAPrefillBackend):
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Non-causal attention to one chunk of cached context: ``(out, lse [H, T])``."""
-        from mla_triton.prefill import prefill
+        from mla_triton import prefill
 
         state = self.layer
         quant = None if state is None or state.recipe.prefill.is_identity else state.recipe.prefill

@@ -39,7 +39,7 @@ import torch
 from vllm.v1.kv_cache_interface import KVQuantMode, MLAAttentionSpec
 
 from mla_formats import AttentionQuant
-from mla_triton.shadow import ShadowLayout, shadow_layout
+from mla_triton import ShadowLayout, shadow_layout
 from mla_vllm.config import MLAQuantConfig
 
 __all__ = ["LayerShadow", "layer_shadow", "shadow_spec", "shadow_token_bytes", "split_cache"]

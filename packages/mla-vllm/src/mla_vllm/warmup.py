@@ -52,7 +52,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry, VllmJitKernel
 
-from mla_triton.warmup import (
+from mla_triton.precompile import (
     compile_only,
     compiled_variants,
     warmup_decode,

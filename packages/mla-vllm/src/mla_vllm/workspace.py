@@ -13,7 +13,8 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
-from mla_triton.decode import decode_num_splits, decode_workspace_size
+from mla_triton import decode_workspace_size
+from mla_triton.tuning import decode_num_splits
 from mla_vllm.state import capturing
 
 __all__ = ["decode_scratch", "decode_workspace_bytes", "reserve_decode_workspace"]

@@ -1,1 +1,0 @@
-"""Triton kernels (``@triton.jit``) behind mla_triton's launch wrappers."""
