@@ -55,11 +55,11 @@ from mla_triton.ops.prefill import prefill
 from mla_triton.ops.shadow import decode_shadow, shadow_decode_config, update_cache
 
 __all__ = [
-    "warmup",
     "compile_only",
     "compiled_variants",
     "decode_split_counts",
     "record_keys",
+    "warmup",
     "warmup_decode",
     "warmup_prefill",
     "warmup_update_cache",
@@ -294,7 +294,8 @@ def warmup_decode(
     ``kv_cache`` is the engine's raw latent cache ``[blocks, page, kv_lora_rank +
     rope]`` (its strides key the kernels, its block count none);
     ``shadow`` its uint8 shadow bytes (``decode_shadow`` with ``quant`` and ``storage``;
-    None: on-read ``decode``); ``pages_per_row`` the block table's width; the dispatch reads only the engine's fixed geometry, heads, dtype,
+    None: on-read ``decode``); ``pages_per_row`` the block table's width; the dispatch reads only
+    the engine's fixed geometry, heads, dtype,
     recipe and cache strides, so serving calls dispatch alike. Call inside ``compile_only``.
     The split count is a runtime argument of the kernels, keyed only by one split or
     several (``MULTI_SPLIT``): returns the counts launched, one per class the policy
@@ -464,13 +465,30 @@ def warmup(
     """
     before = sum(compiled_variants().values())
     with compile_only(threads):
-        warmup_decode(kv_cache, num_heads=num_heads, pages_per_row=pages_per_row,
-                      max_rows=max_rows, max_seq_len=max_seq_len, softmax_scale=softmax_scale,
-                      quant=quant, shadow=shadow, storage=storage, kv_lora_rank=kv_lora_rank)
+        warmup_decode(
+            kv_cache,
+            num_heads=num_heads,
+            pages_per_row=pages_per_row,
+            max_rows=max_rows,
+            max_seq_len=max_seq_len,
+            softmax_scale=softmax_scale,
+            quant=quant,
+            shadow=shadow,
+            storage=storage,
+            kv_lora_rank=kv_lora_rank,
+        )
         if shadow is not None and quant is not None:
-            warmup_update_cache(kv_cache, shadow, quant=quant, storage=storage,
-                                kv_lora_rank=kv_lora_rank)
-        warmup_prefill(num_heads=prefill_heads or num_heads, head_dim_qk=head_dim_qk,
-                       head_dim_v=head_dim_v, dtype=kv_cache.dtype, device=kv_cache.device,
-                       softmax_scale=softmax_scale, quant=quant, sparsity=sparsity)
+            warmup_update_cache(
+                kv_cache, shadow, quant=quant, storage=storage, kv_lora_rank=kv_lora_rank
+            )
+        warmup_prefill(
+            num_heads=prefill_heads or num_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_v=head_dim_v,
+            dtype=kv_cache.dtype,
+            device=kv_cache.device,
+            softmax_scale=softmax_scale,
+            quant=quant,
+            sparsity=sparsity,
+        )
     return sum(compiled_variants().values()) - before

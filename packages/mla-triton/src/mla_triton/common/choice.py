@@ -6,9 +6,10 @@ context names an implementation (and optionally its tile configuration) for that
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from types import MappingProxyType
 
 __all__ = ["IMPLS", "force", "forced"]
 
@@ -18,7 +19,10 @@ IMPLS: dict[str, tuple[str, ...]] = {
 }
 """The implementations of each op (``decode`` covers ``decode`` and ``decode_shadow``)."""
 
-_FORCED: ContextVar[dict[str, tuple[str, object]]] = ContextVar("mla_triton_forced", default={})
+_NONE: Mapping[str, tuple[str, object]] = MappingProxyType({})
+_FORCED: ContextVar[Mapping[str, tuple[str, object]]] = ContextVar(
+    "mla_triton_forced", default=_NONE
+)
 
 
 def forced(op: str) -> tuple[str, object]:

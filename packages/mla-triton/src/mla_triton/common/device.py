@@ -15,7 +15,7 @@ import triton
 
 try:  # Gluon (Triton's tile language for Hopper) is experimental: present in recent releases
     from triton.experimental.gluon import language as _gl  # noqa: F401
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _TD  # noqa: F401
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
 
     _GLUON_IMPORT_ERROR: str | None = None
 except ImportError as _exc:  # pragma: no cover - depends on the installed Triton

@@ -1,4 +1,4 @@
-"""Triton device functions the attention kernels share (docs/numerics.md, SPEC 3 to 6).
+"""Triton device functions the attention kernels share (docs/numerics.md).
 
 - ``softmax_step``: the online-softmax step of every attention kernel (decode,
   shadow-cache decode, prefill): base-2 scores, an integer running maximum (every

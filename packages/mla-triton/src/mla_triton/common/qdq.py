@@ -1,4 +1,5 @@
-"""Triton device functions for in-kernel QDQ, in float32 arithmetic (SPEC 2, 7).
+"""Triton device functions for in-kernel QDQ, in float32 arithmetic (docs/numerics.md "Formats and
+scales", "Where it runs").
 
 No fp8 casts: the rounding is done with float32 compares, floors and exponent
 bit manipulation, so it runs on sm80 and in Triton's CPU interpreter (whose fp8
@@ -15,7 +16,7 @@ keep NaN and turn ±inf into NaN. A finite value beyond the range still saturate
 ``a * 0`` is 0 for a finite ``a`` and NaN otherwise, so ``y + a * 0`` poisons ``y``
 in one ``fma`` (a zero result loses its sign, which no dot sees). Not ``y + (a - a)``:
 compiled for a GPU, LLVM contracts ``a - a`` with the multiply that made ``a`` into
-``fma(b, c, -a)``, the product's rounding error instead of 0 (sitting 14: software
+``fma(b, c, -a)``, the product's rounding error instead of 0 (software
 E4M3 scales of ``bmax * inv_6gs`` came out as 447.99997 or 5.7e-14).
 
 E2M1 without a division: ``E2M1(a / scale)`` only depends on which of the grid's
@@ -275,7 +276,7 @@ def recip_hw(x, HW: tl.constexpr):
     """``1 / x`` for float32 ``x`` in ``[1e-30, 2^126)`` or NaN; ``HW``: one ``MUFU.RCP``.
 
     Triton's ``1.0 / x`` is ``div.full.f32``: ``MUFU.RCP`` of ``x`` times 1 on that range,
-    behind range checks and rescales (seven instructions more, sitting 14's SASS); with
+    behind range checks and rescales (seven instructions more, in the SASS); with
     ``HW`` (GPUs only: the interpreter runs no PTX) the same reciprocal is asked for
     directly (``rcp.approx.ftz.f32``), the same bits. Block scales times global scales
     fall in that range: at least the ``1e-30`` they are clamped to, at most 448 times a

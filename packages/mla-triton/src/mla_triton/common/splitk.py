@@ -1,6 +1,6 @@
 """The split-K decode core that every decode implementation shares.
 
-Argument checks (docs/numerics.md "Input contract"), the split policy, the workspace,
+Argument checks (docs/numerics.md "LSE, masks and input checks"), the split policy, the workspace,
 q̂ (stage 0, ``splitk_kernels.decode_q_kernel``), the keyword arguments every split
 kernel takes and the merge (stage 2, ``splitk_kernels.decode_merge_kernel``). An
 implementation is a ``SplitFamily``: its split kernel, default tiles and own arguments.
@@ -32,15 +32,15 @@ __all__ = [
     "SplitFamily",
     "block_h_for",
     "check_call",
+    "decode_num_splits",
+    "decode_workspace_size",
     "operand",
     "power_of_two",
+    "run_decode",
     "scales",
     "sm_count",
     "tensor_arg",
     "unit_last_stride",
-    "decode_num_splits",
-    "decode_workspace_size",
-    "run_decode",
 ]
 
 LOG2E = math.log2(math.e)
@@ -114,7 +114,7 @@ def decode_num_splits(
     Programs without splits number ``batch * ceil(num_heads / block_h)``. The
     policy takes the fewest splits (1 to 64) whose programs fill the GPU's SMs
     (``device``'s count; 132 off-GPU) to at least 90% of whole waves, a single
-    wave included (docs/benchmarks.md, sitting 10), with every split at least
+    wave included (docs/design/decode.md), with every split at least
     256 tokens of ``max_seq_len`` long. No data is read: CUDA graphs captured for
     a batch size and ``max_seq_len`` replay the same split.
     """
@@ -475,9 +475,6 @@ def operand(op: OperandQuant) -> Operand:
         / torch.tensor(op.format.unit_amax, dtype=torch.float32)
     )
     return Operand(FORMAT_CODES[op.format.name], False, gs, math.frexp(gs)[0] == 0.5)
-
-
-
 
 
 # ---------------------------------------------------------------------------- decode

@@ -35,6 +35,7 @@ def _qdq_q(x, gs, FMT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
         y = dev.nvfp4_qdq(x, gs, ROWS, COLS, 1, True)
     return y
 
+
 @triton.jit
 def decode_q_kernel(
     qn_ptr,
@@ -73,6 +74,7 @@ def decode_q_kernel(
     tl.store(qhat_ptr + row + offs_d1, _qdq_q(qn, gs, Q_FMT, 1, D1).to(dtype))
     tl.store(qhat_ptr + row + D1 + offs_d2, _qdq_q(qp, gs, Q_FMT, 1, D2).to(dtype))
     tl.store(qgs_ptr + b * num_heads + h, gs)
+
 
 @triton.jit(do_not_specialize=["num_splits"])
 def decode_merge_kernel(

@@ -79,7 +79,8 @@ def decode(
         base-2 maximum score and ``l`` the sum of the unquantized ``P = 2^(t - m)``.
 
     Numerics: the result does not depend on the split count or on the other
-    requests in the batch beyond float32 summation order and the SPEC 4 exception
+    requests in the batch beyond float32 summation order and the exception of docs/numerics.md
+    "Softmax, P and schedule invariance"
     (E4M3 subnormal block scales of P); with ``num_splits`` fixed, a request's
     result is bit-identical whatever the rest of the batch.
 

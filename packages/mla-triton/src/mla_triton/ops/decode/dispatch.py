@@ -6,7 +6,8 @@ implementation forced by ``mla_triton.tuning.use`` (``"auto"`` otherwise). The r
 
 | facts | implementation |
 |---|---|
-| not an sm90 GPU, Triton other than the Gluon release, widths other than 512 + 64 | Triton split-K |
+| not an sm90 GPU, Triton other than the Gluon release, widths other than 512 + 64 | Triton split-K
+|
 | recipe none | warp-specialized Gluon (``gluon_ws``), any head count |
 | a recipe the Gluon split kernel implements, more than 32 heads | Gluon split (``gluon``) |
 | anything else | Triton split-K |

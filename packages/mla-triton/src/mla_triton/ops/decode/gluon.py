@@ -1,14 +1,13 @@
-"""The Gluon sm90 decode (``kernels.gluon_decode``): dispatch, split family, CPU compile.
+"""Decode, the Gluon split implementation for sm90 (``gluon_kernels``): dispatch facts, family,
+CPU compile.
 
-``decode(impl="auto")`` runs this kernel where ``gluon_unsupported`` is None (an sm90
-GPU, the Triton release the kernel is written for, a recipe of ``gluon_recipe``, more
-than 32 heads, 16-bit inputs of widths 512 + 64, 16-byte aligned cache rows), through
-the decode core (``decode.run_decode``) with ``gluon_family``: q̂ by ``decode``'s q
-kernel, the split policy, the workspace, ``split_kernel_args`` and the Triton merge
-kernel are those of the Triton path; only the split kernel differs.
-
-``compile_variant`` compiles one kernel variant for sm_90a without a GPU (Gluon has
-no interpreter): the CPU test and the benchmark's report use it.
+The dispatch (``dispatch.choose``) runs this kernel where ``gluon_unsupported`` is None (an
+sm90 GPU, the Triton release of ``common.device.GLUON_TRITON``, a recipe of
+``gluon_recipe``, more than 32 heads, 16-bit inputs of widths 512 + 64, 16-byte aligned
+cache rows), through the split-K core (``common.splitk.run_decode``) with
+``gluon_family``: only the split kernel differs from the Triton path.
+``compile_variant`` compiles one kernel variant for sm_90a without a GPU (Gluon has no
+interpreter): the CPU tests use it.
 """
 
 from __future__ import annotations
@@ -124,7 +123,7 @@ third stage exceed the 227 KiB of a CTA."""
 
 ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=2)
 """``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
-``decode(..., config=ON_READ_BLOCKS_CONFIG)`` for a V̂-of-its-own recipe (nvfp4 on read);
+for a V̂-of-its-own recipe (nvfp4 on read);
 what ``gluon_decode_config`` gives nvfp4 Q/K/P/V (``on_read_blocks_taken``)."""
 
 ON_READ_PIPELINED_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=4)
@@ -141,9 +140,9 @@ picked by the dispatch."""
 def on_read_blocks_taken(quant: AttentionQuant | None) -> bool:
     """Whether ``decode`` without a config runs ``quant`` on read with
     ``ON_READ_BLOCKS_CONFIG``: nvfp4 Q, K, P and V (any static scales), the recipe its H200
-    check ran bit for bit against ``SEPARATE_V_CONFIG`` (ragged and empty lengths, splits
-    1 / 3 / 2 / the policy, pages 16 and 64, 20 / 64 / 128 heads, K and V scales 1 and 3;
-    benchmarks/results/gpu-sit8/on-read), 1.30x / 1.37x its speed at b128 h128 L8192 / b32
+    check ran bit for bit against ``SEPARATE_V_CONFIG`` (ragged and empty lengths, splits 1 / 3 / 2
+    / the policy, pages 16 and 64, 20 / 64 / 128 heads, K and V scales 1 and 3), 1.30x / 1.37x its
+    speed at b128 h128 L8192 / b32
     h128 L32768. Other V-of-its-own recipes keep ``SEPARATE_V_CONFIG``."""
     taken = gluon_recipe(quant)
     return isinstance(taken, GluonRecipe) and taken.v_own and (
@@ -233,7 +232,7 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     ``GluonRecipe.v_own``, V fp8 or nvfp4 quantized into its own ring beside K none, fp8
     or nvfp4 in place (static scales, any value); P none, fp8 or nvfp4. nvfp4 q or P and
     ``v_own`` recipes are not verified on a GPU yet: ``gluon_unsupported`` keeps them off
-    ``"auto"`` while ``GLUON_ON_READ_AUTO`` is False.
+    ``"auto"`` too.
     """
     if quant is None:
         return UNQUANTIZED
@@ -257,12 +256,12 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
 def gluon_decode_preferred(num_heads: int) -> bool:
     """Whether the Gluon kernel is the faster choice for ``num_heads`` query heads.
 
-    Measured on an H200 (docs/gluon.md, quant none): with 128 heads the Gluon kernel
+    Measured on an H200 (docs/design/decode.md, quant none): with 128 heads the Gluon kernel
     ran 1.5x the Triton one; with 16 it ran 0.85x to 0.93x (48 of its 64 wgmma rows
     are padding, and one CTA fills an SM's shared memory, where the Triton kernel runs
     16 heads a program, several programs an SM). Up to 32 heads: the Triton kernel.
     This rule is this kernel's: recipe none runs the warp-specialized kernel at any head
-    count (``gluon_decode_ws.decode_unsupported``).
+    count (``gluon_ws.decode_unsupported``).
     """
     return num_heads > 32
 
@@ -324,7 +323,7 @@ def gluon_unsupported(
     stride_align: int = 16,
     any_heads: bool = False,
 ) -> Unsupported | None:
-    """None when ``impl="auto"`` (``forced``: ``"gluon"``) runs the call through the
+    """None when the dispatch (``forced``: a forced ``"gluon"``) runs the call through the
     Gluon kernel, else why not. A pure function of ``f`` (testable without a GPU);
     ``recipe``: the recipe rule (``gluon_recipe``; ``decode_shadow``: the shadow's);
     ``stride_align``: the multiple of elements the tiles' page and row strides must be
@@ -382,7 +381,7 @@ def gluon_facts(
 
 
 def choose_impl(impl: str, facts: GluonFacts, rule: Rule = gluon_unsupported) -> str:
-    """``"gluon"`` or ``"triton"`` for a checked call (``impl`` from ``check_impl``;
+    """``"gluon"`` or ``"triton"`` for a checked call (``impl``: ``"auto"`` or ``"gluon"``;
     ``rule``: ``gluon_unsupported``, or ``decode_shadow``'s).
 
     ``"triton"`` always; ``"gluon"`` where ``gluon_unsupported(forced=True)`` is None,
@@ -422,7 +421,7 @@ class _ByName:
 
 
 class _GluonFamily(OnRead):
-    """The decode core's split family of the Gluon kernel (``decode(impl="gluon")``):
+    """The decode core's split family of the Gluon kernel (``tuning.use("gluon")``):
     the on-read recipe rules (V̂ is K̂ for fp8 K and V of one scale), 64 heads a CTA,
     its tile configuration, and its own arguments (``k_inv_gs``, ``STAGES``,
     ``OVERLAP``, ``KV_FP8``)."""
@@ -449,8 +448,8 @@ class _GluonFamily(OnRead):
             raise ValueError(
                 f"config: {cfg.name} is for V quantized into its own tiles (nvfp4 on read)"
             )
-        return DecodeConfig(block_h=kernels.BLOCK_H, block_n=cfg.block_n, num_warps=kernels.NUM_WARPS,
-                            num_stages=cfg.stages)  # fmt: skip
+        return DecodeConfig(block_h=kernels.BLOCK_H, block_n=cfg.block_n,
+                            num_warps=kernels.NUM_WARPS, num_stages=cfg.stages)  # fmt: skip
 
     def v_own(self, recipe: AttentionQuant | None) -> bool:
         """Whether the on-read recipe quantizes V into tiles of its own (``V_OWN``)."""

@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_triton.common import qdq as dev
 from mla_triton.common import kernels as common
+from mla_triton.common import qdq as dev
 
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 NUM_WARPS = 8

@@ -1,28 +1,13 @@
-"""The warp-specialized Gluon sm90 decode (``kernels.gluon_decode_ws``): launcher and CPU compile.
+"""Decode, the warp-specialized Gluon implementation for sm90 (``gluon_ws_kernels``).
 
-``mla_triton.decode(..., config=WsConfig(...))`` runs the kernel through the decode
-core (``decode.run_decode``): the checks, split policy, workspace, ``split_kernel_args``
-and the Triton merge kernel are ``decode``'s, only the split kernel differs, so its
-outputs (one split: ``out`` and ``lse``; several: the workspace partials the merge
-combines) follow the same contract. Recipe none only (bf16/fp16, widths 512 + 64, an
-sm90 GPU with Triton 3.8: the conditions of ``gluon_decode.gluon_unsupported``;
-``ws_config_family`` refuses the rest). ``decode`` without a config runs it, with
-``DEFAULT_CONFIG``, in place of ``gluon_decode``'s kernel where ``ws_dispatched`` holds:
-recipe none while ``WS_AUTO`` is True (the shipped value), at any head count
-(``decode_unsupported``).
-
-``mla_triton.decode_shadow(..., config=WsConfig(...))`` runs it on a float16 shadow with
-V̂ = K̂ (fp8 K and V of one static scale) or with an nvfp4 V̂ section (``NVFP4_CONFIG``'s
-ring, ``cp.async`` or TMA: a V̂ ring beside the K̂ ring, the open V block quantized in the
-kernel); q none or
-quantized, P none, fp8 or nvfp4 (``ws_shadow_kind``) through ``WsShadowFamily`` (the
-shadow's K̂ view as the cache, q̂ from ``decode_q_kernel``, P̂ in registers);
-``decode_shadow`` without a config, where it picked the Gluon kernel, runs it while
-``WS_SHADOW_AUTO`` is True (a V̂ section also needs ``WS_SHADOW_NVFP4_AUTO``; both
-shipped True).
-
-``compile_ws`` compiles the kernel for sm_90a on any machine (Gluon has no
-interpreter): the CPU test and the GPU script's report use it.
+A producer warpgroup copies the cache tiles (``cp.async`` or TMA; for the packed nvfp4
+shadow it decodes E2M1 codes and E4M3 block scales into float16 tiles) while two math
+warpgroups compute ``S``, the softmax and ``P V`` (docs/design/decode.md). It runs through
+the split-K core (``common.splitk.run_decode``): checks, split policy, workspace, q̂ and the
+merge are shared, only the split kernel differs. ``decode`` runs it for recipe none at any
+head count; ``decode_shadow`` for the shadows ``ws_shadow_kind`` takes (a float16 shadow
+with V̂ = K̂, an nvfp4 V̂ section, the packed nvfp4 shadow). ``compile_ws`` compiles it for
+sm_90a on any machine (Gluon has no interpreter).
 """
 
 from __future__ import annotations
@@ -37,9 +22,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_formats import AttentionQuant
-from mla_triton.ops.decode import gluon as gd
 from mla_triton.common.kernels import SPLIT_ALIGN
 from mla_triton.common.splitk import DecodeConfig, Operands, scales
+from mla_triton.ops.decode import gluon as gd
 from mla_triton.ops.decode import gluon_ws_kernels as k
 from mla_triton.ops.decode.gluon import GluonRecipe
 from mla_triton.ops.decode.triton import OnRead
@@ -85,7 +70,7 @@ class WsConfig:
         producer_regs: registers a thread of the copy warpgroup asks for.
         chunked: ``S`` of a tile starts on each of its 64-feature chunks as that lands
             (nine barriers a slot), else (the default: measured faster on an H200,
-            docs/gluon.md) once the whole tile has landed.
+            docs/design/decode.md) once the whole tile has landed.
         tma: tiles arrive by TMA (nine ``[block_n, 64]`` boxes a tile, expect-tx
             barriers; the tail tile's rows past the split zeroed in shared memory) where
             a page holds whole tiles (page a multiple of ``block_n``) and the cache's
@@ -149,7 +134,7 @@ VARIANTS: tuple[WsConfig, ...] = (
     WsConfig(block_n=32, stages=4, tma=True, early_s=True),
 )
 """The configurations the benchmark times; ``VARIANTS[0]`` (``ws-r232-p40-tile``, the
-fastest of the first three on an H200 at b128 L8192 and b32 L32768, docs/gluon.md) is the
+fastest of the first three on an H200 at b128 L8192 and b32 L32768, docs/design/decode.md) is the
 default of ``compile_ws`` and the dispatch. ``[3:]``: the TMA loads, with S issued
 early, and with the 4-slot ring of 32-token tiles (compiled for sm_90a, not yet timed;
 ``twin`` gives the configuration each must equal bit for bit)."""
@@ -171,7 +156,7 @@ DEFAULT_CONFIG = VARIANTS[3]
 (``ws-r232-p40-tile-tma``: ``VARIANTS[0]``'s ring with K tiles by TMA where the page
 holds whole tiles, else ``cp.async``; bit for bit ``VARIANTS[0]``'s outputs). On an H200
 at b128 h128 L8192 / b32 h128 L32768 it ran 1.00x / 0.95x FlashMLA beside ``VARIANTS[0]``'s
-0.93x / 0.89x (sitting 7, benchmarks/results/gpu-sit7-next)."""
+0.93x / 0.89x."""
 
 
 class WsFamily(OnRead):
@@ -202,7 +187,7 @@ class WsShadowFamily(WsFamily):
     kernel reads (its TMA descriptor too), q̂ float16 (``decode_q_kernel``), P̂ fp8 or
     nvfp4 between the MMAs (``p_hat_scales``), K's static scale in the score scale and
     ``gs_p gs_v`` on the output (``decode.split_kernel_args``). V̂ = K̂'s first 512
-    features, or with ``sections`` (nvfp4 V: ``shadow._v_sections``' ``(K̂, V̂, raw rows,
+    features, or with ``sections`` (nvfp4 V: ``ops.shadow._v_sections``' ``(K̂, V̂, raw rows,
     K scales)`` and their strides) the V̂ section in a ring of its own (``V_SEP``), the
     open 16-token V block quantized from the raw rows under ``v_tail_scales``; with
     ``config.tma`` the K̂ view's and the V̂ section's descriptors (``kv_desc``, a pair)
@@ -300,10 +285,11 @@ scales, decoded by the producer into the same float16 tiles): ``compile_ws(recip
 NVFP4_PACKED_CONFIG = WsConfig(block_n=32, stages=2, math_regs=200, producer_regs=104)
 """The configuration the packed nvfp4 shadow runs with (``ws-r200-p104-tile-n32s2``:
 ``NVFP4_CONFIG``'s ring, registers moved from the math warpgroups to the decoding
-producer: the fastest of 208/88, 216/72 and 200/104 on an H200, sitting 11). Its
+producer: the fastest of 208/88, 216/72 and 200/104 on an H200). Its
 reference: ``NVFP4_CONFIG`` on the ``fp16`` shadow of the same cache (the same tiles, the
 same bits). Latency-bound: 4.5 ms at b128 h128 L8192 against the fp16 shadow's 0.92
-(docs/gluon.md, "The packed shadow")."""
+(docs/design/decode.md, "The packed shadow")."""
+
 
 def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
     """``taken`` (``shadow.gluon_shadow_recipe``'s answer) where this kernel reads it, else
@@ -336,8 +322,7 @@ def ws_shadow_default(taken: GluonRecipe) -> WsConfig:
 def ws_shadow_dispatched(taken: GluonRecipe | str) -> bool:
     """Whether ``decode_shadow``'s dispatch, having picked the Gluon kernel without a
     config for a recipe (``taken``: ``shadow.gluon_shadow_recipe``'s), runs it through this
-    kernel: ``WS_SHADOW_AUTO`` is on, ``ws_shadow_kind`` takes the recipe and, for a V̂
-    section, ``WS_SHADOW_NVFP4_AUTO`` is on too."""
+    kernel: ``ws_shadow_kind`` takes the recipe."""
     return not isinstance(ws_shadow_kind(taken), str)
 
 
@@ -392,15 +377,15 @@ def ws_shadow_config_family(
 
 def ws_dispatched(facts: gd.GluonFacts) -> bool:
     """Whether ``decode``'s dispatch, having picked the Gluon kernel for a call (``facts``:
-    ``gluon_decode.choose_impl`` said ``"gluon"``, no ``GluonDecodeConfig`` given), runs it
-    through this kernel: ``WS_AUTO`` is on and the recipe is none."""
+    ``gluon.choose_impl`` said ``"gluon"``, no ``GluonDecodeConfig`` given), runs it
+    through this kernel: the recipe is none."""
     return _recipe_none(facts.quant) == gd.UNQUANTIZED
 
 
 def decode_unsupported(facts: gd.GluonFacts, *, forced: bool = False) -> gd.Unsupported | None:
-    """``decode``'s dispatch rule: ``gluon_decode.gluon_unsupported``, at any head count
-    where this kernel takes the call (``ws_dispatched``: recipe none, ``WS_AUTO``). At b128
-    h16 L8192 it ran 1.07x FlashMLA, the Triton kernel 0.83x (sitting 12, one process,
+    """``decode``'s dispatch rule: ``gluon.gluon_unsupported``, at any head count
+    where this kernel takes the call (``ws_dispatched``: recipe none). At b128
+    h16 L8192 it ran 1.07x FlashMLA, the Triton kernel 0.83x (one process,
     Triton 3.8): ``gluon_decode_preferred``'s 32-head rule is ``gluon_decode``'s kernel's."""
     return gd.gluon_unsupported(facts, forced=forced, any_heads=ws_dispatched(facts))
 
@@ -416,7 +401,7 @@ def _recipe_none(quant: AttentionQuant | None) -> gd.GluonRecipe | str:
 
 def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFamily:
     """``decode``'s split family for ``config=WsConfig(...)`` (``facts``: the checked call's,
-    ``impl``: ``check_impl``'s). Raises ValueError before any launch: ``config`` under
+    ``impl``: ``"gluon"``). Raises ValueError before any launch: ``config`` under
     ``impl="triton"``, ``quant`` for a quantized recipe, ``impl`` where the Gluon kernels
     cannot run (not an sm90 GPU, another Triton release, widths other than 512 + 64)."""
     if impl == "triton":
@@ -451,7 +436,7 @@ def _decode_default(facts: gd.GluonFacts) -> WsFamily | None:
 
 
 DECODE_ROUTE = WsRoute(ws_config_family, _decode_default)
-"""``decode``'s route: recipe none, ``WS_AUTO``."""
+"""``decode``'s route: recipe none."""
 
 
 def ws_shadow_route(
@@ -459,7 +444,7 @@ def ws_shadow_route(
 ) -> WsRoute:
     """``decode_shadow``'s route for one call (``taken``: ``shadow.gluon_shadow_recipe``'s,
     ``tiles`` the K̂ tiles, ``sections`` a V̂ section's pointers and strides or None):
-    ``ws_shadow_config_family``, and ``WS_SHADOW_AUTO`` (``ws_shadow_dispatched``)."""
+    ``ws_shadow_config_family``, and ``ws_shadow_dispatched``."""
 
     def configured(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFamily:
         return ws_shadow_config_family(config, facts, impl, taken, tiles, sections)
@@ -482,7 +467,7 @@ def compile_ws(
     ``dtype``: ``"bf16"`` or ``"fp16"`` (q, cache and output); ``num_splits``, ``page``:
     what the launch would pass (``config.tma``: TMA loads where ``page`` holds whole
     tiles, as ``tma_descriptor`` decides for a contiguous cache); strides and sizes marked
-    divisible by 16 as the JIT marks a multiple of 16 (``gluon_decode.compile_variant``'s
+    divisible by 16 as the JIT marks a multiple of 16 (``gluon.compile_variant``'s
     convention). ``recipe``: recipe none, or one ``ws_shadow_kind`` takes (``FP8_SHADOW``,
     ``NVFP4_SHADOW`` with ``NVFP4_CONFIG``): the shadow's float16 K̂ tiles and q̂
     (``dtype`` is the output's and the raw rows'), P̂ quantized, a V̂ section's pointers

@@ -483,11 +483,11 @@ def _own_tile(
     landed, so it runs under the other warpgroup's softmax of ``t - 1``; then ``P_{t-1}
     V_{t-1}``, which runs under this softmax (the other slot released after it). The
     same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT, _,
-    V_PAGE, LAZY)`` (``_softmax``'s rule; P̂ fp8 or nvfp4 for both P V, ``gluon_decode._p_hat``
+    V_PAGE, LAZY)`` (``_softmax``'s rule; P̂ fp8 or nvfp4 for both P V, ``gluon_kernels._p_hat``
     with ``quant[1]``, the denominators summing the unquantized P; ``V_PAGE`` nonzero
     (``V_SEP``: the page size): P V reads the V̂ ring ``quant[2]``, into whose slot the
     sequence's open 16-token V block is quantized from the raw rows first, where
-    ``_zero_tail`` stands, by ``gluon_decode._tail_v`` with ``quant[3]``; with ``TMA``
+    ``_zero_tail`` stands, by ``gluon_kernels._tail_v`` with ``quant[3]``; with ``TMA``
     the V̂ tile's barrier is waited for there and its rows past the open block zeroed).
     Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
@@ -760,7 +760,7 @@ def gluon_decode_ws_kernel(
     """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
     Q/K/P/V through the float16 shadow (V̂ = K̂).
 
-    Arguments as ``gluon_decode.gluon_decode_split_kernel``'s (``split``: the split
+    Arguments as ``gluon_kernels.gluon_decode_split_kernel``'s (``split``: the split
     kernels' tuple, ``kernels.common.split_program``; ``SHAPE`` with ``BLOCK_H`` 64 and
     ``BLOCK_N`` 32 or 64); ``PRODUCER_REGS`` / ``MATH_REGS``: the registers a thread of the
     producer / the worker math warpgroup asks for (``setmaxnreg``); ``CHUNKED``: S starts

@@ -50,7 +50,11 @@ class OnRead(SplitFamily):
 
     def extra_args(self, cache: torch.Tensor, cfg: DecodeConfig, ops: Operands) -> dict[str, Any]:
         ko = ops[1]
-        return {"k_scales": scales(ko.gs), "K_EXACT": not ko.pow2, "KV_SHARED": self.v_shares_k(ops)}
+        return {
+            "k_scales": scales(ko.gs),
+            "K_EXACT": not ko.pow2,
+            "KV_SHARED": self.v_shares_k(ops),
+        }
 
 
 ON_READ = OnRead()

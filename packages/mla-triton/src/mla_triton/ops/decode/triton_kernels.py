@@ -1,4 +1,4 @@
-"""Absorbed-MLA split-K decode: the Triton kernels (SPEC 3 to 6, docs/numerics.md).
+"""Absorbed-MLA split-K decode: the Triton kernels (docs/numerics.md).
 
 Algorithm
 ---------
@@ -48,7 +48,7 @@ Tiling choices
   adjacent in the grid so the second finds the tile in L2), not once per 16.
   Triton splits the 512 output features of ``P̂ V̂`` over the two warpgroups (and,
   since ``S`` feeds a second dot, computes ``S`` on both: see
-  docs/benchmarks-decode.md for what that costs).
+  docs/design/decode.md for what that costs).
 - ``BLOCK_N`` tokens per tile (32 or 64): the tile is the unit of the software
   pipeline (q, K and V of ``num_stages - 1`` tiles in shared memory: 64 heads and
   64 tokens fill 216 KB with 2 stages) and, quantized, a float32 copy of it must
@@ -121,6 +121,7 @@ def _k_hat(
         k2 = qdq_latent(kpf, scales, K_FMT, K_EXACT, HW_FP8, BLOCK_N, D2, AXIS_FEATURES)
         k2 = k2.to(QK_DTYPE)
     return k1, k2, col_scale
+
 
 @triton.jit(do_not_specialize=["num_splits", "num_blocks"])
 def decode_split_kernel(
@@ -213,4 +214,3 @@ def decode_split_kernel(
         m_i = m_new
 
     finish_split(acc, m_i, l_i, prog, heads, split, out_scale, splits, SHAPE, MULTI_SPLIT)
-

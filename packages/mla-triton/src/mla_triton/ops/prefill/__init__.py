@@ -36,6 +36,7 @@ from mla_triton.ops.prefill.triton import TRITON, PrefillConfig
 
 __all__ = ["choose", "prefill"]
 
+
 def choose(
     impl: str,
     config: object,
@@ -258,5 +259,3 @@ def prefill(
     if tokens and max_q:
         family.launch(c, Recipe.of(quant), config)
     return (out, lse) if return_lse else out
-
-

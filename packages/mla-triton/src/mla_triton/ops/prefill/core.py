@@ -21,12 +21,12 @@ __all__ = [
     "MAX_HEAD_DIM_QK",
     "MAX_HEAD_DIM_V",
     "Checked",
+    "PrefillFamily",
+    "Recipe",
     "check_cu",
     "check_max_seqlen",
     "check_offsets",
     "check_tensor",
-    "PrefillFamily",
-    "Recipe",
     "fast_qdq_exact",
     "global_scale",
     "is_int",
@@ -181,7 +181,8 @@ def quantize_kv(
 
 @dataclass(frozen=True)
 class Checked:
-    """``prefill``'s arguments after its checks (docs/numerics.md "Input contract"): ``q [T, H, Dqk]``, ``k [Tk, Hkv,
+    """``prefill``'s arguments after its checks (docs/numerics.md "LSE, masks and input checks"):
+    ``q [T, H, Dqk]``, ``k [Tk, Hkv,
     Dqk]``, ``v [Tk, Hkv, Dv]``, int32 offsets ``cu_q`` / ``cu_k [B + 1]``, the outputs
     ``out [T, H, Dv]`` and ``lse [H, T]`` float32, ``quant`` never None, and the longest
     query / key sequence (``max_seqlen_*``, read or vouched for)."""
@@ -250,7 +251,7 @@ class PrefillFamily:
     """What a prefill kernel family adds to the core (``prefill``'s checks, the outputs,
     the recipe, the Q/K/V pass ``quantize_kv``): its config check and default tiling,
     and its launch. The Triton kernel (``_TRITON``, here) and the Gluon one
-    (``mla_triton.ops.prefill.gluon.FAMILY``, taken where ``select_impl`` says)."""
+    (``mla_triton.ops.prefill.gluon.FAMILY``, taken where ``choose`` says)."""
 
     name: str
 
@@ -261,5 +262,3 @@ class PrefillFamily:
     def launch(self, c: Checked, recipe: Recipe, config: Any) -> None:
         """Write ``c.out`` (and ``c.lse`` with ``c.return_lse``) for a non-empty batch."""
         raise NotImplementedError
-
-

@@ -1,19 +1,13 @@
-"""Hopper (sm90) prefill in Gluon: the Gluon family of ``mla_triton.prefill``.
+"""Prefill, the Gluon implementation for sm90 (``gluon_kernels``: TMA loads, wgmma, mbarriers).
 
-``prefill(..., impl="auto" | "gluon")`` checks its inputs (docs/numerics.md "Input contract"), allocates the
-outputs and launches ``FAMILY`` (``kernels.gluon_prefill``: TMA loads, wgmma,
-mbarriers) where ``prefill.select_impl`` takes it; the numbers are those of the
-Triton kernel (docs/numerics.md). Q, K and V are QDQ'd (any format) by the prefill
-core's pass ``prefill.quantize_kv`` (Q through its K path) into factored values
-(fp16 where both operands of a dot are quantized, else the input dtype, exact
-either way; with ``GluonPrefillConfig.q_in_kernel``, on in ``AUTO_CONFIGS`` but for nvfp4
-P's tiling, Q is QDQ'd in the kernel instead where ``q_qdq_in_kernel`` says: fp8 any scale
-or nvfp4 a static one); P is QDQ'd in the kernel between the two MMAs (fp8 or
-nvfp4), after the optional N:M selection. What the kernel does not cover (N:M groups
-wider than 64 keys, float32, head dims other than multiples of 64 up to 256 for Q/K and 64 or
-128 for V): ``unsupported`` says why, for the dispatcher (which keeps N:M on the
-Triton kernel under ``impl="auto"`` while ``prefill.GLUON_NM_AUTO`` is off);
-``api_missing`` whether the installed Triton has the Gluon API.
+Q, K and V are QDQ'd (any format) by the pass ``core.quantize_kv`` (Q through its K path)
+into factored values (fp16 where both operands of a dot are quantized, else the input
+dtype, exact either way); with ``GluonPrefillConfig.q_in_kernel`` Q is QDQ'd in the kernel
+instead where ``q_qdq_in_kernel`` says (fp8 any scale, nvfp4 a static one); P is QDQ'd in
+the kernel between the two MMAs (fp8 or nvfp4), after the optional N:M selection. What the
+kernel does not cover (N:M groups wider than 64 keys, float32, head dims other than
+multiples of 64 up to 256 for Q/K and 64 or 128 for V): ``unsupported`` says why, for the
+dispatch. The numbers are those of the Triton kernel (docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -152,32 +146,11 @@ class GluonPrefillConfig:
         return self.num_warps * (1 + self.pingpong) + 4 * self.warp_specialize
 
 
-# The tiling ``prefill`` runs the Gluon kernel with (no config given), by P's format:
-# the fastest measured on an H200 against FA3 in one process (``benchmarks/gluon_prefill.py
-# --sweep --tilings``, sitting 7: benchmarks/results/gpu-sit7-next; FA3 at b4 h128 L4096 /
-# b1 h16 L16384 / a six-sequence varlen batch): for P none and fp8 ping-pong 128 x 128 x 2
-# with K released after Q K^T and the row-minimum -inf check (``pp-128x128x2-ek-ri``:
-# none 0.846x at b4 h128, the other two shapes 0.870x / 0.857x by the same tiling without
-# the check; fp8 0.720x / 0.860x / 0.740x), for nvfp4 two consumer
-# warpgroups without turns at 128 x 64 x 3 (``nt-128x64x3``: 0.486x / 0.568x / 0.501x);
-# with N:M sparsity ("+nm"), warp-specialized 128 x 128 x 2 with early_k
-# (``ws-128x128x2-ek``, nvfp4 + 2:4: 0.346x / - / 0.361x; b1 h16: 0.369x by 128 x 64 x 3).
-# Sitting 10 (benchmarks/results/gpu-sit10/prefill, FA3 656 TFLOP/s at b4 h128): none
-# without the row-minimum check (``pp-128x128x2-ek``: 0.811x / 0.808x / 0.745x against
-# 0.794x / 0.778x / 0.731x with it), N:M with ``nm_pairs`` and ``nm_nan_rank``
-# (``ws-128x128x2-ek-np-nr``: nvfp4 + 2:4 0.357x / 0.359x / 0.332x against 0.340x / 0.339x
-# / 0.317x without them); fp8 and nvfp4 as sitting 7 chose (0.710x / 0.795x / 0.650x and
-# 0.478x / 0.522x / 0.441x). Sitting 13 (round-robin timing, benchmarks/results/gpu-sit13):
-# fp8 takes recipe none's tiling, the row-minimum check off (0.737x / 0.821x / 0.677x against
-# 0.720x / 0.804x / 0.660x with it); fma_inf_check is not faster on any of these tilings.
-# Sitting 17 (benchmarks/results/gpu-sit17, gpu/sit16_q_in_kernel.py, two runs): Q's QDQ in
-# the kernel (``q_in_kernel``; ``q_qdq_in_kernel`` says where it applies) on the tilings of P
-# none / fp8 and of N:M: fp8 Q with a static scale 0.768-0.769x / 0.887-0.891x / 0.751-0.756x
-# FA3 against 0.728x / 0.829-0.853x / 0.724x with Q's pass, a dynamic one 0.742-0.743x /
-# 0.874-0.887x / 0.747-0.748x against 0.757x / 0.863-0.877x / 0.735-0.740x (a wash), static
-# nvfp4 Q with 2:4 0.406-0.408x / 0.409-0.415x / 0.397-0.399x against 0.404-0.406x / 0.407-0.412x /
-# 0.390-0.392x. Off on nvfp4's tiling: static nvfp4 Q there 0.506-0.509x / 0.596-0.603x /
-# 0.517-0.520x against 0.558-0.561x / 0.605-0.622x / 0.551-0.553x with the pass.
+# The tiling ``prefill`` runs the Gluon kernel with (no config given), by P's format: the
+# fastest measured on an H200 against FA3 in one process (docs/design/prefill.md): P none
+# and fp8 ping-pong 128 x 128 x 2, K released after Q K^T, Q's QDQ in the kernel; nvfp4 two
+# consumer warpgroups without turns at 128 x 64 x 3 (Q's QDQ in the pass: faster there);
+# N:M sparsity warp-specialized 128 x 128 x 2.
 _PINGPONG = GluonPrefillConfig(
     128, 128, 2, warp_specialize=True, pingpong=True, early_k=True, q_in_kernel=True
 )

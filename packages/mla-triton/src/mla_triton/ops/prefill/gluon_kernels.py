@@ -1,4 +1,4 @@
-"""Varlen MLA prefill for Hopper (sm90) in Gluon: TMA, wgmma, mbarriers (SPEC 3 to 5).
+"""Varlen MLA prefill for Hopper (sm90) in Gluon: TMA, wgmma, mbarriers (docs/numerics.md).
 
 fp16 / bf16 operands, fp32 accumulators; the numbers follow docs/numerics.md as
 ``prefill_kernel.prefill_fwd_kernel`` computes them (the integer running maximum,
@@ -57,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla_triton.common import qdq as dev
 from mla_triton.common import kernels as common
+from mla_triton.common import qdq as dev
 from mla_triton.ops.prefill.triton_kernels import (
     _qdq_features,
     _qdq_features_fast,
@@ -144,7 +144,8 @@ def _nm_keep(
     s, key_pos, q_pos, nm, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NM: gl.constexpr
 ):  # fmt: skip
     """Boolean in ``s``'s layout ``[ROWS, BLOCK_N]``: the keys N:M sparsity keeps, as the
-    Triton kernel's ``prefill_kernel._nm_keep`` ranks them (SPEC 5): per group of
+    Triton kernel's ``prefill_kernel._nm_keep`` ranks them (docs/numerics.md "LSE, masks and input
+    checks"): per group of
     ``NM_M`` keys at absolute positions ``key_pos`` (the tile starts at a multiple of
     ``NM_M``), unique int32 sort keys (the float32 bits made order-preserving, the
     lowest log2(NM_M) bits ``NM_M - 1 - member``: ties to the lower index), the kept
@@ -934,7 +935,8 @@ def gluon_prefill_kernel(
     ``p_inv_gs`` ``1 / p_gs`` (fp8) or ``1 / (6 p_gs)`` (nvfp4);
     ``out_scale`` = P's times V's global scale; ``group`` = H / Hkv. N:M sparsity
     (``NM_N > 0``): ``NM_N`` of every ``NM_M`` keys, plus the ``n_sink`` first and the
-    ``n_recent`` latest keys of each row when ``NM_DENSE`` (SPEC 5). ``NM_PAIRS``: 2:4's rank by
+    ``n_recent`` latest keys of each row when ``NM_DENSE`` (docs/numerics.md "LSE, masks and input
+    checks"). ``NM_PAIRS``: 2:4's rank by
     pair maxima and minima (``_keep_2_of_4``; the same mask). ``NM_NAN_RANK``: NaN scores
     kept by their rank alone, without the ``s != s`` guard (``GluonPrefillConfig.nm_nan_rank``).
     ``PINGPONG``

@@ -111,8 +111,6 @@ class TritonPrefill(PrefillFamily):
         c.out.copy_(out32)
 
 
-
-
 TRITON = TritonPrefill()
 
 

@@ -1,4 +1,4 @@
-"""Varlen quantized MLA prefill: the Triton kernels (SPEC 3 to 5, docs/numerics.md).
+"""Varlen quantized MLA prefill: the Triton kernels (docs/numerics.md).
 
 Algorithm and tiling
 --------------------
@@ -214,7 +214,8 @@ def _nm_keep(
     NM_M: tl.constexpr,
     DENSE: tl.constexpr,
 ):
-    """Boolean ``[BLOCK_M, BLOCK_N]``: the keys N:M sparsity keeps (SPEC 5).
+    """Boolean ``[BLOCK_M, BLOCK_N]``: the keys N:M sparsity keeps (docs/numerics.md "LSE, masks
+    and input checks").
 
     ``s`` holds the scores with invisible keys at -inf; groups are ``NM_M``
     consecutive keys at absolute positions (the tile starts at a multiple of
@@ -442,7 +443,7 @@ def query_tile(cu_seqlens_q, CAUSAL: tl.constexpr):
     """This program's query tile: ``(start_m, head, seq, q_start, seq_len_q)`` from the
     grid (query tiles x heads x sequences; causal grids walk the tiles from the last,
     heaviest one down) and the int32 offsets ``cu_seqlens_q [B + 1]``. Shared with the
-    Gluon kernel (``kernels.gluon_prefill``)."""
+    Gluon kernel (``gluon_kernels``)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)

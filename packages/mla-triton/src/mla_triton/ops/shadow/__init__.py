@@ -1,4 +1,4 @@
-"""Write-once quantized K/V shadow cache beside the raw latent cache (docs/shadow-cache.md).
+"""Write-once quantized K/V shadow cache beside the raw latent cache (docs/design/shadow.md).
 
 On-read decode (``mla_triton.decode``) quantizes every latent tile as K and as V
 at every decode step, once per head group. With static K and V scales (or a
@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from mla_formats import AttentionQuant, OperandQuant
-from mla_triton.ops.decode import gluon_ws as ws
 from mla_triton.common import device as dev
 from mla_triton.common.choice import forced
 from mla_triton.common.splitk import (
@@ -54,6 +53,7 @@ from mla_triton.common.splitk import (
     run_decode,
     tensor_arg,
 )
+from mla_triton.ops.decode import gluon_ws as ws
 from mla_triton.ops.decode.dispatch import choose
 from mla_triton.ops.decode.gluon import (
     SEPARATE_V_CONFIG,
@@ -125,7 +125,8 @@ class ShadowLayout:
       ``r * kv_lora_rank / 16`` onwards). Absent when V shares K̂ (``v_shared``:
       fp8 K and V with one static scale: V̂ is K̂'s first ``kv_lora_rank`` values).
 
-    Factored values are the QDQ'd values divided by their global scale (SPEC 2),
+    Factored values are the QDQ'd values divided by their global scale (docs/numerics.md "Formats
+    and scales"),
     exact in float16 and bfloat16; global scales stay out of the shadow, so the
     layout records the K and V recipes (``k_quant``, ``v_quant``, amax included)
     it was made for: two layouts are equal only when their shadows hold the same
@@ -649,23 +650,14 @@ def decode_shadow(
     the sequence's open nvfp4 V block is quantized on read from the raw rows
     with zeros past ``seq_lens``. With the same split count and tile
     configuration as ``decode``, the result is bit-identical to it; with
-    different ones, equal up to float32 summation order (SPEC 4).
+    different ones, equal up to float32 summation order (docs/numerics.md "Softmax, P and schedule
+    invariance").
 
-    ``impl``: as ``decode``'s, the rule ``gluon_shadow_unsupported`` (docs/gluon.md):
-    ``"gluon"`` runs the Gluon sm90 kernel on the shadows it reads (``fp16`` storage:
-    V̂ shared with K̂, or a V̂ section (nvfp4, dynamic K, K and V of different recipes);
-    or K and V not quantized) and is a ValueError naming ``impl`` elsewhere; ``"auto"``
-    runs it above 32 heads for the GPU-verified recipes (``gluon_shadow_verified``: fp8
-    with V̂ = K̂, nvfp4 Q/K/P/V), the Triton kernel otherwise. ``config``: a
-    ``DecodeConfig`` (Triton) or a ``GluonDecodeConfig``
-    (implies ``"gluon"``; with a V̂ section only ``SEPARATE_V_CONFIG``), or a
-    ``gluon_decode_ws.WsConfig``: the warp-specialized Gluon kernel on a float16 shadow
-    with V̂ = K̂ (fp8 K and V of one static scale) or an nvfp4 V̂ section
-    (``gluon_decode_ws.NVFP4_CONFIG`` only), P none, fp8 or nvfp4
-    (``gluon_decode_ws.ws_shadow_kind``; a ValueError naming ``quant``, ``impl`` or
-    ``config`` elsewhere). Without a config, where the Gluon kernel was picked, that
-    kernel runs such a recipe while ``gluon_decode_ws.WS_SHADOW_AUTO`` is on (shipped on;
-    a V̂ section also needs ``WS_SHADOW_NVFP4_AUTO``, shipped on).
+    Implementations (``dispatch.choose`` with ``gluon_shadow_unsupported``): the
+    warp-specialized Gluon kernel on an sm90 GPU for the shadows it reads (a float16 shadow
+    with V̂ = K̂, an nvfp4 V̂ section, the packed nvfp4 shadow), at any head count; the
+    Gluon split kernel above 32 heads for the other recipes of ``AUTO_GLUON_SHADOWS``;
+    the Triton kernel otherwise. ``mla_triton.tuning.use`` forces one.
     """
     impl, config = forced("decode")
     qq = _check_quant(quant)
@@ -700,10 +692,10 @@ AUTO_GLUON_SHADOWS = frozenset(
         # a V̂ section: nvfp4 Q/K/P/V, power-of-two static scales, the open V block
         ws.NVFP4_SHADOW,
         # a V̂ section: fp8 q, each token's dynamic nvfp4 K scale, fp8 V̂ (no open block),
-        # nvfp4 P (kdyn-nvfp4-vfp8-fp16 at 16 and 128 heads, results/gpu-suites-flips)
+        # nvfp4 P (at 16 and 128 heads)
         replace(ws.NVFP4_SHADOW, v_tail=False, k_dyn=True, q_fmt=1, v_fmt=1),
         # the packed nvfp4 shadow (the ws producer decodes it): bit for bit the fp16
-        # shadow's outputs on an H200 (benchmarks/results/gpu-sit11, 7 cases and 4 shapes)
+        # shadow's outputs on an H200 (7 cases and 4 shapes)
         ws.NVFP4_PACKED,
     }
 )
@@ -776,8 +768,8 @@ def gluon_shadow_unsupported(
     """``gluon_unsupported`` for ``decode_shadow`` (``f`` of the K tiles the Gluon kernel
     reads; page and row strides multiples of 8 elements, the 16-byte rows of every
     shadow) with the shadow's recipe rule (``gluon_shadow_recipe``); ``"auto"`` (not
-    ``forced``) is refused first while ``GLUON_SHADOW_AUTO`` is off (so nothing is
-    logged). A pure function of its arguments and that switch."""
+    ``forced``). A pure function of its arguments and that switch."""
+
     def recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
         taken = gluon_shadow_recipe(quant, layout, f.dtype)
         if forced or isinstance(taken, str) or gluon_shadow_verified(taken):
@@ -787,7 +779,7 @@ def gluon_shadow_unsupported(
     taken = gluon_shadow_recipe(f.quant, layout, f.dtype)
     # a shadow the warp-specialized kernel reads runs it at any head count: at b128 h16
     # L8192 the nvfp4 V̂ section 0.546 ms against the Triton kernel's 0.866, the packed shadow
-    # 2.30 against 2.79 (sitting 11), the fp8 shadow (V̂ = K̂) 0.307 against 0.399 (sitting 12)
+    # 2.30 against 2.79, the fp8 shadow (V̂ = K̂) 0.307 against 0.399
     any_heads = isinstance(taken, GluonRecipe) and ws.ws_shadow_dispatched(taken)
     return gluon_unsupported(f, forced=forced, recipe=recipe, stride_align=8,
                              any_heads=any_heads)  # fmt: skip
@@ -824,7 +816,7 @@ def _gluon_tiles(
         def refuse(cfg: GluonDecodeConfig) -> _GluonShadowFamily:
             raise ValueError(
                 f"config: a packed shadow runs the warp-specialized Gluon kernel only "
-                f"(gluon_decode_ws.NVFP4_PACKED_CONFIG, with WS_SHADOW_AUTO on), not {cfg.name}"
+                f"(gluon_ws.NVFP4_PACKED_CONFIG), not {cfg.name}"
             )
 
         return cache, refuse
@@ -883,7 +875,8 @@ class _ShadowFamily(SplitFamily):
 
 
 class _GluonShadowFamily(_GluonFamily):
-    """``decode_shadow(impl="gluon")``: the Gluon kernel on a shadow's tiles, read as they
+    """``decode_shadow`` under ``tuning.use("gluon")``: the Gluon kernel on a shadow's tiles, read
+    as they
     are (no QDQ in the kernel: ``KV_FP8`` False). ``cache``: the kernel's cache pointers
     and their (page, row) strides: ``((tiles,), ...)`` (a float16 K̂ ``[N, P, 576]``, V̂ its
     first 512 features; or the raw cache for K and V none), or with ``v_sep`` ``(K tiles,

@@ -1,8 +1,9 @@
-"""Write-once quantized K/V shadow cache: the Triton kernels (SPEC 2, 3; docs/shadow-cache.md).
+"""Write-once quantized K/V shadow cache: the Triton kernels (docs/numerics.md "Formats and
+scales").
 
 The shadow holds, beside the raw latent cache and addressed by the same
 ``(page, slot)``, the *factored* quantized operands of every written token (the
-QDQ'd value divided by its global scale, exact in 16 bits, see SPEC 2):
+QDQ'd value divided by its global scale, exact in 16 bits, docs/numerics.md "Formats and scales"):
 
 - K̂ ``[D1 + D2]`` along the features, static or dynamic amax (then the token's
   float32 global scale beside it). Fixed once the token is written.
