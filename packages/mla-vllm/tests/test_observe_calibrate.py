@@ -130,7 +130,7 @@ def test_statistics_are_the_recipes_error_on_the_observed_rows(
     }
     calls: dict[str, list[_Call]] = {"decode": [], "prefill": []}
     monkeypatch.setattr(decode_step, "decode", _spy(calls["decode"], decode_step.decode))
-    kernels = importlib.import_module("mla_triton.prefill")  # mla_vllm.prefill's, at call time
+    kernels = importlib.import_module("mla_triton")  # mla_vllm.prefill imports it at call time
     monkeypatch.setattr(kernels, "prefill", _spy(calls["prefill"], kernels.prefill))
     config = make_vllm_config(tmp_path, SMALL, mla_quant=quant)
     model = build_model(config, SMALL, MLAQuantBackend)

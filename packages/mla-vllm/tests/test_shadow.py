@@ -128,7 +128,7 @@ def _impl_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``forward_mqa`` of the real impl for one decode row per request, and the on-read
     ``mla_triton.decode`` of the same rows on the same raw cache (the layer's recipe)."""
-    from mla_triton.decode import decode
+    from mla_triton import decode
 
     layer = model.layers[name]
     impl = layer.impl
@@ -202,7 +202,7 @@ def test_spec_page_size_and_row_split(tmp_path: Path) -> None:
     vLLM's planner counts blocks with it; the impl splits each row into views."""
     from vllm.config import set_current_vllm_config
 
-    from mla_triton.shadow import shadow_layout
+    from mla_triton import shadow_layout
     from mla_vllm.backend import MLAQuantBackend
 
     config = {

@@ -1,7 +1,7 @@
 """``mla_vllm.warmup``: vLLM's JIT warmup compiles what a served batch then launches.
 
 Real vLLM layers, builder, metadata and forward pass (conftest). The compile keys
-(``mla_triton.warmup.record_keys``, for sm_90, nothing launched) of a mixed batch
+(``mla_triton.precompile.record_keys``, for sm_90, nothing launched) of a mixed batch
 through ``MLAAttention.forward`` (decode rows, a prefill without context and one
 with chunked context; the block table as wide as vLLM's persistent one) must be
 among the keys of the engine's warmup plans.
@@ -27,7 +27,7 @@ from conftest import (
 )
 from test_shadow import _model as shadow_model
 
-from mla_triton.warmup import record_keys
+from mla_triton.precompile import record_keys
 
 pytestmark = pytest.mark.usefixtures("vllm_process")
 
