@@ -104,6 +104,18 @@ def _install_base(session: nox.Session, *, triton: bool = False) -> None:
         session.install(TRITON_SPEC)
 
 
+def _pin_triton(session: nox.Session) -> None:
+    """Given ``MLA_TRITON_SPEC``, install that Triton again, last; print the version in use.
+
+    Called after the workspace packages: installing them moves a Triton outside
+    mla-triton's declared range back into it, and trying a Triton the range does not
+    admit yet (``MLA_TRITON_SPEC=triton==3.9.0 nox -s triton``) is how a range is widened.
+    """
+    if TRITON_SPEC:
+        session.install(TRITON_SPEC)
+    session.run("python", "-c", "import triton; print('triton', triton.__version__)", silent=False)
+
+
 def _group(name: str) -> list[str]:
     """``session.install`` arguments of a dependency group of the root pyproject.toml."""
     return ["--group", f"{PYPROJECT}:{name}"]
@@ -131,6 +143,8 @@ def _make_test_session(short: str, dist: str, triton: bool, uses: tuple[str, ...
     def run_tests(session: nox.Session) -> None:
         _install_base(session, triton=triton)
         session.install(*_group("test"), *_editable_args(uses))
+        if triton:
+            _pin_triton(session)
         env = {"TRITON_INTERPRET": "1"} if triton else {}
         # the interpreter is one busy core a process: one worker per core (pytest-xdist)
         workers = ["-n", "auto"] if triton else []
@@ -152,6 +166,7 @@ if (ROOT / "tests-integration").is_dir():
         """Cross-package tests: kernels against oracles, prefill against decode."""
         _install_base(session, triton=True)
         session.install(*_group("test"), *_editable_args())
+        _pin_triton(session)
         session.run("pytest", "tests-integration", *session.posargs, env={"TRITON_INTERPRET": "1"})
 
 
@@ -243,6 +258,8 @@ def build(session: nox.Session) -> None:
             "python", "-m", "build", "--installer", "uv", "--outdir", str(dist), _local(package)
         )
     session.run("twine", "check", "--strict", *(str(p) for p in sorted(dist.iterdir())))
+    # LICENSE in every wheel and sdist, Project-URLs, the docs link, a bounded Triton range
+    session.run("python", str(ROOT / "tests-smoke" / "check_dist.py"), str(dist))
     tmp = Path(session.create_tmp())
     for wheel in sorted(dist.glob("*.whl")):
         module = wheel.name.split("-")[0]
@@ -281,6 +298,18 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session
+def docs_examples(session: nox.Session) -> None:
+    """Run every code block of docs/ and the READMEs; check the mla_quant reference, links.
+
+    Python blocks run on the CPU through Triton's interpreter (tests-docs/blocks.py: the
+    markers). On a CUDA machine ``nox -s docs_examples -- -m gpu`` runs the GPU blocks.
+    """
+    _install_base(session, triton=True)
+    session.install(*_group("test"), *_editable_args(), "pyyaml")
+    session.run("pytest", "tests-docs", "-n", "auto", *session.posargs)
+
+
+@nox.session
 def e2e_checks(session: nox.Session) -> None:
     """The vLLM e2e's checks and quantized bounds on its recorded run (CPU, no vLLM)."""
     session.install(*_group("test"))
@@ -297,7 +326,7 @@ def ci(session: nox.Session) -> None:
     names.append("e2e_checks")
     if (PACKAGES / "mla-vllm").is_dir():
         names.append("vllm")
-    names += ["build", "docs"]
+    names += ["build", "docs_examples", "docs"]
     for name in names:
         session.notify(name)
 
@@ -349,8 +378,13 @@ def vllm(session: nox.Session) -> None:
     session.run("mypy", str(PACKAGES / "mla-vllm" / "src"))
     env = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
     # one worker per core, as the other sessions (2 cores: 4.9 min, 157 tests, 2026-12-02)
-    tests = [_local("mla-vllm") + "/tests", "-n", "auto"]
-    session.run("pytest", *tests, *session.posargs, env=env)
+    # arguments after ``--`` naming test files or folders run those instead of the suite
+    # (``nox -s vllm -- packages/mla-vllm/tests/test_compare_cli.py -k timeout``)
+    named = [
+        a for a in session.posargs if not a.startswith("-") and Path(a.split("::")[0]).exists()
+    ]
+    tests = [] if named else [_local("mla-vllm") + "/tests"]
+    session.run("pytest", *tests, "-n", "auto", *session.posargs, env=env)
 
 
 @nox.session

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tensor-parallel check on the lent nvidia-h200-x2, in two device calls that run
-# back to back after the bundle's parts were copied (docs/tensor-parallel.md):
+# back to back after the bundle's parts were copied (docs/contributing.md "The tensor-parallel check"):
 #   bash tests-vllm-e2e/gpu_tp.sh tp1   # install vLLM + our wheels, TP=1 reference (~5 min)
 #   bash tests-vllm-e2e/gpu_tp.sh tp2   # TP=2 set and the TP=1/TP=2 comparison (~9 min)
 # Needs .e2e-pin/wheels (tests-vllm-e2e/pin_packages.sh) carried, and /root/parts

@@ -1,76 +1,65 @@
-"""Plot the recorded H200 benchmark results for docs/benchmarks.md.
+"""Draw the charts of docs/benchmarks.md from ``measured.py``, one per op.
 
-Usage: ``python docs/scripts/plot_benchmarks.py`` from the repository root (needs
-matplotlib). Reads the JSON that ``packages/mla-triton/benchmarks/{decode,prefill}.py``
-wrote into ``packages/mla-triton/benchmarks/results/`` and writes
-``docs/img/bench-decode.png`` and ``docs/img/bench-prefill.png``: TFLOP/s per shape
-and recipe, with the ceiling measured in the same run as a dashed line.
+Usage: ``python docs/scripts/plot_benchmarks.py [--out docs/img/benchmarks]`` (needs
+matplotlib). Writes ``decode.png``, ``shadow.png``, ``prefill.png`` and ``serve.png``,
+the names the benchmark harness's own plot script gives them. Once the harness's CSVs
+hold the rows of the code being documented, draw the charts and print the tables from
+them instead: ``python packages/mla-triton/benchmarks/plot.py --out
+docs/img/benchmarks`` (and ``--markdown`` for the tables).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import sys
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "packages" / "mla-triton" / "benchmarks" / "results"
-IMG = ROOT / "docs" / "img"
+sys.path.insert(0, str(Path(__file__).parent))
+import measured
 
 
-def _grouped_bars(
-    rows: list[dict[str, Any]], recipes: list[str], ceiling: float, title: str, path: Path
-) -> None:
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    width = 0.8 / len(recipes)
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for i, recipe in enumerate(recipes):
-        values = []
-        for shape in shapes:
-            match = [r["tflops"] for r in rows if r["shape"] == shape and r["recipe"] == recipe]
-            values.append(match[0] if match else 0.0)
-        xs = [s + (i - (len(recipes) - 1) / 2) * width for s in range(len(shapes))]
-        ax.bar(xs, values, width=width, label=recipe)
-    ax.axhline(ceiling, color="grey", linestyle="--", linewidth=1)
-    ax.annotate(f"bf16 matmul ceiling {ceiling:.0f}", (len(shapes) - 0.6, ceiling), va="bottom")
-    ax.set_xticks(range(len(shapes)), shapes)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(title)
-    ax.legend(fontsize=8, ncol=2)
+def chart(path: Path, title: str, ylabel: str, groups: dict, keys: tuple[str, ...]) -> None:
+    """Bars of each key's ratio per group (shape), a dashed line at the anchor's 1.0."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        xs, ys = [], []
+        for g, values in enumerate(groups.values()):
+            if values.get(key) is not None:
+                xs.append(g + (i - (len(keys) - 1) / 2) * width)
+                ys.append(values[key])
+        ax.bar(xs, ys, width, label=key)
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_ylim(0, 1.25)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncols=2)
+    ax.set_title(f"{title} ({measured.GPU}, {measured.VERSIONS})", fontsize=10)
+    ax.set_ylabel(ylabel)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main() -> None:
-    decode = json.loads((RESULTS / "decode-sweep.json").read_text())
-    rows = [r for r in decode["rows"] if r.get("default_config")]
-    seen: set[tuple[str, str]] = set()
-    unique = []
-    for r in rows:  # the first default-configuration row of each (shape, recipe)
-        if (r["shape"], r["recipe"]) not in seen:
-            seen.add((r["shape"], r["recipe"]))
-            unique.append(r)
-    _grouped_bars(
-        unique,
-        ["none", "fp8", "nvfp4"],
-        decode["ceilings"]["bf16_matmul_TFLOPs"],
-        "mla_triton.decode on H200 (on-read QDQ), FlashMLA FLOP counting",
-        IMG / "bench-decode.png",
-    )
-    prefill = json.loads((RESULTS / "prefill-h200.json").read_text())
-    _grouped_bars(
-        prefill["rows"],
-        ["sdpa-flash", "none", "fp8", "nvfp4", "nvfp4+2:4"],
-        prefill["ceilings"]["bf16_matmul_tflops"],
-        "mla_triton.prefill on H200, causal 192/128",
-        IMG / "bench-prefill.png",
-    )
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", default="docs/img/benchmarks", help="folder of the PNGs")
+    out = Path(parser.parse_args(argv).out)
+    out.mkdir(parents=True, exist_ok=True)
+    decode = {shape: ratios for shape, (_, ratios) in measured.DECODE.items()}
+    chart(out / "decode.png", "decode on read, ratio to FlashMLA bf16",
+          "speed / FlashMLA", decode, measured.DECODE_PATHS)  # fmt: skip
+    chart(out / "shadow.png", "decode through the shadow, ratio to FlashMLA bf16",
+          "speed / FlashMLA", decode, measured.SHADOW_PATHS)  # fmt: skip
+    chart(out / "prefill.png", "prefill causal 192/128, ratio to FA3 bf16",
+          "speed / FA3", measured.PREFILL, measured.PREFILL_RECIPES)  # fmt: skip
+    chart(out / "serve.png", "vLLM serving, decode tokens/s over FLASHMLA's engine",
+          "tokens/s / FLASHMLA", measured.SERVING, measured.SERVING_CONFIGS)  # fmt: skip
 
 
 if __name__ == "__main__":

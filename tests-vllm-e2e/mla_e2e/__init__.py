@@ -27,7 +27,7 @@ result JSON and timeout; a failure does not stop the others):
 ``--tp N`` runs the engines at ``tensor_parallel_size=N`` (vLLM's multiprocess
 executor: one worker process per GPU, started with ``spawn``, so MLA_QUANT must
 be registered there through its ``vllm.general_plugins`` entry point: install the
-packages' wheels, see docs/tensor-parallel.md). With N > 1 the default set is the
+packages' wheels, see docs/contributing.md). With N > 1 the default set is the
 six TRITON_MLA / none / nvfp4 runs (eager and graphs) plus three configurations
 that must fail in the workers with an error that reaches this process naming the
 layer or the field. Each result records what every worker process saw (its pid,

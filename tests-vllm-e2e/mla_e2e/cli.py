@@ -61,7 +61,7 @@ def preflight(tp: int = 1) -> dict[str, str]:
             "'vllm.general_plugins' entry point, and none is installed (packages on "
             "PYTHONPATH have no dist-info). Install the wheels, e.g. `python3 -m pip "
             "install --no-deps --no-index --target /tmp/mla-site .e2e-pin/wheels/*.whl` "
-            "and put /tmp/mla-site first on PYTHONPATH (docs/tensor-parallel.md)",
+            "and put /tmp/mla-site first on PYTHONPATH (docs/contributing.md)",
             2,
         )
     return {"torch": torch.__version__, "vllm": vllm.__version__, "gpus": str(count)}

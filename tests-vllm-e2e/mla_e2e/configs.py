@@ -85,7 +85,8 @@ RUNS: dict[str, Run] = {
         200,
     ),
     # Valid schema, but layer 1 alone gets a static P amax below 1, which the
-    # prefill kernel refuses (SPEC 4) at that layer's first prefill.
+    # prefill kernel refuses (docs/numerics.md "Edge cases we chose") at that layer's
+    # first prefill.
     "tp_error_layer": Run(
         "MLA_QUANT",
         True,

@@ -119,7 +119,7 @@ def ensure_registered(tp: int = 1) -> str:
     if tp > 1 and found is None:
         raise RuntimeError(
             "no 'vllm.general_plugins' entry point for mla_vllm: TP workers could not "
-            "register MLA_QUANT (install the wheels: docs/tensor-parallel.md)"
+            "register MLA_QUANT (install the wheels: docs/contributing.md)"
         )
     register()
     if found is None:

@@ -15,11 +15,12 @@ from .configs import RUNS, TP_RUNS
 from .logprobs import describe_diff, max_diff
 
 # Bounds of TP=B against TP=A, in nats, for the same configuration (see
-# docs/tensor-parallel.md): unquantized runs differ only by the bf16 rounding of
+# docs/contributing.md): unquantized runs differ only by the bf16 rounding of
 # the row-parallel all-reduces (o_proj, down_proj) and of shape-dependent GEMM
 # kernels; nvfp4 runs see those same input differences, which can move an element
 # across a rounding boundary of the 4-bit grid (one quantum), so their bound is
-# wider. Quantization scales themselves never depend on the head split (SPEC 2).
+# wider. Quantization scales themselves never depend on the head split
+# (docs/numerics.md "Scales").
 TP_TOL = {"none": 0.05, "nvfp4": 0.15}
 TP_MEAN_TOL = {"none": 0.01, "nvfp4": 0.03}  # mean |Δ prompt logprob|
 STATS_REL_TOL = 0.15  # per layer/path: |rel_l2_mean(B, mean over ranks) / rel_l2_mean(A) - 1|

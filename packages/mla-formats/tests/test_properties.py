@@ -129,9 +129,10 @@ def test_static_amax_equivariant_outside_subnormals(
 # --------------------------------------------------------------------------------------
 # qdq and qdq_factored against a float64 computation on the enumerated grids
 #
-# Every float32 step of the definition (SPEC 2: "all QDQ maths in float32") is taken
-# here as a float64 operation rounded to float32, which for one +, *, / is the same
-# number (float64 has more than 2 * 24 + 2 bits); the roundings onto the E4M3 and E2M1
+# Every float32 step of the definition (docs/numerics.md "Formats and scales": "all QDQ
+# maths is done in float32") is taken here as a float64 operation rounded to float32,
+# which for one +, *, / is the same number (float64 has more than 2 * 24 + 2 bits); the
+# roundings onto the E4M3 and E2M1
 # grids are searches over the grids' values, enumerated from their bit layouts.
 
 

@@ -188,7 +188,8 @@ def merge_attn_states(
 def test_chunk_merge_equals_full_attention(quant: AttentionQuant | None) -> None:
     """Context keys (non-causal) + new keys (causal), merged by LSE = full causal.
 
-    With a quantized recipe this is SPEC 4's invariance: the cut is at a multiple of
+    With a quantized recipe this is the invariance of docs/numerics.md "Softmax, P and
+    schedule invariance": the cut is at a multiple of
     16 and the score spread keeps every P block scale out of E4M3 subnormals.
     """
     heads, dim, dim_v = 4, 64, 32
@@ -302,7 +303,10 @@ def test_reference_point_is_power_of_two_max() -> None:
 def expected_keep(
     s: torch.Tensor, visible: torch.Tensor, lq: int, sparsity: NMSparsity
 ) -> torch.Tensor:
-    """SPEC 5's N:M rule with plain loops: s [H, Lq, Lk], visible [Lq, Lk]."""
+    """The N:M rule (docs/numerics.md "N:M sparsity") with plain loops.
+
+    s [H, Lq, Lk], visible [Lq, Lk].
+    """
     heads, _, lk = s.shape
     if lq == 1:
         return visible.expand(heads, lq, lk).clone()

@@ -1,4 +1,4 @@
-"""Bad inputs raise ValueError naming the argument (SPEC 5)."""
+"""Bad inputs raise ValueError naming the argument (docs/numerics.md "Input checks")."""
 
 from __future__ import annotations
 
@@ -51,8 +51,15 @@ def call_decode(args: dict[str, Any]) -> object:
 
 
 def test_valid_calls_pass() -> None:
-    call_prefill(prefill_args())
-    call_decode(decode_args())
+    """The valid calls that every rejection below edits return finite results."""
+    out = call_prefill(prefill_args())
+    assert isinstance(out, torch.Tensor)
+    assert out.shape == (12, 4, 32) and out.dtype == F64 and bool(out.isfinite().all())
+    got = call_decode(decode_args())
+    assert isinstance(got, tuple)
+    dout, lse = got
+    assert dout.shape == (2, 4, 512) and lse.shape == (2, 4)
+    assert bool(dout.isfinite().all()) and bool(lse.isfinite().all())
 
 
 Edit = Callable[[dict[str, Any]], None]
@@ -168,24 +175,96 @@ def test_decode_rejects(edit: Edit, argument: str) -> None:
 
 
 def test_unused_table_entries_are_not_checked() -> None:
+    """Entries past a request's last page are never read: any value passes and changes
+    nothing; the same value on a page the request uses is refused."""
     args = decode_args()
-    args["block_table"] = torch.tensor([[0, 1, 99], [2, 3, 4]], dtype=torch.int32)
     args["seq_lens"] = torch.tensor([32, 33], dtype=torch.int32)  # row 0 uses 2 pages
-    call_decode(args)
+    want = call_decode(args)
+    args["block_table"] = torch.tensor([[0, 1, 99], [2, 3, 4]], dtype=torch.int32)
+    got = call_decode(args)
+    assert isinstance(got, tuple) and isinstance(want, tuple)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    args["seq_lens"] = torch.tensor([33, 33], dtype=torch.int32)  # now row 0 reads page 2
+    with pytest.raises(ValueError, match=r"^block_table(:| \()"):
+        call_decode(args)
 
 
 def test_oracle_accepts_what_kernels_may_not() -> None:
-    """Any page size, non-contiguous inputs, causal with more queries than keys."""
+    """Any page size, non-contiguous inputs, causal with more queries than keys: each
+    gives the result of the same data in the kernels' layout."""
     args = decode_args()
-    args["kv_cache"] = torch.randn(6, 16, 3, 576, dtype=F64)[:, :, 1]
-    call_decode(args)
+    want = call_decode(args)
+    strided = torch.zeros(6, 16, 3, 576, dtype=F64)
+    strided[:, :, 1] = args["kv_cache"]
+    args["kv_cache"] = strided[:, :, 1]
+    assert not args["kv_cache"].is_contiguous()
+    got = call_decode(args)
+    assert isinstance(got, tuple) and isinstance(want, tuple)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # the same tokens in pages of 4: token t of a request at page t // 4, row t % 4
+    # (the rows past a request's length are NaN: never read)
+    rows = [_pad(_cache_rows(args, b, n), 4) for b, n in enumerate((20, 33))]
+    pages = torch.cat([r.reshape(-1, 4, 576) for r in rows])
+    small = dict(args, kv_cache=pages, block_table=_table((5, 9)))
+    got = call_decode(small)
+    assert isinstance(got, tuple)
+    torch.testing.assert_close(got, want)
     args = prefill_args()
-    args["q"] = torch.randn(4, 12, 64, dtype=F64).transpose(0, 1)
+    q = torch.randn(4, 12, 64, dtype=F64).transpose(0, 1)
+    args["q"] = q
     args["cu_seqlens_q"] = torch.tensor([0, 10, 12], dtype=torch.int32)
-    call_prefill(args)
+    out = call_prefill(args)
+    contiguous = call_prefill(dict(args, q=q.contiguous()))
+    assert isinstance(out, torch.Tensor) and isinstance(contiguous, torch.Tensor)
+    torch.testing.assert_close(out, contiguous, rtol=0, atol=0)
+    assert out.shape == (12, 4, 32) and bool(out.isfinite().all())
 
 
-def test_sparsity_must_be_nmsparsity() -> None:
+def _cache_rows(args: dict[str, Any], b: int, n: int) -> torch.Tensor:
+    """The first ``n`` latent rows of request ``b`` of ``args`` (pages of 16)."""
+    pages = args["block_table"][b].tolist()
+    rows = torch.cat([args["kv_cache"][p] for p in pages])
+    return rows[:n]
+
+
+def _pad(rows: torch.Tensor, page: int) -> torch.Tensor:
+    fill = -len(rows) % page
+    return torch.cat([rows, torch.full((fill, rows.shape[1]), float("nan"), dtype=rows.dtype)])
+
+
+def _table(pages: tuple[int, ...]) -> torch.Tensor:
+    """Consecutive pages for each request, ``pages[b]`` of them, padded with page 0."""
+    width = max(pages)
+    rows, start = [], 0
+    for n in pages:
+        rows.append(list(range(start, start + n)) + [0] * (width - n))
+        start += n
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "sparsity",
+    [(2, 4), [2, 4], {"n": 2, "m": 4}, "2:4", 2],
+    ids=["tuple", "list", "dict", "str", "int"],
+)
+def test_sparsity_must_be_nmsparsity(sparsity: object) -> None:
+    """Anything but None or ``NMSparsity`` is refused, naming ``sparsity``."""
     args = prefill_args()
-    args["sparsity"] = NMSparsity(2, 4)
-    call_prefill(args)
+    args["sparsity"] = sparsity
+    with pytest.raises(ValueError, match=r"^sparsity: expected None or mla_formats\.NMSparsity"):
+        call_prefill(args)
+
+
+def test_sparsity_nmsparsity_is_applied() -> None:
+    """An ``NMSparsity`` is taken and used: with 1 of every 4 keys kept and no dense
+    window the output differs from the dense one, and ``debug["keep"]`` drops keys."""
+    args = prefill_args()
+    dense = call_prefill(args)
+    debug: dict[str, Any] = {}
+    sparse = call_prefill(dict(args, sparsity=NMSparsity(1, 4, 0, 0), debug=debug))
+    assert isinstance(dense, torch.Tensor) and isinstance(sparse, torch.Tensor)
+    assert sparse.shape == dense.shape and bool(sparse.isfinite().all())
+    assert not torch.allclose(sparse, dense)
+    kept = sum(int(keep.sum()) for keep in debug["keep"])
+    visible = sum(int(keep.numel()) for keep in debug["keep"])
+    assert 0 < kept < visible

@@ -164,7 +164,8 @@ def test_tiny_report_measures_errors_against_none(tmp_path: Path) -> None:
         assert "ms" not in row  # no timing on a CPU
     for kind in ("decode", "prefill"):
         assert 0.01 < rows["nvfp4", kind]["rel_l2"] < 0.6
-    # N:M changes prefill only (SPEC 5), with windows short enough to bite at 40 tokens
+    # N:M changes prefill only (docs/numerics.md "N:M sparsity"), with windows short
+    # enough to bite at 40 tokens
     assert rows["nvfp4+2:4", "decode"]["rel_l2"] == rows["nvfp4", "decode"]["rel_l2"]
     assert rows["nvfp4+2:4", "prefill"]["rel_l2"] != rows["nvfp4", "prefill"]["rel_l2"]
 

@@ -175,7 +175,10 @@ def test_unmatched_pattern_is_named() -> None:
 
 
 def test_static_p_amax_below_one_is_refused_naming_the_key_and_layer() -> None:
-    """SPEC 4 (mla_formats refuses it too): P's static amax is at least 1, on both paths."""
+    """P's static amax is at least 1, on both paths (mla_formats refuses it too).
+
+    The rule: docs/numerics.md "Edge cases we chose".
+    """
     config = load_config(
         {
             "recipe": "nvfp4",

@@ -23,7 +23,7 @@ from test_warmup import REQUESTS, _table
 
 import mla_vllm.installer as installer
 import mla_vllm.warmup as warmup
-from mla_triton.warmup import record_keys
+from mla_triton.precompile import record_keys
 from mla_vllm.backend import MLAQuantImpl
 
 pytestmark = pytest.mark.usefixtures("vllm_process", "cpu_cache_op")

@@ -47,7 +47,7 @@ from conftest import (
 )
 from test_warmup import _quant_model
 
-from mla_triton.warmup import record_keys
+from mla_triton.precompile import record_keys
 
 pytestmark = pytest.mark.usefixtures("vllm_process")
 
@@ -201,7 +201,7 @@ def _recording(
     """``compile_only`` replaced: each warm-up's keys, appended to ``compiled``; with
     ``compiles``, Triton's interpreter is taken for a compiler (as on a GPU); the early
     warm-up (``MLA_QUANT_WARMUP_EARLY``) off unless ``early``."""
-    from mla_triton.warmup import record_keys
+    from mla_triton.precompile import record_keys
     from mla_vllm.warmup import EARLY_ENV
 
     saved = os.environ.get(EARLY_ENV)

@@ -1,7 +1,8 @@
 """NVFP4 and FP8 quantize-dequantize maths for quantized MLA attention.
 
 The formats, their rounding primitives and the recipe types shared by
-``mla_reference``, ``mla_triton`` and ``mla_vllm``. See SPEC section 2.
+``mla_reference``, ``mla_triton`` and ``mla_vllm``. See docs/numerics.md
+"Formats and scales".
 """
 
 from mla_formats.formats import (

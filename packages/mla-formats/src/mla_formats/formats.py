@@ -134,8 +134,8 @@ class OperandQuant:
 
 OperandLike = str | Format | OperandQuant | None
 
-# SPEC 2 defaults per role: K and V at the unit amax (global scale 1); P at 1.0,
-# since the kernels' P never exceeds 1; Q dynamic.
+# Defaults per role (docs/numerics.md "Scales"): K and V at the unit amax (global
+# scale 1); P at 1.0, since the kernels' P never exceeds 1; Q dynamic.
 _DEFAULT_AMAX: dict[str, AmaxSpec | None] = {"q": "dynamic", "k": None, "p": 1.0, "v": None}
 
 
@@ -171,7 +171,7 @@ def _resolve_operand(value: OperandLike, role: str) -> OperandQuant:
 
 @dataclass(frozen=True)
 class AttentionQuant:
-    """The quantization recipe of one attention layer (SPEC 3).
+    """The quantization recipe of one attention layer (docs/numerics.md "Operands and axes").
 
     Each of ``q``, ``k``, ``p`` and ``v`` is given as a format name (that format
     with the role's default amax), a ``Format``, an ``OperandQuant`` or ``None``
@@ -212,7 +212,9 @@ class AttentionQuant:
 
 @dataclass(frozen=True)
 class NMSparsity:
-    """N:M score sparsity (SPEC 5): keep the ``n`` largest of every ``m`` keys.
+    """N:M score sparsity: keep the ``n`` largest of every ``m`` keys.
+
+    The rule: docs/numerics.md "N:M sparsity".
 
     Groups are ``m`` consecutive keys at absolute key positions. The first
     ``dense_sink_tokens`` keys, and keys with ``0 <= q_pos - k_pos <

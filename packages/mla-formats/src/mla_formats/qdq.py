@@ -1,4 +1,6 @@
-"""Quantize-dequantize (QDQ) of a tensor along one axis, in float32 torch (SPEC 2).
+"""Quantize-dequantize (QDQ) of a tensor along one axis, in float32 torch.
+
+The definitions: docs/numerics.md "Formats and scales".
 
 ``qdq`` returns the simulated low-precision value in the input dtype.
 ``qdq_factored`` returns the same value split as ``values * global_scale``, the
@@ -192,7 +194,9 @@ def qdq(
     pad: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Quantize-dequantize ``x`` along ``axis`` (SPEC 2); returns ``out_dtype`` or x's dtype.
+    """Quantize-dequantize ``x`` along ``axis``; returns ``out_dtype`` or x's dtype.
+
+    The definitions: docs/numerics.md "Formats and scales".
 
     Args:
         x: a floating tensor of any shape and device.

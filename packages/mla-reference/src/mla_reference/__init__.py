@@ -1,6 +1,7 @@
 """Eager oracles for quantized Multi-head Latent Attention (MLA) prefill and decode.
 
-Written from the project's definitions (SPEC sections 3 to 6, docs/numerics.md),
+Written from the project's definitions (docs/numerics.md "Operands and axes" to
+"Interface"),
 never from a kernel's schedule: every kernel in ``mla_triton`` is judged against
 ``prefill`` and ``decode`` here. Both accept a ``debug`` dict that receives the
 quantized operands they used, so tests can check operands exactly.

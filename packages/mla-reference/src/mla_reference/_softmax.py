@@ -3,7 +3,7 @@
 Both oracles reduce to rows: one query token in one head against its visible keys.
 ``quantize_operand`` turns an input into the operand a matmul uses;
 ``softmax_rows`` turns a row's scores into the quantized P, the denominator and
-the base-2 reference point (SPEC 4, docs/numerics.md "Scores, softmax and P");
+the base-2 reference point (docs/numerics.md "Softmax, P and schedule invariance");
 ``normalize`` turns ``P̂ V̂`` into the output and the natural-log LSE.
 
 Non-finite operands (docs/numerics.md "Non-finite input") poison by row, never by

@@ -1,4 +1,4 @@
-"""Input checks shared by the oracles (SPEC 5).
+"""Input checks shared by the oracles (docs/numerics.md "Input checks").
 
 Every check raises ``ValueError`` whose message starts with the argument's name
 and says what was expected. The oracles accept any strides and any page size;
@@ -149,7 +149,7 @@ def check_prefill(
     out_dtype: object,
     debug: object,
 ) -> PrefillShapes:
-    """Check prefill's arguments (SPEC 5); return their sizes."""
+    """Check prefill's arguments (docs/numerics.md "Input checks"); return their sizes."""
     qt = _float_tensor(q, "q", 3)
     kt = _float_tensor(k, "k", 3)
     vt = _float_tensor(v, "v", 3)
@@ -247,7 +247,10 @@ def check_decode(
     out_dtype: object,
     debug: object,
 ) -> DecodeShapes:
-    """Check decode's arguments (SPEC 5); return the full query and host-side indices."""
+    """Check decode's arguments (docs/numerics.md "Input checks").
+
+    Returns the full query and host-side indices.
+    """
     if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
         raise ValueError(f"kv_lora_rank: expected an int, got {kv_lora_rank!r}")
     if kv_lora_rank <= 0 or kv_lora_rank % HEAD_DIM_MULTIPLE:

@@ -1,4 +1,6 @@
-"""Eager oracle of quantized absorbed-MLA decode over a paged latent cache (SPEC 3 to 5).
+"""Eager oracle of quantized absorbed-MLA decode over a paged latent cache.
+
+The definitions: docs/numerics.md "Operands and axes" to "LSE, masks and input checks".
 
 One request at a time: gather its latent rows token by token through the block
 table, QDQ them as K (along the features) and as V (the first ``kv_lora_rank``

@@ -1,4 +1,6 @@
-"""Eager oracle of quantized varlen prefill attention (SPEC 3 to 5, docs/numerics.md).
+"""Eager oracle of quantized varlen prefill attention.
+
+The definitions: docs/numerics.md "Operands and axes" to "LSE, masks and input checks".
 
 Written from the definitions, one sequence at a time: QDQ the operands, form every
 score of a row, mask, softmax with the power-of-two reference point, QDQ P, multiply
@@ -40,7 +42,7 @@ _ELEMENT_BUDGET = 1 << 22
 def nm_keep(
     s: torch.Tensor, visible: torch.Tensor, q_pos: torch.Tensor, sparsity: NMSparsity
 ) -> torch.Tensor:
-    """Keys an N:M-sparsified row keeps (SPEC 5, docs/numerics.md "Masks").
+    """Keys an N:M-sparsified row keeps (docs/numerics.md "N:M sparsity").
 
     Args:
         s: scores ``[H, R, Lk]`` of ``R`` query rows; key ``j`` at absolute position ``j``.

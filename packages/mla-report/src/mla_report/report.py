@@ -35,6 +35,7 @@ __all__ = [
     "RECIPES",
     "Case",
     "Recipe",
+    "build_parser",
     "check_recipe",
     "main",
     "parse_recipe",
@@ -57,7 +58,8 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("fp8", AttentionQuant.uniform("fp8")),
     Recipe("nvfp4", AttentionQuant.uniform("nvfp4")),
     Recipe("nvfp4-kv", AttentionQuant(k="nvfp4", v="nvfp4")),
-    # N:M applies to prefill only (SPEC 5): its decode row repeats plain nvfp4.
+    # N:M applies to prefill only (docs/numerics.md "N:M sparsity"): its decode row
+    # repeats plain nvfp4.
     Recipe("nvfp4+2:4", AttentionQuant.uniform("nvfp4"), NMSparsity(2, 4, 4, 16)),
 )
 
@@ -446,6 +448,85 @@ def _use_interpreter(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "mla_report", *argv])
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after each option's help, but where the help says the default
+    itself (a default of None or an empty list) or the option is a flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        unset = action.default is None or action.default is False or action.default == []
+        if unset or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+DESCRIPTION = """\
+What each quantization recipe does to DeepSeek-V3-shaped MLA attention: for every recipe
+the decode and prefill kernels run on the same seeded inputs; the report gives their
+error against the unquantized kernel (relative L2, cosine, max abs), their disagreement
+with the eager oracle of mla-reference for the same recipe, and on a GPU the kernel time.
+Results go to report.json and report.png in --out. On a CPU the kernels run in Triton's
+interpreter at small sizes (about a minute)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``mla-report``."""
+    from mla_report import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="mla-report",
+        description=DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        type=_recipe,
+        metavar="NAME=q:fmt,...",
+        help="an extra recipe, e.g. 'kfp8=k:fp8,v:fp8' or 'x=k:nvfp4@12,nm:2:4' (formats "
+        "fp8, nvfp4; '@' a static amax; nm:N:M prefill sparsity); repeat for more",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        metavar="NAME",
+        help=f"run only these recipes, and none (default: all; built in: "
+        f"{', '.join(BUILTIN_NAMES)})",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("report"), help="output folder, made if missing"
+    )
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        help="cpu, cuda, cuda:N or gpu (= cuda) (default: cuda if present, else cpu)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random inputs (the same for every recipe)"
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (default: a progress bar on the terminal)",
+    )
+    return parser
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` is a folder, or can be made: checked before any kernel runs."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {str(out)!r} is a file; expected a folder")
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out: cannot make {str(out)!r}: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out: cannot write into {str(existing)!r} (permission denied)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``mla-report``.
 
@@ -453,26 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     ``--recipe`` is built into its ``mla_formats`` objects and checked against the
     kernels' own validation on the chosen device before the first kernel runs.
     """
-    parser = argparse.ArgumentParser(prog="mla-report", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--recipe",
-        action="append",
-        default=[],
-        type=_recipe,
-        metavar="NAME=q:fmt,...",
-        help="extra recipe, e.g. 'kfp8=k:fp8,v:fp8' or 'x=k:nvfp4@12,nm:2:4'",
-    )
-    parser.add_argument("--only", nargs="*", metavar="NAME", help="run only these recipes")
-    parser.add_argument("--out", type=Path, default=Path("report"), help="output folder")
-    parser.add_argument(
-        "--device",
-        type=_device,
-        default=None,
-        help="cpu, cuda, cuda:N or gpu (= cuda); default: cuda if present",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        _check_out(args.out)
+    except ValueError as err:
+        parser.error(str(err))
     extra: list[Recipe] = args.recipe
     names = [r.name for r in extra]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -417,7 +417,8 @@ class MLAQuantConfig:
                 if spec.format == "none" or amax is None:
                     resolved[role] = spec.format
                 elif role == "p" and isinstance(amax, float) and amax < 1.0:
-                    # SPEC 4 (mla_formats refuses it too): the kernels' P never exceeds 1,
+                    # docs/numerics.md "Edge cases we chose" (mla_formats refuses it too):
+                    # the kernels' P never exceeds 1,
                     # and below 1 whether P saturates would depend on the online softmax's
                     # running maximum. Raised when the layer is bound, so the message
                     # names the layer (also from a tensor-parallel worker).

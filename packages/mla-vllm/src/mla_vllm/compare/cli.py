@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +19,9 @@ from typing import Any
 
 from mla_vllm.compare.inputs import (
     check_lengths,
+    check_model,
+    check_out_dir,
+    check_patterns,
     load_prompts,
     model_max_len,
     parse_recipes,
@@ -34,10 +38,45 @@ Launcher = Callable[[Mapping[str, Any], Path], dict[str, Any]]
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0.0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after each option's help, but where the help says the default
+    itself (a default of None or an empty list) or the option is a flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        unset = action.default is None or action.default is False or action.default == []
+        if unset or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mla-vllm")
+    except PackageNotFoundError:  # sources on PYTHONPATH
+        from mla_vllm import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,33 +84,91 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mla-compare",
         description="KL, top-1 agreement, perplexity and per-layer attention error of "
-        "MLA_QUANT recipes against the native MLA backend, on one model.",
+        "MLA_QUANT recipes against the native MLA backend, on one model. Every input is "
+        "checked before the first engine starts; each engine runs in its own process.",
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("model", help="model directory (or hub id) as vLLM takes it")
-    p.add_argument("--prompts", required=True, help=".jsonl, .json or text file of prompts")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="the model: a local directory holding config.json, or a Hugging Face hub id",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s (mla-vllm {_version()})")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        metavar="FILE",
+        help="prompts: .jsonl (one a line: text, a list of token ids or an object), .json "
+        "(a list of the same) or a text file (one prompt per non-empty line)",
+    )
     p.add_argument(
         "--recipe",
         action="append",
         default=[],
         metavar="[NAME=]RECIPE",
-        help="an mla_quant JSON object, a JSON file, or a format name (repeat for more)",
+        help="a recipe to compare: an mla_quant JSON object, a JSON file, or a format name "
+        "(nvfp4, fp8, none); repeat for more; at least one",
     )
-    p.add_argument("--backend", choices=BACKENDS, default="TRITON_MLA", help="the native backend")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="TRITON_MLA",
+        help="the native MLA backend the recipes are compared against",
+    )
     p.add_argument("--top-k", type=int, default=20, help="prompt logprobs per position (>= 2)")
     p.add_argument(
-        "--greedy-tokens", type=int, default=0, help="greedy tokens per prompt (0: no greedy pass)"
+        "--greedy-tokens",
+        type=int,
+        default=0,
+        help="greedy tokens generated per prompt after the forced pass (0: no greedy pass)",
     )
-    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16"))
-    p.add_argument("--tokenizer", default=None, help="tokenizer for text prompts (default: model)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="GPUs per engine (vLLM's tensor_parallel_size)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="the engines' context length (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16"),
+        help="the model's activation dtype (auto: the checkpoint's)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer for text prompts, a directory or hub id (default: the model's)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.85,
+        help="fraction of GPU memory an engine may take, in (0, 1]",
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="BYTES",
+        help="KV-cache size per GPU in bytes (default: sized from --gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=None,
+        help="sequences per engine step (default: vLLM's)",
+    )
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="capture CUDA graphs (decode steps replayed from a graph are not observed)",
+        help="capture CUDA graphs (decode steps replayed from a graph are not observed); "
+        "default: eager",
     )
     p.add_argument(
         "--observe-interval",
@@ -89,10 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs",
         type=_positive_int,
         default=1,
-        help="engines at once (one GPU each at TP=1 is not needed: small models share one)",
+        help="engines at once (small models can share one GPU)",
     )
-    p.add_argument("--timeout", type=float, default=None, help="seconds per engine")
-    p.add_argument("--out", default="mla-compare-out", help="output directory")
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds an engine may run, start-up included (default: no limit)",
+    )
+    p.add_argument(
+        "--out",
+        default="mla-compare-out",
+        metavar="DIR",
+        help="output directory (report.json, report.png, engines/ with each engine's log)",
+    )
     return p
 
 
@@ -105,8 +213,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--gpu-memory-utilization: expected in (0, 1], got {args.gpu_memory_utilization}"
         )
-    if args.tie_margin < 0.0:
+    if not args.tie_margin >= 0.0:
         raise ValueError(f"--tie-margin: expected >= 0, got {args.tie_margin}")
+    check_out_dir(args.out, "--out")
 
 
 def _with_observe(config: Mapping[str, Any], interval: int) -> dict[str, Any]:
@@ -156,20 +265,21 @@ def run(
     args = build_parser().parse_args(argv)
     _check_args(args)
     console = console or Console()
+    check_model(args.model)
     max_len = model_max_len(args.model, args.max_model_len)
     prompts = tokenize(load_prompts(args.prompts), args.model, args.tokenizer)
     check_lengths(prompts, max_len)
     recipes = parse_recipes(args.recipe, args.model)
     if NATIVE in {r.name for r in recipes}:
         raise ValueError(f"--recipe: {NATIVE!r} names the native run; choose another name")
+    check_patterns(recipes, args.model, args.model)
     ids = [list(p.ids or ()) for p in prompts]
     specs = _specs(args, ids, recipes)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if launcher is None:
-
-        def launcher(spec: Mapping[str, Any], workdir: Path) -> dict[str, Any]:
-            return launch(spec, workdir, timeout=args.timeout)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot make {args.out!r}: {exc.strerror or exc}") from None
 
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
@@ -178,13 +288,30 @@ def run(
         overall = progress.add_task(f"{len(specs)} engines", total=len(specs))
         tasks = {name: progress.add_task(f"{name}: waiting", total=1) for name in specs}
 
+        def phase(name: str) -> Callable[[str], None]:
+            def update(text: str) -> None:
+                progress.update(tasks[name], description=f"{name}: {text}")
+
+            return update
+
         def one(name: str) -> dict[str, Any]:
-            progress.update(tasks[name], description=f"{name}: running")
+            phase(name)("starting the engine process")
             try:
-                return launcher(specs[name], out / "engines")
+                if launcher is None:
+                    workdir = out / "engines"
+                    result = launch(
+                        specs[name], workdir, timeout=args.timeout, on_phase=phase(name)
+                    )
+                else:
+                    result = launcher(specs[name], out / "engines")
+            except Exception:
+                phase(name)("failed")
+                raise
             finally:
-                progress.update(tasks[name], completed=1, description=f"{name}: done")
+                progress.update(tasks[name], completed=1)
                 progress.advance(overall)
+            phase(name)("done")
+            return result
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures: dict[str, Future[dict[str, Any]]] = {n: pool.submit(one, n) for n in specs}

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mla_vllm.compare.launch import PHASE
 from mla_vllm.plugin import register
 from mla_vllm.stats import get_stats
 from mla_vllm.targets import layer_states, model_layers, on_models
@@ -72,9 +73,15 @@ def layer_amax(model: Any) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def _phase(text: str) -> None:
+    """Tell the parent (``launch``: it reads this process's output) what runs now."""
+    print(f"{PHASE}{text}", flush=True)
+
+
 def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Build the engine of ``spec``, run it, return JSON-able results (child side)."""
     tp = int(spec.get("tensor_parallel_size", 1))
+    _phase(f"starting vLLM ({spec['backend']}, TP={tp})")
     register()  # re-entrant; reaches an in-process engine without the entry point
     import torch
     import vllm
@@ -100,8 +107,10 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             engine_args[key] = int(spec[key])
     engine_args.update(spec.get("engine_args") or {})
     t0 = time.time()
+    _phase(f"starting the engine: loading {spec['model']}")
     llm = LLM(**engine_args)
     started = time.time() - t0
+    _phase(f"engine ready in {started:.0f} s; teacher-forcing {len(spec['prompts'])} prompts")
     prompts = [list(map(int, p)) for p in spec["prompts"]]
     inputs: list[Any] = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
@@ -112,11 +121,13 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     greedy: list[list[int]] | None = None
     n_greedy = int(spec.get("greedy_tokens", 0))
     if n_greedy > 0:
+        _phase(f"greedy decoding, {n_greedy} tokens per prompt")
         gen = SamplingParams(
             max_tokens=n_greedy, temperature=0.0, ignore_eos=True, detokenize=False
         )
         greedy = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, gen, use_tqdm=False)]
     quantized = quant is not None
+    _phase("collecting statistics")
     stats = get_stats(llm) if quantized else {}
     amax: dict[str, Any] = {}
     if quantized:

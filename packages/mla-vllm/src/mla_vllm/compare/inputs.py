@@ -18,6 +18,7 @@ the path of a JSON file holding one, or a format name (``nvfp4`` for
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ __all__ = [
     "Prompt",
     "Recipe",
     "check_lengths",
+    "check_model",
+    "check_out_dir",
+    "check_patterns",
+    "layer_names",
     "load_prompts",
     "model_max_len",
     "parse_recipe",
@@ -41,6 +46,93 @@ __all__ = [
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _NAME = re.compile(r"^(?P<name>[A-Za-z0-9_.+-]+)=(?P<value>.+)$", re.DOTALL)
+# a Hugging Face hub id: "name" or "owner/name" (no leading "/", ".", "~", one "/" at most)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+# vLLM 0.33's MLA layer names by architecture (deepseek_v2.py: DeepseekV2DecoderLayer's
+# self_attn and its MLA wrapper's attn), for checking ``layers[i].pattern`` up front
+_MLA_LAYER_NAMES = {
+    "DeepseekV2ForCausalLM": "model.layers.{}.self_attn.attn",
+    "DeepseekV3ForCausalLM": "model.layers.{}.self_attn.attn",
+    "DeepseekV32ForCausalLM": "model.layers.{}.self_attn.attn",
+}
+
+
+def check_model(model: str) -> None:
+    """``MODEL`` names a model directory holding ``config.json``, or is a hub id.
+
+    A path that does not exist (absolute, ``./``, ``~``, two or more ``/``, or a first
+    component that is a local directory) is a ``ValueError`` naming ``MODEL``, so a
+    mistyped path is reported before any tokenizer or engine reads it.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"MODEL: {model!r} is a directory without config.json (not a Hugging Face "
+                "model directory)"
+            )
+        return
+    if path.exists():
+        raise ValueError(f"MODEL: {model!r} is a file; expected a model directory or hub id")
+    first = Path(model.split("/", 1)[0])
+    if _HUB_ID.match(model) and not ("/" in model and first.is_dir()):
+        return  # a hub id: vLLM and the tokenizer download it
+    raise ValueError(
+        f"MODEL: no such model directory {model!r} (and not a hub id such as "
+        "'deepseek-ai/DeepSeek-V2-Lite')"
+    )
+
+
+def check_out_dir(out: str | Path, argument: str) -> None:
+    """``out`` is a directory that exists or can be made: ``ValueError`` naming ``argument``
+    when it, or the nearest of its parents that exists, is a file, or is not writable."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{argument}: {str(out)!r} is a file; expected a directory")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"{argument}: cannot make {str(out)!r}: {str(existing)!r} is a file, not a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{argument}: cannot write into {str(existing)!r} (permission denied)")
+
+
+def layer_names(model: str) -> list[str] | None:
+    """The MLA layer names vLLM gives a local model, from its ``config.json``; None for
+    a hub id or an architecture whose naming is not known here."""
+    config = Path(model).expanduser() / "config.json"
+    try:
+        obj = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(obj, Mapping):
+        return None
+    layers = obj.get("num_hidden_layers")
+    archs = obj.get("architectures") or []
+    names = {_MLA_LAYER_NAMES.get(a) for a in archs if isinstance(a, str)} - {None}
+    if not isinstance(layers, int) or layers < 1 or len(names) != 1:
+        return None
+    template = str(names.pop())
+    return [template.format(i) for i in range(layers)]
+
+
+def check_patterns(recipes: Sequence[Recipe], model: str, model_path: str | None) -> None:
+    """Every ``layers[i].pattern`` of every recipe matches one of the model's MLA layers.
+
+    Checked where the model's layer names are known (``layer_names``); the engine checks
+    them again when it binds the layers.
+    """
+    names = layer_names(model)
+    if names is None:
+        return
+    for recipe in recipes:
+        config = MLAQuantConfig.from_obj(
+            recipe.config, where=f"--recipe {recipe.name}: mla_quant", model_path=model_path
+        )
+        config.check_patterns(names, where=f"--recipe {recipe.name}: mla_quant")
 
 
 @dataclass(frozen=True)
