@@ -61,7 +61,7 @@ SHAPES = "b128-h128-L8192,b128-h16-L8192,b8-h128-L32768,b32-h128-L32768"
 SMOKE_SHAPE = Shape(2, 16, 80, 16)
 OURS = ("auto", *tuning.IMPLS["decode"])
 ANCHOR = "flashmla"
-TOL = 2e-2  # max row error against the oracle (bf16 output, QDQ ties on CUDA)
+TOL = 1e-2  # relative L2 error against the oracle (bf16 output)
 
 
 def ours(x: DecodeInputs, recipe: str, impl: str) -> Case:

@@ -61,7 +61,7 @@ ANCHOR = "fa3"
 D_QK, D_V = 192, 128
 SCALE = D_QK**-0.5
 CHECK_ROWS = 256
-TOL = 2e-2
+TOL = 1e-2  # relative L2 error against the oracle (bf16 output)
 
 
 @dataclass

@@ -65,7 +65,7 @@ SMOKE_SHAPE = Shape(2, 16, 80, 16)
 OURS = ("auto", *tuning.IMPLS.get("shadow", tuning.IMPLS["decode"]))
 STORAGES = ("fp16", "packed")
 ANCHOR = "flashmla"
-TOL = 2e-2
+TOL = 1e-2  # relative L2 error against the oracle (bf16 output)
 CHUNK = 1 << 16  # tokens a fill call writes
 
 

@@ -52,6 +52,7 @@ SLOW_FIRST = (
     "test_gluon_decode_ws.py::test_compile_test_in_child",  # 110
     "test_gluon_prefill.py::test_every_variant_compiles_for_sm90a",  # 90
     "test_gluon_decode.py::test_compile_tests_in_child",  # 45
+    "test_api.py::test_every_module_imports_on_its_own",  # 35
     "test_shadow.py::test_tail_tile_lengths",  # 14-45
     "test_shadow.py::test_tail_tile_wide_head_group",  # 14
 )

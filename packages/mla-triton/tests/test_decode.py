@@ -25,17 +25,18 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from calls import decode  # mla_triton.decode, with ``config`` forced through tuning.use
 
 import mla_reference
 from mla_formats import AttentionQuant, OperandQuant, qdq, qdq_factored
-from mla_triton import qdq_device as dev
-from mla_triton.decode import (
+from mla_triton import tuning
+from mla_triton.common import qdq as dev
+from mla_triton.common.kernels import SPLIT_ALIGN
+from mla_triton.common.splitk import (
     DecodeConfig,
-    decode,
     decode_num_splits,
     decode_workspace_size,
 )
-from mla_triton.kernels.decode_kernel import SPLIT_ALIGN
 
 TOL_P_FP16 = 2.5e-3
 TOL_EXACT_P = 5e-4
@@ -242,7 +243,8 @@ def test_strided_cache_view() -> None:
 
 @pytest.mark.parametrize("recipe", ["none", "nvfp4"])
 def test_split_invariance(recipe: str) -> None:
-    """1 split against 7: equal up to float32 summation order (SPEC 4).
+    """1 split against 7: equal up to float32 summation order (docs/numerics.md
+    "Softmax, P and schedule invariance").
 
     Every rescale is a power of two, so P̂ and the partial sums only differ by the
     order of float32 additions (and P codes that an ulp moves across a midpoint,
@@ -285,7 +287,7 @@ def test_batch_invariance() -> None:
         assert torch.equal(got, full[1][1])
     # requests 1 and 3 are identical in length and differ in data: not mixed up
     assert not torch.equal(full[0][1], full[0][3])
-    # the automatic policy picks splits from the batch size: same result within SPEC 4
+    # the automatic policy picks splits from the batch size: same result up to summation order
     auto_one = decode(q[1:2], cache, table[1:2], seq[1:2], softmax_scale=SCALE, quant=quant)
     auto_all = decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant)
     assert (auto_one[1][0] - auto_all[1][1]).abs().max().item() <= 1e-6
@@ -404,7 +406,7 @@ def test_split_policy_takes_the_fewest_splits_that_fill_the_gpu(
 @pytest.mark.parametrize(
     ("batch", "heads", "length", "splits"),
     [
-        (8, 128, 32768, 8),  # 128 programs, one wave (sitting 10: 1.04x FlashMLA, 15 splits 0.84x)
+        (8, 128, 32768, 8),  # 128 programs, one wave (1.04x FlashMLA; 15 splits 0.84x)
         (32, 128, 32768, 2),  # 128 programs (0.98x; 4 splits 0.95x)
         (128, 16, 8192, 1),  # 128 programs (1.07x; 2 splits 1.04x)
         (128, 128, 8192, 1),  # 256 programs, two full waves
@@ -414,8 +416,8 @@ def test_split_policy_takes_the_fewest_splits_that_fill_the_gpu(
     ],
 )
 def test_split_policy_measured_shapes(batch: int, heads: int, length: int, splits: int) -> None:
-    """The split counts the H200's measurements chose (132 SMs; docs/benchmarks.md,
-    sitting 10): one wave of 128 programs is taken, not two waves of 240."""
+    """The split counts the H200's measurements chose (132 SMs; docs/benchmarks.md):
+    one wave of 128 programs is taken, not two waves of 240."""
     assert decode_num_splits(batch, heads, length) == splits
 
 
@@ -505,7 +507,6 @@ def _bad_calls() -> list[tuple[str, dict[str, object]]]:
         ("max_seq_len", {"max_seq_len": 10_000}),
         ("out", {"out": torch.empty(2, 4, 512)}),
         ("lse", {"lse": torch.empty(2, 4, dtype=torch.float16)}),
-        ("config", {"config": "fast"}),
     ]
     return [(name, {**base, **change}) for name, change in cases]
 
@@ -514,6 +515,13 @@ def _bad_calls() -> list[tuple[str, dict[str, object]]]:
 def test_validation(argument: str, kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=f"^{argument}"):
         decode(**kwargs)  # type: ignore[arg-type]
+
+
+def test_tuning_rejects_unknown_implementation() -> None:
+    """A forced implementation that does not exist is refused naming ``impl``."""
+    q, cache, table, seq = make_inputs([5], 4, 16, seed=15)
+    with pytest.raises(ValueError, match=r"^impl"), tuning.use("fast"):
+        decode(q, cache, table, seq, softmax_scale=SCALE)
 
 
 def test_config_validation() -> None:

@@ -1,4 +1,4 @@
-"""The input contract of ``decode``, ``decode_shadow`` and ``update_cache`` (issue 13).
+"""The input contract of ``decode``, ``decode_shadow`` and ``update_cache``.
 
 CPU, Triton interpreter, small latent widths (kv_lora_rank 32 + rope 16) so each
 case takes a fraction of a second. What is checked, against ``mla_reference``:
@@ -7,8 +7,9 @@ case takes a fraction of a second. What is checked, against ``mla_reference``:
   poisons are NaN, in every feature, and the LSE is NaN exactly where the oracle's
   is; every other row matches the oracle;
 - memory safety without value checks: an out-of-range block id or sequence length
-  poisons that request alone (NaN out and LSE) and reads nothing outside the cache;
-  ``update_cache`` skips slots outside the cache; duplicates are refused when checked;
+  poisons that request alone (NaN out and LSE) and reads nothing outside the cache
+  or outside the request's ``block_table`` row; ``update_cache`` skips slots outside
+  the cache; duplicates are refused when checked;
 - the shadow is self-describing: read or written with another recipe, refused;
 - bfloat16 under the interpreter computes correctly (float32 inside);
 - property tests: random shapes, strides, lengths, splits, recipes and one
@@ -17,11 +18,11 @@ case takes a fraction of a second. What is checked, against ``mla_reference``:
 
 ``MLA_CONTRACT_DEVICE=cuda`` runs the same cases on a GPU (compiled kernels, the
 hardware fp8 conversion); the oracle runs on the CPU. ``MLA_CONTRACT_IMPL=gluon`` (with
-``cuda``, on an sm90 GPU) runs ``decode`` through the Gluon kernel (``impl="gluon"``) at
-the widths it takes (kv_lora_rank 512 + rope 64) on the recipes it implements (none,
-fp8), and ``decode_shadow`` through it too (``impl="gluon"``: fp16 shadows of those
-recipes); the shadow's own tests (``update_cache``, the recipe stamp, nvfp4) are skipped
-in that mode.
+``cuda``, on an sm90 GPU) forces the Gluon split kernel (``tuning.use("gluon")``) at the
+widths it takes (kv_lora_rank 512 + rope 64) on the recipes it implements (none, fp8),
+for ``decode`` and for ``decode_shadow`` (fp16 shadows of those recipes);
+``MLA_CONTRACT_IMPL=gluon_ws`` the warp-specialized Gluon kernel, on recipe none. The
+shadow's own tests (``update_cache``, the recipe stamp, nvfp4) are skipped in those modes.
 """
 
 from __future__ import annotations
@@ -35,32 +36,34 @@ from unittest import mock
 
 import pytest
 import torch
+from calls import decode, decode_shadow  # the public calls, ``impl`` forced (tuning.use)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mla_reference
 from mla_formats import AttentionQuant, OperandQuant
-from mla_triton import allocate_shadow, decode, decode_shadow, update_cache
+from mla_triton import allocate_shadow, update_cache
+from mla_triton.ops.decode.triton import OnRead
+from mla_triton.ops.shadow import _ShadowFamily
 
 # The interpreter computes with numpy, which warns on NaN and inf arithmetic (a GPU does not).
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 DEVICE = torch.device(os.environ.get("MLA_CONTRACT_DEVICE", "cpu"))
-IMPL = os.environ.get("MLA_CONTRACT_IMPL", "triton")  # decode's impl: "triton" or "gluon"
-GLUON = IMPL == "gluon"
-if IMPL not in ("triton", "gluon") or (GLUON and DEVICE.type != "cuda"):
+IMPL = os.environ.get("MLA_CONTRACT_IMPL", "triton")  # "triton", "gluon" or "gluon_ws"
+GLUON = IMPL in ("gluon", "gluon_ws")
+if IMPL not in ("triton", "gluon", "gluon_ws") or (GLUON and DEVICE.type != "cuda"):
     raise ValueError(
-        f"MLA_CONTRACT_IMPL={IMPL!r}: 'triton', or 'gluon' with MLA_CONTRACT_DEVICE=cuda"
+        f"MLA_CONTRACT_IMPL={IMPL!r}: 'triton', or 'gluon'/'gluon_ws' with MLA_CONTRACT_DEVICE=cuda"
     )
 R, ROPE = (512, 64) if GLUON else (32, 16)  # latent and rope widths (Gluon: DeepSeek's only)
 D = R + ROPE
 SCALE = 0.2
 ROW_TOL = 5e-2  # finite rows: the loose bound of test_decode (a P flip at most)
 
-# the modules, not the functions ``mla_triton.decode`` and ``mla_triton.shadow`` re-exported
-decode_module = importlib.import_module("mla_triton.decode")
-shadow_module = importlib.import_module("mla_triton.shadow")
-gluon_module = importlib.import_module("mla_triton.gluon_decode")
+splitk_module = importlib.import_module("mla_triton.common.splitk")  # stages 0 and 2
+shadow_module = importlib.import_module("mla_triton.ops.shadow")
+gluon_module = importlib.import_module("mla_triton.ops.decode.gluon")
 
 RECIPES: dict[str, AttentionQuant] = {
     "none": AttentionQuant(),
@@ -68,10 +71,10 @@ RECIPES: dict[str, AttentionQuant] = {
     "nvfp4": AttentionQuant(q="nvfp4", k="nvfp4", v="nvfp4", p="nvfp4"),
     "nvfp4_kdyn": AttentionQuant(q="nvfp4", k=OperandQuant("nvfp4", "dynamic"), v="nvfp4"),
 }
-if GLUON:  # the recipes the Gluon kernel implements
-    RECIPES = {k: RECIPES[k] for k in ("none", "fp8")}
+if GLUON:  # the recipes the Gluon kernels implement
+    RECIPES = {k: RECIPES[k] for k in (("none", "fp8") if IMPL == "gluon" else ("none",))}
 PATHS = ["decode", "shadow"]
-QUANTIZED = "fp8" if GLUON else "nvfp4"  # the quantized recipe of single-recipe tests
+QUANTIZED = {"triton": "nvfp4", "gluon": "fp8", "gluon_ws": "none"}[IMPL]  # single-recipe tests
 shadow_only = pytest.mark.skipif(
     GLUON, reason="MLA_CONTRACT_IMPL=gluon: update_cache and nvfp4 shadows are Triton's"
 )
@@ -238,6 +241,71 @@ def test_out_of_range_index_poisons_its_request_only(path: str, page: int, bad: 
         run(path, q, cache, table, seq, quant, check_values=True)
 
 
+def case_past_the_row(
+    page: int, past: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three requests, request 0 filling its ``W``-column row exactly, request 1 claiming
+    ``past`` tokens beyond its row; ``block_table`` is ``big[:, :W]`` of a wider int32
+    tensor whose other columns hold the id of a page of huge values, a page no request
+    references within its length.
+
+    Returns ``(q, cache, table, seq, clean)``: ``seq`` with the bad length, ``clean`` the
+    lengths as made (request 1 within its row)."""
+    w = 3
+    lens = [w * page, 2 * page + 5, page - 3]
+    q, cache, table, seq = make_case(lens, 2, page, seed)
+    assert table.shape[1] == w
+    huge = torch.full((1, page, D), 1e4, dtype=cache.dtype, device=DEVICE)
+    cache = torch.cat([cache, huge])  # the last page: huge values
+    big = torch.full((len(lens), 4 * w), cache.shape[0] - 1, dtype=torch.int32, device=DEVICE)
+    big[:, :w] = table
+    bad = seq.clone()
+    bad[1] = w * page + past
+    return q, cache, big[:, :w], bad, seq
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("far", [False, True], ids=["one-token-past", "past-the-wide-tensor-row"])
+def test_seq_len_beyond_the_table_row_reads_nothing_past_it(
+    path: str, page: int, far: bool
+) -> None:
+    """A length beyond ``block_table``'s width times the page size: refused naming
+    ``seq_lens`` when values are checked (the default for CPU tensors); unchecked, that
+    request's out and LSE NaN and the other requests bit-identical to the same call
+    without it, so nothing was read past the row (the columns there name a page of
+    huge values that would change any result that read it)."""
+    quant = RECIPES[QUANTIZED]
+    past = 4 * 3 * page + 5 if far else 1  # far: beyond the wide tensor's row too
+    q, cache, table, seq, _ = case_past_the_row(page, past, seed=13)
+    assert table.stride(0) == 4 * table.shape[1], "the table must be a column slice"
+    keep = [0, 2]
+    for splits in (1, 3):
+        out, lse = run(path, q, cache, table, seq, quant, num_splits=splits, check_values=False)
+        assert out[1].isnan().all() and lse[1].isnan().all(), splits
+        want_out, want_lse = run(path, q[keep], cache, table[keep], seq[keep], quant,
+                                 num_splits=splits, check_values=False)  # fmt: skip
+        assert torch.equal(out[keep], want_out) and torch.equal(lse[keep], want_lse), splits
+        assert torch.isfinite(want_out).all() and torch.isfinite(want_lse).all()
+    ref_out, ref_lse = reference(q[keep], cache, table[keep], seq[keep], quant)
+    assert float(row_errors(out[keep], ref_out).max()) < ROW_TOL
+    assert torch.allclose(lse[keep], ref_lse.float(), atol=1e-3)
+    with pytest.raises(ValueError, match=r"^seq_lens: "):
+        run(path, q, cache, table, seq, quant, check_values=True)
+    if DEVICE.type == "cpu":  # unset, values are checked for CPU tensors
+        with pytest.raises(ValueError, match=r"^seq_lens: "):
+            run(path, q, cache, table, seq, quant)
+
+
+def test_seq_len_within_the_row_reads_the_row() -> None:
+    """The control of the case above: the same table with request 1 within its row
+    matches the oracle, so the huge page is referenced only past the lengths."""
+    quant = RECIPES[QUANTIZED]
+    q, cache, table, _, seq = case_past_the_row(16, 1, seed=13)
+    out, lse = run("decode", q, cache, table, seq, quant, num_splits=3)
+    assert_like_oracle(out, lse, *reference(q, cache, table, seq, quant))
+
+
 @shadow_only
 def test_update_cache_skips_slots_outside_the_cache_and_refuses_duplicates() -> None:
     quant = RECIPES["nvfp4"]
@@ -337,20 +405,21 @@ def launches() -> Iterator[list[str]]:
             seen.append(self.name)
             return self.kernel[grid]  # type: ignore[no-any-return]
 
-    names = {
-        decode_module: ("decode_split_kernel", "decode_q_kernel", "decode_merge_kernel"),
-        shadow_module: ("shadow_decode_split_kernel",),
-    }
     patches = [
-        mock.patch.object(module, name, Spy(name, getattr(module, name)))
-        for module, group in names.items()
-        for name in group
+        mock.patch.object(splitk_module, name, Spy(name, getattr(splitk_module, name)))
+        for name in ("decode_q_kernel", "decode_merge_kernel")
     ]
+    # the split kernels are attributes of their families (on read, shadow)
+    patches += [
+        mock.patch.object(family, "kernel", Spy(name, family.kernel))
+        for family, name in ((OnRead, "decode_split_kernel"),
+                             (_ShadowFamily, "shadow_decode_split_kernel"))
+    ]  # fmt: skip
     by_name = gluon_module._ByName
     gluon_launch = by_name.__getitem__
 
-    def gluon_spy(self: Any, grid: Any) -> Any:
-        seen.append("gluon_decode_split_kernel")
+    def gluon_spy(self: Any, grid: Any) -> Any:  # both Gluon kernels launch through _ByName
+        seen.append("gluon kernel")
         return gluon_launch(self, grid)
 
     patches.append(mock.patch.object(by_name, "__getitem__", gluon_spy))

@@ -14,15 +14,18 @@ with the bounds of bf16 (module test_decode's docstring explains the metric):
   A wrong axis, block origin or scale moves nearly every row past 4e-3.
 - LSE: 2e-5.
 
-Every test runs through the Triton split kernel (``impl="triton"``) and, on an sm90 GPU,
-through the Gluon one (``impl="gluon"``) for the recipes it implements
-(``gluon_decode.gluon_recipe``): the same bounds, the same contract.
+Every test runs through the Triton split kernel (``impl="triton"``, forced with
+``tuning.use``) and, on an sm90 GPU, through the Gluon split kernel (``impl="gluon"``)
+for the recipes it implements (``ops.decode.gluon.gluon_recipe``) and the
+warp-specialized Gluon kernel (``impl="gluon_ws"``) for recipe none: the same bounds,
+the same contract.
 
 The oracle runs on the CPU (float64), on copies of the pages the batch uses:
 ``mla_formats`` on CUDA computes a global scale ``amax / unit_amax`` as
 ``amax * (1 / unit_amax)`` (PyTorch's CUDA division by a Python scalar multiplies
-by the reciprocal), one ulp away from the SPEC's division for about half the
-values, which moves QDQ codes; the CPU path divides exactly, as the kernels do.
+by the reciprocal), one ulp away from the division docs/numerics.md "Formats and
+scales" specifies for about half the values, which moves QDQ codes; the CPU path
+divides exactly, as the kernels do.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from calls import decode  # mla_triton.decode, with ``impl`` forced through tuning.use
 
 import mla_reference
 from mla_formats import AttentionQuant, OperandQuant, e4m3_round, qdq_factored
-from mla_triton import qdq_device as dev
-from mla_triton.decode import decode, decode_workspace_size
-from mla_triton.gluon_decode import GluonRecipe, gluon_recipe
-from mla_triton.kernels.decode_kernel import decode_q_kernel
+from mla_triton import decode_workspace_size
+from mla_triton.common import qdq as dev
+from mla_triton.common.splitk_kernels import decode_q_kernel
+from mla_triton.ops.decode.gluon import GluonRecipe, gluon_recipe
+from mla_triton.precompile import _intercept
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
@@ -174,18 +179,24 @@ LENS = [1, 15, 16, 17, 63, 64, 65, 1000, 4097]
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def _takes(impl: str, recipe: str) -> bool:
+    if impl == "triton":
+        return True
+    if impl == "gluon_ws":  # the warp-specialized kernel: recipe none
+        return SM90 and RECIPES[recipe] is None
+    return SM90 and isinstance(gluon_recipe(RECIPES[recipe]), GluonRecipe)
+
+
 def with_impls(recipes: list[str]) -> list[tuple[str, str]]:
-    """``(recipe, impl)``: Triton for each, Gluon too on sm90 where it takes the recipe."""
-    return [
-        (r, impl)
-        for r in recipes
-        for impl in ("triton", "gluon")
-        if impl == "triton" or (SM90 and isinstance(gluon_recipe(RECIPES[r]), GluonRecipe))
-    ]
+    """``(recipe, impl)``: Triton for each; on sm90 the Gluon split kernel where it takes
+    the recipe and the warp-specialized one for recipe none."""
+    return [(r, i) for r in recipes for i in ("triton", "gluon", "gluon_ws") if _takes(i, r)]
 
 
-# the tests that use nvfp4 for the Triton kernel run the Gluon one on its two recipes
-NVFP4_OR_GLUON = [("nvfp4", "triton")] + ([("none", "gluon"), ("fp8", "gluon")] if SM90 else [])
+# the tests that use nvfp4 for the Triton kernel run the Gluon kernels on none and fp8
+NVFP4_OR_GLUON = [("nvfp4", "triton")] + (
+    [("none", "gluon"), ("none", "gluon_ws"), ("fp8", "gluon")] if SM90 else []
+)
 
 
 @pytest.mark.parametrize(("recipe", "impl"), with_impls(list(RECIPES)))
@@ -207,11 +218,9 @@ def test_head_counts(heads: int, recipe: str, impl: str) -> None:
 
 @pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 GPU")
 def test_auto_runs_the_gluon_kernel_on_sm90() -> None:
-    """``impl="auto"`` launches the Gluon kernels at 128 heads (none: the
-    warp-specialized one; fp8 and nvfp4: ``gluon_decode``'s); at 16 heads the
+    """Without a forced implementation, 128 heads launch the Gluon kernels (none: the
+    warp-specialized one; fp8 and nvfp4: the split one); at 16 heads the
     warp-specialized one for recipe none, the Triton one for fp8."""
-    from mla_triton.warmup import _intercept
-
     seen: list[str] = []
 
     def spy(run: object, kernel: object, args: object, kwargs: object, grid: object) -> None:
@@ -332,6 +341,44 @@ def test_cuda_graph_capture_and_replay(recipe: str, impl: str) -> None:
     torch.cuda.synchronize()
     ref = reference(q, cache, table, seq, quant)
     check(out, lse, *ref, quant)
+
+
+@pytest.mark.parametrize("past", [1, 5000], ids=["one-token-past", "past-the-wide-tensor-row"])
+@pytest.mark.parametrize(("recipe", "impl"), NVFP4_OR_GLUON)
+def test_seq_len_beyond_the_table_row_reads_nothing_past_it(
+    recipe: str, impl: str, past: int
+) -> None:
+    """A ``seq_lens`` entry beyond its ``block_table`` row (width times page size):
+    refused naming ``seq_lens`` with ``check_values=True``; unchecked (``False``, and the
+    default for GPU tensors) that request's out and LSE NaN and the other requests
+    bit-identical to the same call without it. ``block_table`` is ``big[:, :W]`` of a
+    wider tensor whose other columns name a page of huge values: a read past the row
+    would change a result."""
+    quant = RECIPES[recipe]
+    page = 64
+    q, cache, table, seq = make_inputs([1024, 700, 50], 128, page, seed=10)
+    w = table.shape[1]
+    huge = torch.full((1, page, 576), 3e4, dtype=cache.dtype, device="cuda")
+    cache = torch.cat([cache, huge])
+    big = torch.full((3, 4 * w), cache.shape[0] - 1, dtype=torch.int32, device="cuda")
+    big[:, :w] = table
+    table = big[:, :w]
+    assert table.stride(0) == 4 * w and int(seq[0]) == w * page  # request 0 fills its row
+    bad = seq.clone()
+    bad[1] = w * page + past  # 5000: past big's row too, into the next one
+    keep = [0, 2]
+    for splits in (1, 4):
+        want = decode(q[keep], cache, table[keep], seq[keep], softmax_scale=SCALE, quant=quant,
+                      num_splits=splits, impl=impl)  # fmt: skip
+        for check_values in (False, None):
+            out, lse = decode(q, cache, table, bad, softmax_scale=SCALE, quant=quant,
+                              num_splits=splits, check_values=check_values, impl=impl)  # fmt: skip
+            assert out[1].isnan().all() and lse[1].isnan().all(), (splits, check_values)
+            assert torch.equal(out[keep], want[0]) and torch.equal(lse[keep], want[1])
+    check(*want, *reference(q[keep], cache, table[keep], seq[keep], quant), quant)
+    with pytest.raises(ValueError, match=r"^seq_lens: "):
+        decode(q, cache, table, bad, softmax_scale=SCALE, quant=quant, check_values=True,
+               impl=impl)  # fmt: skip
 
 
 @triton.jit

@@ -1,20 +1,23 @@
-"""The Gluon sm90 decode (``mla_triton.gluon_decode``): compiled on the CPU, run on a GPU.
+"""The Gluon sm90 decode (``mla_triton.ops.decode.gluon``): compiled on the CPU, run on a GPU.
 
 CPU (CI): Gluon has no interpreter, so every variant the launcher can pick is
-compiled for sm_90a (``compile_variant``) and its PTX is checked for what the
-design promises: ``S = q Kᵀ`` computed once (36 wgmma ``64 x BLOCK_N/2`` per tile,
-512/16 + 64/16, per warpgroup), ``P V`` as ``64 x 256`` wgmma (the two warpgroups
-split the 512 features), ``cp.async`` tile loads, no local-memory spills, and
-shared memory within the 227 KiB of a CTA; ptxas (sm_90a) reports no spills and no
-serialized wgmma. The fp8 recipe (q̂, K̂ = V̂, P̂) compiles for the default and the
-overlapped variant: float16 MMAs, the hardware E4M3 conversion.
+compiled for sm_90a (``compile_variant``) and its PTX is checked for properties that
+do not depend on the compiler's choices: the dots run as wgmma on the operand types
+the recipe implies, ``cp.async`` tile loads, no local memory, shared memory at least
+the buffers the kernel allocates and within the 227 KiB of a CTA; ptxas (sm_90a)
+reports no spills and no serialized wgmma. The fp8 recipe (q̂, K̂ = V̂, P̂) compiles
+for the default and the overlapped variant: float16 MMAs, the hardware E4M3 conversion.
 
 GPU (skipped without CUDA): bf16 against ``mla_reference.decode`` (float64) with
 the bounds of test_decode_gpu.py (P not quantized is rounded to bf16 for the dot:
 rows 1.5e-2; P quantized: exact products, rows 4e-3 but for at most 2% of the rows
 (a P code next to a rounding midpoint may flip), each below 0.5; LSE 2e-5) and
-against ``mla_triton.decode`` (the same algorithm, a different summation order), with
+against the Triton kernel (the same algorithm, a different summation order), with
 test_decode_gpu.py's inputs, CPU oracle and checks.
+
+Calls force an implementation through ``tests/calls.py`` (``tuning.use``): ``"gluon"``
+is the Gluon split kernel; the warp-specialized one (``"gluon_ws"``) is
+test_gluon_decode_ws.py's.
 """
 
 from __future__ import annotations
@@ -30,25 +33,23 @@ from typing import Any
 
 import pytest
 import torch
+from calls import decode, decode_shadow  # the public calls, ``impl``/``config`` forced
 from test_shadow import RECIPES as SHADOW_RECIPES
 
 from mla_formats import AttentionQuant, OperandQuant
-from mla_triton.decode import DecodeConfig
-from mla_triton.gluon_decode import (
-    IMPLS,
+from mla_triton import tuning
+from mla_triton.common import device
+from mla_triton.common.splitk import DecodeConfig, operand
+from mla_triton.ops.decode.gluon import (
     ON_READ_BLOCKS_CONFIG,
-    ON_READ_OVERLAP_CONFIG,
-    ON_READ_PIPELINED_CONFIG,
     SEPARATE_V_CONFIG,
     UNQUANTIZED,
     VARIANTS,
     GluonDecodeConfig,
     GluonFacts,
     GluonRecipe,
-    check_impl,
     choose_impl,
     compile_variant,
-    gluon_api_missing,
     gluon_decode_preferred,
     gluon_recipe,
     gluon_unsupported,
@@ -67,7 +68,7 @@ def _wgmma_shapes(ptx: str) -> dict[str, int]:
 
 FP8 = gluon_recipe(AttentionQuant.uniform("fp8"))
 assert isinstance(FP8, GluonRecipe)
-# decode_shadow(impl="gluon") on an fp16 fp8 shadow: float16 K̂ tiles, q̂ and P̂ fp8, bf16 out
+# decode_shadow forced to "gluon" on an fp16 fp8 shadow: float16 K̂ tiles, q̂ and P̂ fp8, bf16 out
 SHADOW_FP8 = replace(FP8, kv_fp8=False, shadow_f16=True)
 # decode_shadow with a V̂ section (V_SEP): nvfp4 Q/K/P/V (the open V block from the raw
 # rows), and dynamic fp8 K (per-token scales; rows of 2192 bytes) with fp8 V
@@ -82,8 +83,7 @@ ON_READ_NVFP4 = gluon_recipe(AttentionQuant.uniform("nvfp4"))
 assert isinstance(ON_READ_NVFP4, GluonRecipe) and ON_READ_NVFP4.v_own
 COMPILED += [(SEPARATE_V_CONFIG, ON_READ_NVFP4)]
 # the same with whole blocks a thread (V_OWN == 2, off by default): no shuffles in the QDQ
-COMPILED += [(c, ON_READ_NVFP4) for c in (ON_READ_BLOCKS_CONFIG, ON_READ_OVERLAP_CONFIG,
-                                           ON_READ_PIPELINED_CONFIG)]  # fmt: skip
+COMPILED += [(ON_READ_BLOCKS_CONFIG, ON_READ_NVFP4)]
 
 
 def _label(recipe: GluonRecipe) -> str:
@@ -123,7 +123,8 @@ def test_compile_tests_in_child() -> None:
     ids=[f"{c.name}-{_label(r)}" for c, r in COMPILED],
 )
 def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> None:
-    """Each variant (several splits: the workspace epilogue) compiles to the planned PTX."""
+    """Each variant (several splits: the workspace epilogue) compiles for sm_90a with the
+    properties the design needs (none counts the compiler's instruction choices)."""
     c = compile_variant(config, num_splits=2, recipe=recipe)
     assert c.num_warps == 8
     assert 0 < c.shared <= max_shared_bytes(), c.shared
@@ -131,21 +132,18 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
     tile = config.block_n * (576 + (512 if recipe.separate_v else 0)) * 2
     p_bufs = 2 if config.overlap else 1
     assert c.shared >= config.stages * tile + 64 * 576 * 2 + p_bufs * 64 * config.block_n * 2
-    # S: 512/16 + 64/16 wgmma a tile (twice in the code with overlap: prologue and loop)
+    # the dots run on the tensor cores (wgmma), every one on the recipe's operand types
     shapes = _wgmma_shapes(c.ptx)
+    assert shapes, "no wgmma"
     operands = "f16.f16" if recipe.mma_f16 else "bf16.bf16"
     typed = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{operands}", c.ptx)
     assert len(typed) == sum(shapes.values())
     if recipe.kv_fp8 or recipe.p_fmt:  # K̂ = V̂ on read, or P̂ (nvfp4: its block scales)
         assert "cvt.rn.satfinite.e4m3x2.f32" in c.ptx
-    s_count = 36 * (2 if config.overlap else 1)
-    assert shapes == {f"m64n{config.block_n // 2}k16": s_count, "m64n256k16": config.block_n // 16}
     if config.overlap:  # the softmax runs while P V is in flight
         assert "wgmma.wait_group.sync.aligned 1;" in c.ptx
     assert "cp.async.cg.shared.global" in c.ptx or "cp.async.ca.shared.global" in c.ptx
     assert not re.search(r"\b(ld|st)\.local\b", c.ptx)
-    if recipe.v_own:  # V̂'s block maxima: 4 shuffles an element (287 in all), none whole-block
-        assert (c.ptx.count("shfl.sync") < 40) == (config.on_read > 1), c.ptx.count("shfl.sync")
     assert "ttng.warp_group_dot" in c.ttgir
     # ptxas: no spills, and no serialized wgmma (C7515: an accumulator written by other
     # instructions inside a wgmma pipeline stage, e.g. an async one across the loop's edge)
@@ -157,9 +155,9 @@ def test_compiles_for_sm90a(config: GluonDecodeConfig, recipe: GluonRecipe) -> N
 def test_one_split_and_fp16_compile() -> None:
     """The one-split epilogue (out and LSE) and fp16 inputs compile too."""
     c = compile_variant(VARIANTS[0], dtype="fp16", num_splits=1, page=16, index_dtype="i64")
-    assert c.shared <= max_shared_bytes()
-    assert _wgmma_shapes(c.ptx) == {"m64n32k16": 36, "m64n256k16": 4}
-    assert "f32.f16.f16" in c.ptx
+    assert 0 < c.shared <= max_shared_bytes()
+    assert _wgmma_shapes(c.ptx) and "f32.f16.f16" in c.ptx and "bf16" not in c.ptx
+    assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
 
 
 SM90 = GluonFacts(
@@ -219,7 +217,7 @@ def test_dispatch_refusals(change: dict[str, Any], needle: str, covered: bool) -
     assert choose_impl("auto", SM90) == choose_impl("gluon", SM90) == "gluon"
 
 
-GATED = {
+ON_READ_TAKEN = {
     "nvfp4": AttentionQuant.uniform("nvfp4"),
     "kv-nvfp4": AttentionQuant(k="nvfp4", v="nvfp4"),
     "p-nvfp4": AttentionQuant(p="nvfp4"),
@@ -230,23 +228,14 @@ GATED = {
 }
 
 
-@pytest.mark.parametrize("name", list(GATED))
-def test_on_read_gated(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """nvfp4 q or P and V quantized into its own tiles on read: ``"gluon"`` takes them,
-    ``"auto"`` only while ``GLUON_ON_READ_AUTO`` is on (the shipped value, since the H200
-    suites)."""
-    import mla_triton.gluon_decode as gd
-
-    assert gd.GLUON_ON_READ_AUTO is True
-    monkeypatch.setattr(gd, "GLUON_ON_READ_AUTO", False)
-    facts = replace(SM90, quant=GATED[name])
-    why = gluon_unsupported(facts)
-    assert why is not None and "GLUON_ON_READ_AUTO" in why.reason and not why.covered, why
-    assert gluon_unsupported(facts, forced=True) is None
-    assert choose_impl("auto", facts) == "triton" and choose_impl("gluon", facts) == "gluon"
-    monkeypatch.setattr(gd, "GLUON_ON_READ_AUTO", True)
-    assert gluon_unsupported(facts) is None
-    recipe = gluon_recipe(GATED[name])
+@pytest.mark.parametrize("name", list(ON_READ_TAKEN))
+def test_on_read_recipes_taken(name: str) -> None:
+    """nvfp4 q or P and V quantized into its own tiles on read: ``"gluon"`` and
+    ``"auto"`` take them, with the recipe's kernel flags."""
+    facts = replace(SM90, quant=ON_READ_TAKEN[name])
+    assert gluon_unsupported(facts) is None and gluon_unsupported(facts, forced=True) is None
+    assert choose_impl("auto", facts) == "gluon" and choose_impl("gluon", facts) == "gluon"
+    recipe = gluon_recipe(ON_READ_TAKEN[name])
     assert isinstance(recipe, GluonRecipe)
     # V̂ of its own unless only q or P is nvfp4 (K and V none: the raw rows)
     assert recipe.v_own == (name not in ("p-nvfp4", "q-nvfp4")) and not recipe.kv_fp8
@@ -261,7 +250,7 @@ def test_fallback_logged_once_per_reason(
 ) -> None:
     """On sm90, a platform or tensor reason is logged once; the recipe, the head count
     and another GPU are not logged."""
-    import mla_triton.gluon_decode as gd
+    import mla_triton.ops.decode.gluon as gd
 
     monkeypatch.setattr(gd, "_logged", set())
     caplog.set_level(logging.INFO, logger="mla_triton")
@@ -276,27 +265,39 @@ def test_fallback_logged_once_per_reason(
 
 
 def test_impl_values_checked() -> None:
-    assert [check_impl(v) for v in IMPLS] == ["auto", "triton", "gluon"]
-    for bad in ("Gluon", "", None, 1):
-        with pytest.raises(ValueError, match=r"^impl: expected one of"):
-            check_impl(bad)
+    """``tuning.use`` takes decode's implementations by name and refuses others."""
+    assert tuning.IMPLS["decode"] == ("triton", "gluon", "gluon_ws")
+    for name in tuning.IMPLS["decode"]:
+        with tuning.use(name):
+            pass
+    for bad in ("Gluon", "", "auto"):
+        with pytest.raises(ValueError, match=r"^impl: expected one of"), tuning.use(bad):
+            pass
+    with pytest.raises(ValueError, match=r"^use: expected"), tuning.use(1):  # type: ignore[arg-type]
+        pass
 
 
-def test_triton_release_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This Triton (3.8) has the API; another release is a reason, cached once."""
+def test_triton_release_checked_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """This Triton (3.8) has the API; another release is a reason, cached and warned once,
+    naming the version and the path taken."""
     import triton
 
-    gluon_api_missing.cache_clear()
+    caplog.set_level(logging.WARNING, logger="mla_triton")
+    device.gluon_api_missing.cache_clear()
     try:
-        assert gluon_api_missing() is None
-        gluon_api_missing.cache_clear()
+        assert device.gluon_api_missing() is None
+        device.gluon_api_missing.cache_clear()
         monkeypatch.setattr(triton, "__version__", "3.9.0")
-        why = gluon_api_missing()
+        why = device.gluon_api_missing()
         assert why is not None and "Triton 3.9.0" in why
         monkeypatch.setattr(triton, "__version__", "3.8.0")
-        assert gluon_api_missing() == why  # cached
+        assert device.gluon_api_missing() == why  # cached
+        warned = [r.getMessage() for r in caplog.records if r.name == "mla_triton"]
+        assert len(warned) == 1 and "Triton 3.9.0" in warned[0] and "Triton kernels" in warned[0]
     finally:
-        gluon_api_missing.cache_clear()
+        device.gluon_api_missing.cache_clear()
 
 
 def _cpu_case(heads: int) -> tuple[torch.Tensor, ...]:
@@ -307,11 +308,11 @@ def _cpu_case(heads: int) -> tuple[torch.Tensor, ...]:
 
 
 def test_decode_impl_refused_before_any_launch() -> None:
-    """A bad ``impl``, or ``"gluon"`` where it cannot run (here: on the CPU; the shadow),
-    is a ValueError naming ``impl`` and nothing launches; ``"auto"`` runs Triton here."""
-    from mla_triton import allocate_shadow, decode, decode_shadow
-    from mla_triton.gluon_decode import GluonDecodeConfig
-    from mla_triton.warmup import record_keys
+    """A bad ``impl``, or a Gluon kernel where it cannot run (here: on the CPU; the
+    shadow), is a ValueError naming ``impl`` and nothing launches; a config that is no
+    tuning config is refused by ``tuning.use``; unforced, the Triton kernel runs here."""
+    from mla_triton import allocate_shadow
+    from mla_triton.precompile import record_keys
 
     q, cache, table, seq = _cpu_case(128)
     fp8 = AttentionQuant.uniform("fp8")
@@ -324,18 +325,13 @@ def test_decode_impl_refused_before_any_launch() -> None:
     }
     with record_keys() as keys:
         for call in calls.values():
-            for bad in ("flashmla", None):
-                with pytest.raises(ValueError, match=r"^impl: expected one of"):
-                    call(bad)
-        with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
-            calls["decode"]("gluon")
-        with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
-            calls["shadow"]("gluon")
-        with pytest.raises(ValueError, match=r"^config: a GluonDecodeConfig"):
-            decode(q, cache, table, seq, softmax_scale=SCALE, impl="triton",
-                   config=GluonDecodeConfig(64, 2))  # fmt: skip
-        with pytest.raises(ValueError, match=r"^config: expected None, DecodeConfig, GluonDecode"):
-            decode(q, cache, table, seq, softmax_scale=SCALE, config="bn64")  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=r"^impl: expected one of"):
+                call("flashmla")
+            for impl in ("gluon", "gluon_ws"):
+                with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
+                    call(impl)
+        with pytest.raises(ValueError, match=r"^use: expected"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, config=DecodeConfig)
     assert not keys
     with record_keys() as keys:
         decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2)
@@ -345,7 +341,7 @@ def test_decode_impl_refused_before_any_launch() -> None:
 @pytest.fixture
 def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     """``decode`` dispatches CPU tensors as on an H200 (launches must be intercepted)."""
-    import mla_triton.gluon_decode as gd
+    import mla_triton.ops.decode.gluon as gd
 
     real = gd.gluon_facts
 
@@ -359,7 +355,7 @@ def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _launched(call: Any) -> list[tuple[str, dict[str, Any], Any]]:
     """The ``(kernel, keyword arguments, grid)`` of every launch ``call()`` makes (none run)."""
-    from mla_triton.warmup import _intercept
+    from mla_triton.precompile import _intercept
 
     seen: list[tuple[str, dict[str, Any], Any]] = []
 
@@ -386,18 +382,12 @@ def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("recipe", ["none", "fp8"])
-def test_dispatch_launches_the_gluon_kernel(
-    recipe: str, as_sm90: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On sm90 ``decode`` launches q̂ (fp8), the Gluon kernel with exactly its parameters
-    (``split_kernel_args`` filtered, plus its own) and the merge; at 20 heads ``"auto"``
-    keeps the Triton kernel, ``"gluon"`` takes it (``WS_AUTO`` off: recipe none's
-    warp-specialized kernel is test_gluon_decode_ws.py's)."""
-    import mla_triton.gluon_decode_ws as ws
-    from mla_triton.decode import decode
-
-    monkeypatch.setattr(ws, "WS_AUTO", False)
-    from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
+def test_dispatch_launches_the_gluon_kernel(recipe: str, as_sm90: None) -> None:
+    """On sm90 ``decode`` forced to ``"gluon"`` launches q̂ (fp8), the Gluon split kernel
+    with exactly its parameters (``split_kernel_args`` filtered, plus its own) and the
+    merge; at 20 heads ``"auto"`` keeps the Triton kernel; at 128 heads ``"auto"`` takes
+    the Gluon split kernel for fp8 and the warp-specialized one for recipe none."""
+    from mla_triton.ops.decode.gluon_kernels import gluon_decode_split_kernel
 
     quant = AttentionQuant.uniform("fp8") if recipe == "fp8" else None
     q, cache, table, seq = _cpu_case(20)
@@ -407,11 +397,12 @@ def test_dispatch_launches_the_gluon_kernel(
         return lambda: decode(q, cache, table, seq, softmax_scale=SCALE, quant=quant,
                               num_splits=3, impl=impl, config=config)  # fmt: skip
 
-    auto = _launched(call("auto"))
-    assert [n for n, _, _ in auto] == [*names, "decode_split_kernel", "decode_merge_kernel"]
+    auto = _launched(call("auto"))  # 20 heads: the Triton kernel, or recipe none's ws kernel
+    at_20 = "gluon_decode_ws_kernel" if quant is None else "decode_split_kernel"
+    assert [n for n, _, _ in auto] == [*names, at_20, "decode_merge_kernel"]
     seen = _launched(call("gluon", VARIANTS[2]))
     assert [n for n, _, _ in seen] == [*names, "gluon_decode_split_kernel", "decode_merge_kernel"]
-    implied = _launched(call("auto", VARIANTS[2]))  # a Gluon config implies "gluon"
+    implied = _launched(call("auto", VARIANTS[2]))  # a Gluon config forces "gluon"
     assert [(n, _plain(a)) for n, a, _ in implied] == [(n, _plain(a)) for n, a, _ in seen]
     _, args, grid = seen[-2]
     assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
@@ -420,7 +411,7 @@ def test_dispatch_launches_the_gluon_kernel(
     assert args["num_warps"] == 8 and args["SHAPE"] == (512, 64, 64, 64, 32, 1, 64)
     assert args["num_splits"] == 3 and args["MULTI_SPLIT"]
     assert (args["STAGES"], args["OVERLAP"]) == (4, True)
-    split = args["split"]  # kernels.common.split_program's tuple
+    split = args["split"]  # common.kernels.split_program's tuple
     assert len(split) == 13 and split[1][0] is cache and split[11] == (20, 128)
     assert args["num_blocks"] == 7  # its own unspecialized argument, not in the tuple
     assert args["Q_SCALED"] == args["KV_FP8"] == (quant is not None)
@@ -434,20 +425,19 @@ def test_dispatch_launches_the_gluon_kernel(
     assert (default["SHAPE"][4], default["STAGES"], default["OVERLAP"]) == (64, 2, False)
     q128, *_ = _cpu_case(128)
     big = _launched(lambda: decode(q128, cache, table, seq, softmax_scale=SCALE, quant=quant))
-    assert [n for n, _, _ in big] == [*names, "gluon_decode_split_kernel"]  # one split
+    kernel = "gluon_decode_split_kernel" if quant is not None else "gluon_decode_ws_kernel"
+    assert [n for n, _, _ in big] == [*names, kernel]  # one split
 
 
 def test_on_read_nvfp4_launches(as_sm90: None) -> None:
-    """``decode(impl="gluon")`` with nvfp4 Q/K/P/V on read launches q̂ and the Gluon
-    kernel with V̂ of its own in whole-block layouts (``ON_READ_BLOCKS_CONFIG``: ``V_OWN``
-    2, 32-token tiles, 2 stages, the static scales); ``"auto"`` takes it too
-    (``GLUON_ON_READ_AUTO`` on), Triton with the switch off; ``SEPARATE_V_CONFIG`` and the
-    other schedules differ from it in ``V_OWN`` only; V alone nvfp4 keeps
-    ``SEPARATE_V_CONFIG`` (``V_OWN`` True); another Gluon tiling is a ValueError before any
-    launch."""
-    import mla_triton.gluon_decode as gd
-    from mla_triton.decode import _operand, decode
-    from mla_triton.warmup import record_keys
+    """``decode`` forced to ``"gluon"`` with nvfp4 Q/K/P/V on read launches q̂ and the
+    Gluon kernel with V̂ of its own in whole-block layouts (``ON_READ_BLOCKS_CONFIG``:
+    ``V_OWN`` 2, 32-token tiles, 2 stages, the static scales); ``"auto"`` takes it too;
+    ``SEPARATE_V_CONFIG`` and the other schedules differ from it in ``V_OWN`` only; V
+    alone nvfp4 keeps ``SEPARATE_V_CONFIG`` (``V_OWN`` True); another Gluon tiling is a
+    ValueError before any launch."""
+    import mla_triton.ops.decode.gluon as gd
+    from mla_triton.precompile import record_keys
 
     q, cache, table, seq = _cpu_case(128)
     nv = AttentionQuant(q="nvfp4", k="nvfp4", v=OperandQuant("nvfp4", 3.0), p="nvfp4")
@@ -457,9 +447,6 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
                               num_splits=2, impl=impl, config=config)  # fmt: skip
 
     assert [n for n, _, _ in _launched(call("auto"))][1] == "gluon_decode_split_kernel"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gd, "GLUON_ON_READ_AUTO", False)
-        assert [n for n, _, _ in _launched(call("auto"))][1] == "decode_split_kernel"
     seen = _launched(call("gluon"))
     assert [n for n, _, _ in seen][1] == "gluon_decode_split_kernel"
     a = seen[1][1]
@@ -467,19 +454,15 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     assert (a["V_OWN"], a["V_SEP"], a["KV_FP8"], a["OVERLAP"]) == (2, False, False, False)
     assert a["SHAPE"][4] == 32 and a["STAGES"] == 2 and (a["K_FMT"], a["V_FMT"]) == (2, 2)
     assert not a["K_EXACT"] and a["V_EXACT"]  # the default K scale is 2^k, V's 3 / 2688 not
-    gs_k, gs_v = _operand(nv.k).gs, _operand(nv.v).gs
+    gs_k, gs_v = operand(nv.k).gs, operand(nv.v).gs
     assert a["k_scales"] == pytest.approx((gs_k, 1 / gs_k, 1 / (6 * gs_k)))
     assert a["v_scales"] == pytest.approx((gs_v, 1 / gs_v, 1 / (6 * gs_v)))
     assert a["split"][1][0] is cache and a["split"][0][0].dtype == torch.float16
     vb = _launched(call("gluon", ON_READ_BLOCKS_CONFIG))[1][1]
     assert _plain(vb) == _plain(a)
-    # one thread a row: SEPARATE_V_CONFIG, V_OWN True; the overlapped schedules 3 and 4
+    # one thread a row: SEPARATE_V_CONFIG, V_OWN True
     same = _launched(call("gluon", SEPARATE_V_CONFIG))[1][1]
     assert same["V_OWN"] is True and _plain(same | {"V_OWN": 2}) == _plain(a)
-    vs = _launched(call("gluon", ON_READ_OVERLAP_CONFIG))[1][1]
-    assert vs["V_OWN"] == 3 and _plain(vs | {"V_OWN": 2}) == _plain(a)
-    kp = _launched(call("gluon", ON_READ_PIPELINED_CONFIG))[1][1]
-    assert kp["V_OWN"] == 4 and _plain(kp | {"V_OWN": 2}) == _plain(a)
     v_only = AttentionQuant(v="nvfp4", p="fp8")
     assert gd.gluon_decode_config(128, v_only) == VARIANTS[0]
     own = _launched(lambda: decode(q, cache, table, seq, softmax_scale=SCALE, quant=v_only,
@@ -492,10 +475,6 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     with record_keys() as keys, pytest.raises(ValueError, match=r"^config: bn32-st2-vb is for"):
         decode(q, cache, table, seq, softmax_scale=SCALE, impl="gluon",
                config=ON_READ_BLOCKS_CONFIG)  # fmt: skip
-    assert not keys
-    with record_keys() as keys, pytest.raises(ValueError, match=r"needs K and q quantized"):
-        decode(q, cache, table, seq, softmax_scale=SCALE, impl="gluon",
-               quant=AttentionQuant(v="nvfp4"), config=ON_READ_OVERLAP_CONFIG)  # fmt: skip
     assert not keys
 
 
@@ -529,23 +508,21 @@ SHADOW_TAKEN = {
 }
 
 
-# the shadow recipes whose Gluon variant passed test_shadow_gpu.py on an H200
+# the shadow recipes of ``AUTO_GLUON_SHADOWS`` (``"auto"`` runs them through Gluon)
 SHADOW_VERIFIED = ("fp8", "fp8-scale-3", "nvfp4", "kdyn-nvfp4-vfp8")
 # those ``"auto"`` runs through the warp-specialized kernel, at any head count
 WS_AT_16 = ("fp8", "fp8-scale-3", "nvfp4")
 
 
-def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shadow_dispatch_takes() -> None:
     """``gluon_shadow_unsupported``: ``"gluon"`` takes every fp16 shadow of
     ``gluon_shadow_recipe`` (V̂ = K̂, a V̂ section) and K/V none; ``"auto"`` (above 32
-    heads, and at any head count where the warp-specialized kernel takes it) the
-    GPU-verified ones only (``gluon_shadow_verified``), the others with a
-    reason; nothing while ``GLUON_SHADOW_AUTO`` is off."""
+    heads, and at any head count where the warp-specialized kernel takes it) those of
+    ``AUTO_GLUON_SHADOWS`` only (``gluon_shadow_verified``), the others with a reason."""
     from functools import partial
 
-    import mla_triton.shadow as sh
+    import mla_triton.ops.shadow as sh
 
-    assert sh.GLUON_SHADOW_AUTO is True  # the shipped value, since the H200 suites
     for name, (quant, storage, dtype) in SHADOW_TAKEN.items():
         lay = sh.shadow_layout(quant, storage=storage)
         f = replace(SM90, quant=quant, dtype=dtype)
@@ -563,13 +540,6 @@ def test_shadow_dispatch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
         else:
             assert why is not None and "not verified on a GPU" in why.reason, (name, why)
             assert not why.covered and choose_impl("auto", f, rule) == "triton", name
-    monkeypatch.setattr(sh, "GLUON_SHADOW_AUTO", False)  # the switch off: auto never
-    for name, (quant, storage, dtype) in SHADOW_TAKEN.items():
-        lay = sh.shadow_layout(quant, storage=storage)
-        f = replace(SM90, quant=quant, dtype=dtype)
-        off = sh.gluon_shadow_unsupported(f, layout=lay)
-        assert off is not None and "not verified on a GPU" in off.reason, name
-        assert sh.gluon_shadow_unsupported(f, layout=lay, forced=True) is None, name
     fp8 = AttentionQuant.uniform("fp8")
     assert sh.gluon_shadow_recipe(fp8, sh.shadow_layout(fp8), torch.bfloat16) == SHADOW_FP8
     scaled, lay3 = SHADOW_TAKEN["fp8-scale-3"][0], sh.shadow_layout(SHADOW_TAKEN["fp8-scale-3"][0])
@@ -617,15 +587,12 @@ def test_shadow_dispatch_refusals(
     storage: str,
     change: dict[str, Any],
     needle: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What ``decode_shadow``'s Gluon path refuses, with the reason; ``"gluon"`` there is
-    a ValueError naming ``impl``, ``"auto"`` the Triton kernel (for the same reason with
-    ``GLUON_SHADOW_AUTO`` on, the shipped value)."""
+    a ValueError naming ``impl``, ``"auto"`` the Triton kernel for the same reason."""
     from functools import partial
 
-    import mla_triton.shadow as sh
-    from mla_triton.shadow import gluon_shadow_unsupported, shadow_layout
+    from mla_triton.ops.shadow import gluon_shadow_unsupported, shadow_layout
 
     lay = shadow_layout(quant, storage=storage)
     facts = replace(SM90, quant=quant, **change)
@@ -635,26 +602,22 @@ def test_shadow_dispatch_refusals(
     assert choose_impl("auto", facts, rule) == "triton"
     with pytest.raises(ValueError, match=rf"^impl: .*{re.escape(needle)}"):
         choose_impl("gluon", facts, rule)
-    assert sh.GLUON_SHADOW_AUTO is True  # on: auto refuses for the same reasons
     auto = gluon_shadow_unsupported(facts, layout=lay)
     assert auto is not None and needle in auto.reason, auto
 
 
-def test_shadow_dispatch_launches(as_sm90: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On sm90 ``decode_shadow(impl="gluon")`` launches q̂, the Gluon kernel on the
-    shadow's float16 K̂ section (no QDQ in the kernel, K's scale in the scores, P's and
-    V's on the output) and the merge, as ``"auto"`` does for this GPU-verified recipe
-    (and the Triton shadow kernel for one not verified); a refused shadow launches
-    nothing (``WS_SHADOW_AUTO`` off: the warp-specialized kernel is
-    test_gluon_decode_ws.py's)."""
-    import mla_triton.gluon_decode_ws as ws
-    import mla_triton.shadow as sh_mod
-    from mla_triton import allocate_shadow, decode_shadow
-    from mla_triton.decode import _operand
-    from mla_triton.kernels.gluon_decode import gluon_decode_split_kernel
-    from mla_triton.warmup import record_keys
+def test_shadow_dispatch_launches(as_sm90: None) -> None:
+    """On sm90 ``decode_shadow`` forced to ``"gluon"`` launches q̂, the Gluon split kernel
+    on the shadow's float16 K̂ section (no QDQ in the kernel, K's scale in the scores, P's
+    and V's on the output) and the merge; ``"auto"`` runs this recipe of
+    ``AUTO_GLUON_SHADOWS`` through the warp-specialized kernel (its arguments:
+    test_gluon_decode_ws.py) and one not in the table through the Triton shadow kernel;
+    a refused shadow launches nothing."""
+    import mla_triton.ops.shadow as sh_mod
+    from mla_triton import allocate_shadow
+    from mla_triton.ops.decode.gluon_kernels import gluon_decode_split_kernel
+    from mla_triton.precompile import record_keys
 
-    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", False)
     q, cache, table, seq = _cpu_case(128)
     fp8 = AttentionQuant.uniform("fp8")
     shadow = allocate_shadow(7, 64, fp8)
@@ -666,9 +629,8 @@ def test_shadow_dispatch_launches(as_sm90: None, monkeypatch: pytest.MonkeyPatch
     names = ["decode_q_kernel", "shadow_decode_split_kernel", "decode_merge_kernel"]
     seen = _launched(call("gluon"))
     assert [n for n, _, _ in seen] == [names[0], "gluon_decode_split_kernel", names[2]]
-    assert [(n, _plain(a)) for n, a, _ in _launched(call("auto"))] == [
-        (n, _plain(a)) for n, a, _ in seen
-    ]
+    auto = [n for n, _, _ in _launched(call("auto"))]
+    assert auto == [names[0], "gluon_decode_ws_kernel", names[2]]
     _, args, grid = seen[1]
     assert set(args) == set(gluon_decode_split_kernel.arg_names) | {"num_warps"}
     assert grid == (2 * 3 * 3,) and args["SHAPE"] == (512, 64, 64, 64, 64, 2, 64)
@@ -681,7 +643,7 @@ def test_shadow_dispatch_launches(as_sm90: None, monkeypatch: pytest.MonkeyPatch
     assert args["num_blocks"] == 7
     assert split[12] == pytest.approx(SCALE * 1.4426950408889634 * FP8.k_gs)
     assert args["out_scale"] == pytest.approx(FP8.p_gs * FP8.v_gs)
-    implied = _launched(call("auto", VARIANTS[2]))[1][1]  # a Gluon config implies "gluon"
+    implied = _launched(call("auto", VARIANTS[2]))[1][1]  # a Gluon config forces "gluon"
     assert (implied["STAGES"], implied["OVERLAP"]) == (4, True)
     kv_none = AttentionQuant(q="fp8", p="fp8")
     raw = _launched(call("gluon", quant=kv_none, sh=allocate_shadow(7, 64, kv_none)))[1][1]
@@ -703,7 +665,7 @@ def test_shadow_dispatch_launches(as_sm90: None, monkeypatch: pytest.MonkeyPatch
     assert raw_t is cache and ks_t is cache and tuple(v_t.shape) == (7, 64, 512)
     row = sh_mod.shadow_layout(nvfp4).token_bytes // 2
     assert a["split"][7] == (64 * row, row, 64 * row, row, *cache.stride()[:2], *cache.stride()[:2])
-    assert a["v_scales"][0] == pytest.approx(_operand(nvfp4.v).gs) and not a["V_EXACT"]
+    assert a["v_scales"][0] == pytest.approx(operand(nvfp4.v).gs) and not a["V_EXACT"]
     same = _launched(call("gluon", config=SEPARATE_V_CONFIG, quant=nvfp4, sh=nv_shadow))[1][1]
     assert _plain(same) == _plain(a)
     # dynamic K: its per-token scales are the fourth pointer
@@ -725,22 +687,19 @@ def test_shadow_dispatch_launches(as_sm90: None, monkeypatch: pytest.MonkeyPatch
         with pytest.raises(ValueError, match=r"^config: a packed shadow runs the warp-spec"):
             decode_shadow(q, cache, packed, table, seq, softmax_scale=SCALE, quant=nvfp4,
                           storage="packed", config=SEPARATE_V_CONFIG)  # fmt: skip
-        with pytest.raises(ValueError, match=r"^config: impl='gluon' takes a GluonDecodeConfig"):
-            call("gluon", config=DecodeConfig(64, 64, 8, 2))()
     assert not keys
 
 
-def test_warmup_covers_the_gluon_keys(as_sm90: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``warmup_decode`` on an sm90 engine compiles the Gluon kernel for the split counts
-    serving reaches (one key for one split, one for several): the keys of a serving
-    sweep (record_keys, sm_90) are all warmed."""
+def test_warmup_covers_the_gluon_keys(as_sm90: None) -> None:
+    """``warmup_decode`` on an sm90 engine compiles the Gluon split kernel for the split
+    counts serving reaches (one key for one split, one for several): the keys of a
+    serving sweep (record_keys, sm_90) are all warmed. fp8 (recipe none runs the
+    warp-specialized kernel: test_gluon_decode_ws.py)."""
     from test_warmup import make_engine, sweep, warm
 
-    import mla_triton.gluon_decode_ws as ws
-    from mla_triton.warmup import decode_split_counts, record_keys
+    from mla_triton.precompile import decode_split_counts, record_keys
 
-    monkeypatch.setattr(ws, "WS_AUTO", False)  # its keys: test_gluon_decode_ws.py
-    for quant in (None, AttentionQuant.uniform("fp8")):
+    for quant in (AttentionQuant.uniform("fp8"),):
         engine = make_engine(quant, False, blocks=37, width=35, max_rows=40, max_seq_len=2176,
                              dtype=torch.float16, device="cpu")  # fmt: skip
         with record_keys() as warmed:
@@ -750,7 +709,8 @@ def test_warmup_covers_the_gluon_keys(as_sm90: None, monkeypatch: pytest.MonkeyP
         gluon = {key for kernel, key in warmed if kernel.endswith("gluon_decode_split_kernel")}
         # 8 split counts reachable, 2 keys: one split and several (a runtime count)
         assert len(decode_split_counts(40, 128, 2176, block_h=64)) == 8 and len(gluon) == 2
-        split = {kernel.rsplit(".", 1)[1] for kernel, _ in served if "split" in kernel}
+        names = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
+        split = {name for name in names if "split_kernel" in name}
         assert split == {"gluon_decode_split_kernel"}, split  # 128 heads on sm90: Gluon only
         missing = set(served) - set(warmed)
         assert not missing, sorted(missing)[:3]
@@ -772,11 +732,9 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match=r"config\.on_read"):
         GluonDecodeConfig(block_n=32, stages=4, on_read=2)
     assert ON_READ_BLOCKS_CONFIG.name == "bn32-st2-vb"
-    assert ON_READ_OVERLAP_CONFIG.name == "bn32-st2-vb-vs"
-    for bad in (0, 5, True):
+    for bad in (0, 3, 4, True):
         with pytest.raises(ValueError, match=r"config\.on_read"):
             GluonDecodeConfig(block_n=32, stages=2, on_read=bad)
-    assert ON_READ_PIPELINED_CONFIG.name == "bn32-st2-vb-vs-kp"
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -810,10 +768,8 @@ def test_matches_reference(
     recipe: str, config: GluonDecodeConfig, lens: list[int], heads: int, page: int, splits: int
 ) -> None:
     """Against the oracle (test_decode_gpu's inputs, CPU oracle and bounds) and against
-    ``mla_triton.decode`` with the same bounds."""
+    the Triton kernel with the same bounds."""
     from test_decode_gpu import check, make_inputs, reference
-
-    from mla_triton.decode import decode
 
     quant = GPU_RECIPES[recipe]
     q, cache, table, seq = make_inputs(lens, heads, page, seed=len(lens) + heads)
@@ -827,7 +783,7 @@ def test_matches_reference(
     check(out, lse, tri, tlse, quant)
 
 
-ON_READ_GATED = {
+ON_READ_RECIPES = {
     "nvfp4": (AttentionQuant.uniform("nvfp4"), SEPARATE_V_CONFIG),
     # nvfp4 V with a scale that is not a power of two (the exact division), fp8 K (5.0)
     "calibrated": (SHADOW_RECIPES["calibrated"][0], SEPARATE_V_CONFIG),
@@ -837,23 +793,21 @@ ON_READ_GATED = {
 
 
 @gpu
-@pytest.mark.parametrize("recipe", list(ON_READ_GATED))
+@pytest.mark.parametrize("recipe", list(ON_READ_RECIPES))
 @pytest.mark.parametrize(
     ("lens", "heads", "page", "splits"),
     [([1, 15, 64, 65, 1000, 4097], 128, 64, 1), ([0, 17, 300, 2049], 128, 16, 3),
      ([33, 1000, 8191], 16, 64, 4)],
 )  # fmt: skip
-def test_on_read_gated_matches_reference(
+def test_on_read_recipes_match_reference(
     recipe: str, lens: list[int], heads: int, page: int, splits: int
 ) -> None:
-    """The on-read recipes behind ``GLUON_ON_READ_AUTO`` through ``impl="gluon"`` (nvfp4
+    """The on-read recipes of V̂ in its own tiles and nvfp4 q and P, forced to ``"gluon"`` (nvfp4
     K̂ in place and V̂ in its own ring, scales that are not powers of two, nvfp4 q and P)
     against the oracle and ``impl="triton"`` with test_decode_gpu's bounds."""
     from test_decode_gpu import check, make_inputs, reference
 
-    from mla_triton.decode import decode
-
-    quant, config = ON_READ_GATED[recipe]
+    quant, config = ON_READ_RECIPES[recipe]
     q, cache, table, seq = make_inputs(lens, heads, page, seed=len(lens) + heads)
     kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": quant, "num_splits": splits}
     out, lse = decode(q, cache, table, seq, config=config, **kw)

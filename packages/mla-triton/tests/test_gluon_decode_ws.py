@@ -1,15 +1,16 @@
-"""The warp-specialized Gluon sm90 decode (``mla_triton.gluon_decode_ws``).
+"""The warp-specialized Gluon sm90 decode (``mla_triton.ops.decode.gluon_ws``).
 
 CPU (CI): the default and the TMA / 4-slot-ring variants compiled for sm_90a (in a
 child process without Triton's interpreter, as test_gluon_decode.py does): three
-partitions of four warps with the planned register split, S once per tile (36 wgmma
-``64 x BLOCK_N`` per instance), P V on 256 features (``64 x 256``), ``cp.async`` or TMA
-boxes and mbarriers, no spills, no serialized wgmma, shared memory within the limit;
-``decode(config=WsConfig(...))``'s refusals (before any launch) and the launch arguments
-it passes through the decode core (the TMA descriptor where the cache allows one).
+partitions of four warps with the planned register split, the dots on wgmma in the
+planned order of barrier waits, ``cp.async`` or TMA boxes and mbarriers, no spills, no
+serialized wgmma, shared memory within the limit (no count of the compiler's
+instructions); the refusals of ``decode`` forced to a ``WsConfig`` (``tuning.use``,
+before any launch) and the launch arguments it passes through the decode core (the TMA
+descriptor where the cache allows one).
 
-GPU (skipped without an sm90 GPU): against ``gluon_decode``'s kernel (``decode`` with
-its ``GluonDecodeConfig``, whatever ``WS_AUTO`` says) and
+GPU (skipped without an sm90 GPU): against the Gluon split kernel (``decode`` forced to
+its ``GluonDecodeConfig``) and
 ``mla_reference.decode`` (float64) with test_gluon_decode.py's bounds (rows 1.5e-2,
 LSE 2e-5) on ragged lengths, empty requests, pages 16/64/128, 1 to 4 splits, H 20 and
 128, bf16 and fp16; the new variants against the oracle and ``VARIANTS[0]`` (and bit
@@ -31,14 +32,16 @@ from typing import Any
 
 import pytest
 import torch
+from calls import decode, decode_shadow  # the public calls, ``impl``/``config`` forced
 from test_gluon_decode import _cpu_case, _launched, _plain, as_sm90  # noqa: F401  (a fixture)
 
-import mla_triton.gluon_decode_ws as ws
+import mla_triton.ops.decode.gluon_ws as ws
 from mla_formats import AttentionQuant, OperandQuant
-from mla_triton.decode import decode
-from mla_triton.gluon_decode import SEPARATE_V_CONFIG, GluonRecipe, max_shared_bytes
-from mla_triton.gluon_decode import VARIANTS as GLUON_VARIANTS
-from mla_triton.gluon_decode_ws import (
+from mla_triton.common.splitk import check_call, operand
+from mla_triton.ops.decode.dispatch import choose
+from mla_triton.ops.decode.gluon import SEPARATE_V_CONFIG, GluonRecipe, max_shared_bytes
+from mla_triton.ops.decode.gluon import VARIANTS as GLUON_VARIANTS
+from mla_triton.ops.decode.gluon_ws import (
     FP8_SHADOW,
     NVFP4_CONFIG,
     NVFP4_PACKED,
@@ -61,13 +64,12 @@ chunked ones, ``[1:3]``: compiled by the GPU script's check; each compile is 3 t
 UNQ = GluonRecipe()
 COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [
     (VARIANTS[0], FP8_SHADOW), (NVFP4_CONFIG, NVFP4_SHADOW), (NVFP4_TMA_CONFIG, NVFP4_SHADOW),
-    (replace(NVFP4_TMA_CONFIG, lazy_rescale=True), NVFP4_SHADOW),
     (NVFP4_PACKED_CONFIG, NVFP4_PACKED),
 ]  # fmt: skip
 """``(config, recipe)``: recipe none for every compiled variant, fp8 Q/K/P/V through the
-float16 shadow (V̂ = K̂) for the default (what ``decode_shadow(config=WsConfig())`` runs),
-nvfp4 Q/K/P/V (its V̂ section, ``V_SEP``) with ``NVFP4_CONFIG``, ``NVFP4_TMA_CONFIG`` and
-that with ``lazy_rescale``, and the packed nvfp4 shadow with ``NVFP4_PACKED_CONFIG``."""
+float16 shadow (V̂ = K̂) for the default (what ``decode_shadow`` forced to ``WsConfig()`` runs),
+nvfp4 Q/K/P/V (its V̂ section, ``V_SEP``) with ``NVFP4_CONFIG`` and ``NVFP4_TMA_CONFIG``,
+and the packed nvfp4 shadow with ``NVFP4_PACKED_CONFIG``."""
 
 
 def _recipe_id(recipe: GluonRecipe) -> str:
@@ -96,16 +98,14 @@ def test_compile_test_in_child() -> None:
 )  # fmt: skip
 def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     """Each compiled variant (several splits: the workspace epilogue; page 64) compiles to
-    the plan: S once a tile in 64 x BLOCK_N wgmma, P V on 256 features, its loads (TMA:
-    nine boxes a tile on one expect-tx barrier, no ``cp.async``), no spills, no serialized
-    wgmma, the ring within the shared-memory limit. The fp8 shadow: the same schedule on
-    float16 operands (q̂, K̂ = V̂, P̂), P̂'s E4M3 rounding in each of the three copies of a
-    warpgroup's own tile (16 ``cvt.rn.satfinite.e4m3x2`` a copy: 32 scores a thread),
-    q̂'s global scales loaded once a warpgroup; recipe none converts nothing to E4M3. The
-    nvfp4 shadow (32-token tiles, two slots): a V̂ ring beside the K̂ ring (212992 bytes
-    with q̂), its rows copied by the producer (``NVFP4_TMA_CONFIG``: K̂'s nine boxes and
-    V̂'s eight, each on an expect-tx barrier of its own), P̂'s and the open V block's E4M3
-    block scales (102 conversions, Triton 3.8)."""
+    the plan: the dots on wgmma (S on ``64 x BLOCK_N``, P V on 256 features) on the
+    recipe's operand types in the planned order of waits, its loads (TMA: nine boxes a
+    tile on one expect-tx barrier, no ``cp.async``), no spills, no serialized wgmma, the
+    ring within the shared-memory limit. The fp8 shadow: the same schedule on float16
+    operands (q̂, K̂ = V̂, P̂) and P̂'s E4M3 rounding; recipe none converts nothing to
+    E4M3. The nvfp4 shadow (32-token tiles, two slots): a V̂ ring beside the K̂ ring, its
+    rows copied by the producer (``NVFP4_TMA_CONFIG``: K̂'s nine boxes and V̂'s eight, each
+    on an expect-tx barrier of its own), P̂'s and the open V block's E4M3 block scales."""
     assert not cfg.chunked
     c = compile_ws(cfg, num_splits=2, recipe=recipe)
     assert c.num_warps == 12  # the default partition and two workers of four warps
@@ -119,18 +119,17 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     mma = "f16" if recipe.shadow_f16 else "bf16"
     for m in re.findall(rf"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k16)\.f32\.{mma}\.", c.ptx):
         shapes[m] = shapes.get(m, 0) + 1
-    # S: 512/16 + 64/16 wgmma, in three copies (warpgroup 0's peeled tile 0, its loop,
-    # warpgroup 1's loop); P V: BLOCK_N/16 a tile in seven (own tile x3, the other's x4)
-    assert shapes == {f"m64n{cfg.block_n}k16": 3 * 36, "m64n256k16": 7 * cfg.block_n // 16}
+    # S in 64 x BLOCK_N tiles and P V on 256 features, every wgmma on the recipe's types
+    assert set(shapes) == {f"m64n{cfg.block_n}k16", "m64n256k16"}, shapes
+    assert sum(shapes.values()) == len(re.findall(r"wgmma\.mma_async", c.ptx))
     # the other's P V waited for with S's first chunk in flight (then its slot is free)
     assert "wgmma.wait_group.sync.aligned 1;" in c.ptx
-    # each warpgroup's loop (two): pready wait, the other's P V, landed wait, S (32 + 4
-    # wgmma around the wait for that P V); early_s: landed wait, S (36), pready wait, P V,
-    # the wait for S alone
-    order = _wgmma_trace(c.ptx)
-    pv = f"V{cfg.block_n // 16}"
-    loop = f"WS36W{pv}w1" if cfg.early_s else f"W{pv}WS32w1S4"
-    assert order.count(loop) == 2, order
+    # the order of each warpgroup's loop (run lengths aside): pready wait, the other's
+    # P V, landed wait, S with the wait for that P V inside; early_s: landed wait, S,
+    # pready wait, P V, the wait for S alone
+    order = re.sub(r"[SV]\d+", lambda m: m.group(0)[0], _wgmma_trace(c.ptx))
+    loop = "WSWVw1" if cfg.early_s else "WVWSw1S"
+    assert loop in order, order
     regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", c.ptx)
     asked = {int(n) for _, n in regs}
     assert {cfg.math_regs, cfg.producer_regs, 504 - cfg.math_regs - cfg.producer_regs} <= asked
@@ -160,10 +159,7 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
         assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
     assert "C7515" not in c.ptxas_info, c.ptxas_info
     e4m3 = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", c.ptx))
-    assert e4m3 == {0: 0, 1: 3 * 16, 2: 102}[recipe.p_fmt], e4m3
-    if cfg.lazy_rescale:  # a warpgroup vote (a reduction through shared memory) a rescale
-        plain = compile_ws(replace(cfg, lazy_rescale=False), num_splits=2, recipe=recipe).ptx
-        assert c.ptx.count("bar.sync") >= plain.count("bar.sync") + 7, c.ptx.count("bar.sync")
+    assert (e4m3 > 0) == (recipe.p_fmt != 0), e4m3  # P̂ (nvfp4: its block scales) only
 
 
 def _wgmma_trace(ptx: str) -> str:
@@ -192,9 +188,9 @@ def test_config_checks() -> None:
     assert second is not None and second.name == "ws-r232-p40-tile-n32s4"
     assert ws.twin(VARIANTS[4]) == VARIANTS[3] and ws.twin(VARIANTS[3]) == VARIANTS[0]
     assert ws.twin(VARIANTS[0]) is None and not WsConfig().early_s
-    lazy = replace(NVFP4_TMA_CONFIG, lazy_rescale=True, early_s=True)
-    assert lazy.name == "ws-r232-p40-tile-tma-n32s2-es-lr" and not WsConfig().lazy_rescale
-    assert ws.twin(lazy) == replace(lazy, lazy_rescale=False)  # then early_s, then tma
+    early = replace(NVFP4_TMA_CONFIG, early_s=True)
+    assert early.name == "ws-r232-p40-tile-tma-n32s2-es"
+    assert ws.twin(early) == NVFP4_TMA_CONFIG  # then tma
     assert ws.twin(NVFP4_TMA_CONFIG) == NVFP4_CONFIG
     assert WsConfig() == VARIANTS[0]  # the default: whole-tile barriers (fastest measured)
     assert (WsConfig().tma, WsConfig().block_n, WsConfig().stages) == (False, 64, 2)
@@ -211,12 +207,13 @@ def test_config_checks() -> None:
 
 
 def test_refusals_before_any_launch() -> None:
-    """``decode(config=WsConfig())``: a quantized recipe, ``impl="triton"``, CPU tensors
-    (no sm90 GPU) and bad input are a ValueError naming the argument; another config type
-    names WsConfig; ``decode_shadow`` with a WsConfig: the same platform rule (its own
-    refusals: ``test_shadow_refusals``); nothing launches."""
-    from mla_triton import allocate_shadow, decode_shadow
-    from mla_triton.warmup import record_keys
+    """``decode`` forced to ``WsConfig()`` or ``"gluon_ws"``: a quantized recipe, CPU
+    tensors (no sm90 GPU) and bad input are a ValueError naming the argument; an object
+    that is no tuning config is refused by ``tuning.use``; ``decode_shadow`` with a
+    WsConfig: the same platform rule (its own refusals: ``test_shadow_refusals``);
+    nothing launches."""
+    from mla_triton import allocate_shadow
+    from mla_triton.precompile import record_keys
 
     q, cache, table, seq = _cpu_case(128)
     fp8 = AttentionQuant.uniform("fp8")
@@ -224,14 +221,12 @@ def test_refusals_before_any_launch() -> None:
     with record_keys() as keys:
         with pytest.raises(ValueError, match=r"^quant: the warp-specialized .* recipe none"):
             decode(q, cache, table, seq, softmax_scale=SCALE, quant=fp8, config=ws_cfg)
-        with pytest.raises(ValueError, match=r"^config: a WsConfig configures impl='gluon'"):
-            decode(q, cache, table, seq, softmax_scale=SCALE, config=ws_cfg, impl="triton")
-        with pytest.raises(ValueError, match=r"^config: expected .*GluonDecodeConfig .*WsConfig"):
-            decode(q, cache, table, seq, softmax_scale=SCALE, config=1)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^use: expected"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, config=1)
         with pytest.raises(ValueError, match=r"^impl: the warp-specialized .*tensors on cpu"):
             decode(q, cache, table, seq, softmax_scale=SCALE, config=ws_cfg)
-        with pytest.raises(ValueError, match=r"^impl: the warp-specialized .*tensors on cpu"):
-            decode(q, cache, table, seq, softmax_scale=SCALE, config=ws_cfg, impl="gluon")
+        with pytest.raises(ValueError, match=r"^impl: .*tensors on cpu"):
+            decode(q, cache, table, seq, softmax_scale=SCALE, impl="gluon_ws")
         with pytest.raises(ValueError, match=r"^softmax_scale"):
             decode(q, cache, table, seq, softmax_scale=float("nan"), config=ws_cfg)
         shadow = allocate_shadow(7, 64, fp8)
@@ -245,8 +240,8 @@ def test_refusals_before_any_launch() -> None:
 def test_launch_arguments() -> None:
     """Through the decode core: the ws kernel with exactly its parameters, 64 heads and
     64 tokens a CTA, 4 warps, the config's registers, then the merge (several splits)."""
-    from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
-    from mla_triton.warmup import _intercept
+    from mla_triton.ops.decode.gluon_ws_kernels import gluon_decode_ws_kernel
+    from mla_triton.precompile import _intercept
 
     seen: list[tuple[str, dict[str, Any], Any]] = []
 
@@ -283,7 +278,7 @@ def test_tma_and_ring_arguments() -> None:
     and ``STAGES``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from mla_triton.warmup import _intercept
+    from mla_triton.precompile import _intercept
 
     seen: list[dict[str, Any]] = []
 
@@ -331,19 +326,14 @@ def _split(call: Any) -> str:
 
 
 @pytest.mark.usefixtures("as_sm90")
-def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On sm90, ``WS_AUTO`` off: ``decode`` launches ``gluon_decode``'s kernel (the Triton
-    one at 20 heads under ``"auto"``). On (the shipped value): recipe none under ``"auto"``
-    and ``"gluon"``, at any head count, launches the warp-specialized kernel (``WsFamily``,
-    ``DEFAULT_CONFIG``) with the very arguments of ``decode(config=DEFAULT_CONFIG)``; a
-    ``GluonDecodeConfig``, fp8 (20 heads: the Triton kernel) and the shadow
-    (``WS_SHADOW_AUTO`` off here) keep theirs."""
-    from mla_triton import allocate_shadow, decode_shadow
-    from mla_triton.decode import _check, _dispatch
+def test_recipe_none_dispatches_the_ws_kernel() -> None:
+    """On sm90, recipe none unforced and forced to ``"gluon_ws"``, at any head count,
+    launches the warp-specialized kernel (``WsFamily``, ``DEFAULT_CONFIG``) with the very
+    arguments of ``decode`` forced to ``DEFAULT_CONFIG``; ``"gluon"`` (the Gluon split
+    kernel), a ``GluonDecodeConfig``, fp8 (128 heads: the Gluon split kernel; 20 heads:
+    the Triton one) and the fp8 shadow forced to ``"gluon"`` keep theirs."""
+    from mla_triton import allocate_shadow
 
-    assert ws.WS_AUTO is True  # shipped on since the H200 suites
-    monkeypatch.setattr(ws, "WS_AUTO", False)
-    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", False)
     q, cache, table, seq = _cpu_case(128)
     q20, *_ = _cpu_case(20)
     fp8 = AttentionQuant.uniform("fp8")
@@ -353,24 +343,26 @@ def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         return lambda: decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2, **kw)
 
     def family(impl: str, quant: AttentionQuant | None = None) -> object:
-        c = _check(q, cache, table, seq, SCALE, 512, quant, None)
-        return _dispatch(c, cache, quant, 512, impl, None)[0]
+        c = check_call(q, cache, table, seq, SCALE, 512, quant, None)
+        return choose(c, cache, quant, 512, (impl, None))[0]
 
-    plain = {"auto": call(), "gluon": call(impl="gluon"), "none": call(quant=AttentionQuant()),
-             "h20": call(q20, impl="gluon"), "h20-auto": call(q20)}  # fmt: skip
-    kept = {"config": call(config=GLUON_VARIANTS[0]), "fp8": call(quant=fp8),
-            "h20-fp8": call(q20, quant=fp8),
-            "shadow": lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
-                                            quant=fp8, num_splits=2, impl="gluon")}  # fmt: skip
-    before = {name: _split(c) for name, c in (plain | kept).items()}
-    assert set(before.values()) == {"gluon_decode_split_kernel", "decode_split_kernel"}
-    assert not isinstance(family("auto"), WsFamily)
-    monkeypatch.setattr(ws, "WS_AUTO", True)
+    plain = {"auto": call(), "gluon_ws": call(impl="gluon_ws"),
+             "none": call(quant=AttentionQuant()), "h20": call(q20, impl="gluon_ws"),
+             "h20-auto": call(q20)}  # fmt: skip
     for name, c in plain.items():
         assert _split(c) == "gluon_decode_ws_kernel", name
-    assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
-    assert family("auto") is family("gluon") is ws.ws_family(ws.DEFAULT_CONFIG)
-    assert isinstance(family("auto"), WsFamily) and not isinstance(family("auto", fp8), WsFamily)
+    kept = {"gluon": call(impl="gluon"), "config": call(config=GLUON_VARIANTS[0]),
+            "fp8": call(quant=fp8), "h20-fp8": call(q20, quant=fp8),
+            "shadow": lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
+                                            quant=fp8, num_splits=2, impl="gluon")}  # fmt: skip
+    assert {name: _split(c) for name, c in kept.items()} == {
+        "gluon": "gluon_decode_split_kernel", "config": "gluon_decode_split_kernel",
+        "fp8": "gluon_decode_split_kernel", "h20-fp8": "decode_split_kernel",
+        "shadow": "gluon_decode_split_kernel",
+    }  # fmt: skip
+    assert family("auto") is family("gluon_ws") is ws.ws_family(ws.DEFAULT_CONFIG)
+    assert not isinstance(family("gluon"), WsFamily)
+    assert not isinstance(family("auto", fp8), WsFamily)
     direct = _launched(call(config=ws.DEFAULT_CONFIG))
     assert [(n, _plain(a), g) for n, a, g in _launched(plain["auto"])] == [
         (n, _plain(a), g) for n, a, g in direct
@@ -378,17 +370,16 @@ def test_dispatch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("as_sm90")
-def test_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``WS_AUTO`` on, an sm90 engine of recipe none: ``warmup_decode`` records the
-    warp-specialized kernel's keys (one split and several) and exactly the keys a serving
-    sweep of batches and lengths launches (record_keys, sm_90)."""
+def test_warmup_compiles_what_recipe_none_launches() -> None:
+    """An sm90 engine of recipe none: ``warmup_decode`` records the warp-specialized
+    kernel's keys (one split and several) and exactly the keys a serving sweep of batches
+    and lengths launches (record_keys, sm_90)."""
     from test_warmup import decode_keys
 
-    from mla_triton.kernels import gluon_decode, gluon_decode_ws
+    from mla_triton.ops.decode import gluon_kernels, gluon_ws_kernels
 
-    # warmup_decode's split policy for impl="gluon" reads the CTA's heads: the same
-    assert gluon_decode_ws.BLOCK_H == gluon_decode.BLOCK_H
-    monkeypatch.setattr(ws, "WS_AUTO", True)
+    # warmup_decode's split policy reads the CTA's heads: the same for both Gluon kernels
+    assert gluon_ws_kernels.BLOCK_H == gluon_kernels.BLOCK_H
     warmed, served = decode_keys(None)
     launched = {kernel.rsplit(".", 1)[1] for kernel, _ in served}
     assert launched == {"gluon_decode_ws_kernel", "decode_merge_kernel"}, launched
@@ -405,7 +396,7 @@ def test_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatc
 def test_warmup_covers_the_ws_kernel(
     recipe: str, heads: int, storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where ``impl="auto"`` runs the warp-specialized kernel on sm90 (16 heads, TP8
+    """Where the unforced dispatch runs the warp-specialized kernel on sm90 (16 heads, TP8
     DeepSeek: recipe none, the nvfp4 and fp8 shadows, the packed one; the packed shadow at
     128 heads), the warm-up records every key a serving sweep launches (its split policy
     sees the kernel's head groups)."""
@@ -431,14 +422,13 @@ FP8_3 = AttentionQuant(q="fp8", k=OperandQuant("fp8", 3.0), v=OperandQuant("fp8"
 
 @pytest.mark.usefixtures("as_sm90")
 def test_shadow_launch_arguments() -> None:
-    """``decode_shadow(config=WsConfig())`` through the decode core: q̂ (``decode_q_kernel``),
+    """``decode_shadow`` forced to ``WsConfig()`` through the decode core: q̂ (``decode_q_kernel``),
     the ws kernel with exactly its parameters reading the shadow's float16 K̂ view (its
     pointer, page and row strides; TMA: a descriptor of that view), q̂ float16 with its
     scales, ``Q_SCALED`` / ``K_FMT`` / ``P_FMT``, P̂'s scales, K's scale in the score scale,
     ``gs_p gs_v`` on the output, then the merge; recipe none passes no P̂ scales."""
-    from mla_triton import allocate_shadow, decode_shadow
-    from mla_triton.decode import _operand
-    from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
+    from mla_triton import allocate_shadow
+    from mla_triton.ops.decode.gluon_ws_kernels import gluon_decode_ws_kernel
 
     q, cache, table, seq = _cpu_case(128)
     shadow = allocate_shadow(7, 64, FP8_3)
@@ -460,7 +450,7 @@ def test_shadow_launch_arguments() -> None:
     assert tiles.data_ptr() == shadow.data_ptr() and split[7] == (64 * 576, 576)
     assert split[0][0].dtype == split[0][1].dtype == torch.float16  # q̂
     assert split[0][2].dtype == torch.float32 and split[0][2].numel() >= 3 * 128  # its scales
-    ko, vo, po = (_operand(x) for x in (FP8_3.k, FP8_3.v, FP8_3.p))
+    ko, vo, po = (operand(x) for x in (FP8_3.k, FP8_3.v, FP8_3.p))
     assert (args["Q_SCALED"], args["K_FMT"], args["P_FMT"]) == (True, 1, 1)
     assert args["p_hat_scales"] == (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs))
     assert args["out_scale"] == po.gs * vo.gs
@@ -477,17 +467,15 @@ def test_shadow_launch_arguments() -> None:
 
 
 @pytest.mark.usefixtures("as_sm90")
-def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``decode_shadow(config=NVFP4_CONFIG)`` on an nvfp4 shadow (bf16 raw rows): the ws
+def test_nvfp4_shadow_launch_arguments() -> None:
+    """``decode_shadow`` forced to ``NVFP4_CONFIG`` on an nvfp4 shadow (bf16 raw rows): the ws
     kernel with its exact parameters, ``V_SEP`` on, the cache pointers ``(K̂, V̂, raw rows,
     raw rows)`` (the shadow's float16 K̂ ``[7, 64, 576]`` and V̂ section ``[7, 64, 512]``,
     their page and row strides), 32-token tiles and two slots, q̂ float16, ``K_FMT`` and
     ``P_FMT`` 2, P̂'s and the open V block's scale triples, ``gs_p gs_v``; then the merge.
-    With ``WS_SHADOW_AUTO`` and ``WS_SHADOW_NVFP4_AUTO`` on (shipped), ``decode_shadow()``
-    launches the very same arguments (with the first alone, ``gluon_decode``'s kernel)."""
-    from mla_triton import allocate_shadow, decode_shadow
-    from mla_triton.decode import _operand
-    from mla_triton.kernels.gluon_decode_ws import gluon_decode_ws_kernel
+    Unforced, ``decode_shadow`` launches the very same arguments."""
+    from mla_triton import allocate_shadow
+    from mla_triton.ops.decode.gluon_ws_kernels import gluon_decode_ws_kernel
 
     q, cache, table, seq = _cpu_case(128)
     nvfp4 = AttentionQuant.uniform("nvfp4")
@@ -513,14 +501,10 @@ def test_nvfp4_shadow_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args["split"][7] == (*strides, *cache.stride()[:2], *cache.stride()[:2])
     assert args["split"][0][0].dtype == torch.float16  # q̂
     assert (args["Q_SCALED"], args["K_FMT"], args["P_FMT"]) == (True, 2, 2)
-    vo, po = _operand(nvfp4.v), _operand(nvfp4.p)
+    vo, po = operand(nvfp4.v), operand(nvfp4.p)
     assert args["p_hat_scales"] == (po.gs, 1.0 / po.gs, 1.0 / (6.0 * po.gs))
     assert args["v_tail_scales"] == (vo.gs, 1.0 / vo.gs, 1.0 / (6.0 * vo.gs))
     assert args["out_scale"] == po.gs * vo.gs
-    assert ws.WS_SHADOW_AUTO is ws.WS_SHADOW_NVFP4_AUTO is True  # shipped on (sitting 8)
-    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", False)
-    assert _split(call()) == "gluon_decode_split_kernel"
-    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", True)
     assert [(n, _plain(a), g) for n, a, g in _launched(call())] == [
         (n, _plain(a), g) for n, a, g in launched
     ]
@@ -550,9 +534,9 @@ def test_packed_shadow_launch_arguments() -> None:
     register split, no TMA, the cache pointers ``(K̂ bytes, V̂ bytes, raw rows, raw rows)``
     (uint8 views of the shadow at the sections' offsets, one stride pair in bytes); every
     other argument as ``NVFP4_CONFIG``'s launch on the fp16 shadow. A config with TMA or
-    chunked loads names ``config``; ``impl="auto"`` runs it too (``gluon_shadow_verified``:
-    it passed on an H200)."""
-    from mla_triton import allocate_shadow, decode_shadow, shadow_layout
+    chunked loads names ``config``; unforced, the dispatch runs it too (it is in
+    ``AUTO_GLUON_SHADOWS``)."""
+    from mla_triton import allocate_shadow, shadow_layout
 
     q, cache, table, seq = _cpu_case(128)
     nvfp4 = AttentionQuant.uniform("nvfp4")
@@ -564,7 +548,7 @@ def test_packed_shadow_launch_arguments() -> None:
         return lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
                                      quant=nvfp4, num_splits=2, storage=storage, **kw)  # fmt: skip
 
-    launched = _launched(call(packed, "packed", impl="gluon"))
+    launched = _launched(call(packed, "packed", impl="gluon_ws"))
     assert [n for n, _, _ in launched] == [
         "decode_q_kernel", "gluon_decode_ws_kernel", "decode_merge_kernel",
     ]  # fmt: skip
@@ -597,17 +581,17 @@ def test_packed_shadow_launch_arguments() -> None:
 
 @pytest.mark.usefixtures("as_sm90")
 def test_shadow_refusals() -> None:
-    """``decode_shadow(config=WsConfig())`` on a shadow the kernel does not read (a V̂
-    section with an exact V scale or a dynamic K, the packed storage, K and V none, nvfp4
-    P with V̂ = K̂, bf16 q not quantized beside K̂) is a ValueError naming ``quant``;
-    ``impl="triton"``, and an nvfp4 V̂ section with another ring than ``NVFP4_CONFIG``'s or
-    chunked TMA, name ``config``; nothing launches. ``compile_ws`` refuses such a recipe naming
+    """``decode_shadow`` forced to ``WsConfig()`` on a shadow the kernel does not read (a
+    V̂ section with an exact V scale or a dynamic K, the packed storage, K and V none,
+    nvfp4 P with V̂ = K̂, bf16 q not quantized beside K̂) is a ValueError naming
+    ``quant``; an nvfp4 V̂ section with another ring than ``NVFP4_CONFIG``'s or chunked
+    TMA names ``config``; nothing launches. ``compile_ws`` refuses such a recipe naming
     ``recipe``."""
     from test_shadow import RECIPES as TEST_SHADOW_RECIPES
 
-    from mla_triton import allocate_shadow, decode_shadow
-    from mla_triton.shadow import gluon_shadow_recipe, shadow_layout
-    from mla_triton.warmup import _intercept
+    from mla_triton import allocate_shadow
+    from mla_triton.ops.shadow import gluon_shadow_recipe, shadow_layout
+    from mla_triton.precompile import _intercept
 
     q, cache, table, seq = _cpu_case(128)
     nvfp4 = AttentionQuant.uniform("nvfp4")
@@ -634,10 +618,6 @@ def test_shadow_refusals() -> None:
             with pytest.raises(ValueError, match=rf"^quant: .*{re.escape(says)}"):
                 decode_shadow(qq, cache.to(qq.dtype), shadow, table, seq, softmax_scale=SCALE,
                               quant=quant, storage=storage, config=WsConfig())  # fmt: skip
-        shadow = allocate_shadow(7, 64, FP8_3)
-        with pytest.raises(ValueError, match=r"^config: a WsConfig configures impl='gluon'"):
-            decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE, quant=FP8_3,
-                          config=WsConfig(), impl="triton")  # fmt: skip
         # nvfp4 (a V̂ section): NVFP4_CONFIG's ring only, cp.async loads
         shadow = allocate_shadow(7, 64, nvfp4)
         for cfg in (WsConfig(), replace(NVFP4_TMA_CONFIG, chunked=True), VARIANTS[5]):
@@ -658,39 +638,30 @@ def test_shadow_refusals() -> None:
 
 
 @pytest.mark.usefixtures("as_sm90")
-def test_shadow_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``WS_SHADOW_AUTO`` off: ``decode_shadow`` (``"auto"``, ``"gluon"``) launches
-    ``gluon_decode``'s kernel (at 20 heads ``"auto"``: the Triton one). On (shipped): fp8
-    V̂ = K̂ under ``"auto"`` and ``"gluon"``, at any head count, launches the
-    warp-specialized kernel with the very arguments of ``config=DEFAULT_CONFIG``; a
-    ``GluonDecodeConfig`` and nvfp4 (a V̂ section, ``WS_SHADOW_NVFP4_AUTO`` off here) keep theirs;
-    ``decode`` with fp8 on read keeps ``gluon_decode``'s."""
-    from mla_triton import allocate_shadow, decode_shadow
+def test_shadow_dispatches_the_ws_kernel() -> None:
+    """``decode_shadow`` of fp8 V̂ = K̂, unforced and forced to ``"gluon_ws"``, at any head
+    count, launches the warp-specialized kernel with the very arguments of a call forced
+    to ``DEFAULT_CONFIG``; forced to ``"gluon"`` or a ``GluonDecodeConfig``, the Gluon
+    split kernel; ``decode`` with fp8 on read keeps the Gluon split kernel."""
+    from mla_triton import allocate_shadow
 
-    assert ws.WS_SHADOW_AUTO is True
-    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", False)
-    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", False)
     q, cache, table, seq = _cpu_case(128)
     q20, *_ = _cpu_case(20)
-    nvfp4 = AttentionQuant.uniform("nvfp4")
-    shadows = {id(FP8_3): allocate_shadow(7, 64, FP8_3), id(nvfp4): allocate_shadow(7, 64, nvfp4)}
+    shadow = allocate_shadow(7, 64, FP8_3)
 
-    def call(q: torch.Tensor = q, quant: AttentionQuant = FP8_3, **kw: Any) -> Any:
-        shadow = shadows[id(quant)]
+    def call(q: torch.Tensor = q, **kw: Any) -> Any:
         return lambda: decode_shadow(q, cache, shadow, table, seq, softmax_scale=SCALE,
-                                     quant=quant, num_splits=2, **kw)  # fmt: skip
+                                     quant=FP8_3, num_splits=2, **kw)  # fmt: skip
 
-    plain = {"auto": call(), "gluon": call(impl="gluon"), "h20": call(q20, impl="gluon")}
-    kept = {"config": call(config=GLUON_VARIANTS[0]), "nvfp4": call(quant=nvfp4),
+    plain = {"auto": call(), "gluon_ws": call(impl="gluon_ws"),
+             "h20": call(q20, impl="gluon_ws"), "h20-auto": call(q20)}  # fmt: skip
+    for name, c in plain.items():
+        assert _split(c) == "gluon_decode_ws_kernel", name
+    kept = {"gluon": call(impl="gluon"), "config": call(config=GLUON_VARIANTS[0]),
             "on-read": lambda: decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=2,
                                       quant=FP8_3)}  # fmt: skip
-    before = {name: _split(c) for name, c in (plain | kept).items()}
-    assert set(before.values()) == {"gluon_decode_split_kernel"}
-    assert _split(call(q20)) == "shadow_decode_split_kernel"  # auto at 20 heads, switch off
-    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
-    for name, c in (plain | {"h20-auto": call(q20)}).items():
-        assert _split(c) == "gluon_decode_ws_kernel", name
-    assert {name: _split(c) for name, c in kept.items()} == {n: before[n] for n in kept}
+    for name, c in kept.items():
+        assert _split(c) == "gluon_decode_split_kernel", name
     direct = _launched(call(config=ws.DEFAULT_CONFIG))
     assert [(n, _plain(a), g) for n, a, g in _launched(plain["auto"])] == [
         (n, _plain(a), g) for n, a, g in direct
@@ -735,8 +706,8 @@ def _row_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _against(case: tuple[Any, ...], config: WsConfig, other: Any) -> tuple[torch.Tensor, ...]:
-    """``decode(config=config)`` on ``case`` against the float64 oracle and ``decode(config=
-    other)`` (rows 1.5e-2, LSE 2e-5; empty requests 0 and ``-inf``): ``(q, cache, table,
+    """``decode`` forced to ``config`` on ``case`` against the float64 oracle and to
+    ``other`` (rows 1.5e-2, LSE 2e-5; empty requests 0 and ``-inf``): ``(q, cache, table,
     seq, out, lse)``."""
     import mla_reference
 
@@ -763,7 +734,7 @@ def _against(case: tuple[Any, ...], config: WsConfig, other: Any) -> tuple[torch
 @pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-p{c[2]}-s{c[4]}" for c in CASES])
 @pytest.mark.parametrize("config", VARIANTS[:3], ids=[c.name for c in VARIANTS[:3]])
 def test_matches_gluon_and_reference(case: tuple[Any, ...], config: WsConfig) -> None:
-    """The measured variants (``VARIANTS[:3]``) against the oracle and ``gluon_decode``'s
+    """The measured variants (``VARIANTS[:3]``) against the oracle and the Gluon split
     kernel; split invariance (one split against the case's count)."""
     q, cache, table, seq, o_w, _ = _against(case, config, GLUON_VARIANTS[0])
     o_1, _ = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=config)
@@ -827,18 +798,17 @@ def test_nan_rule_as_gluon(config: WsConfig) -> None:
 
 
 @gpu
-def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``WS_AUTO`` on: ``decode`` (``"auto"``, bf16, 128 heads) is
-    ``decode(config=VARIANTS[0])`` bit for bit, one split and several; ``warmup_decode``
+def test_dispatch_and_warmup_on_gpu() -> None:
+    """Unforced, ``decode`` (recipe none, bf16, 128 heads) is ``decode`` forced to
+    ``VARIANTS[0]`` bit for bit, one split and several; ``warmup_decode``
     under ``compile_only`` compiles what a serving sweep then launches (nothing new
     compiles), the warp-specialized kernel included."""
     import random
 
     from test_warmup import make_engine, sweep, warm
 
-    from mla_triton.warmup import compile_only, compiled_variants
+    from mla_triton.precompile import compile_only, compiled_variants
 
-    monkeypatch.setattr(ws, "WS_AUTO", True)
     q, cache, table, seq = _inputs(3, 128, 64, [700, 0, 2500], torch.bfloat16)
     for splits in (1, 3):
         o_d, l_d = decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=splits)
@@ -850,7 +820,7 @@ def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     with compile_only():
         warm(engine, prefill_too=False)
     before = compiled_variants()
-    assert before.get("mla_triton.kernels.gluon_decode_ws.gluon_decode_ws_kernel", 0) >= 2
+    assert before.get("mla_triton.ops.decode.gluon_ws_kernels.gluon_decode_ws_kernel", 0) >= 2
     sweep(engine, random.Random(0), prefill_too=False)
     torch.cuda.synchronize()
     after = compiled_variants()
@@ -859,8 +829,8 @@ def test_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("as_sm90")
-def test_shadow_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``WS_SHADOW_AUTO`` on, an sm90 engine of fp8 through the shadow (raw rows and
+def test_shadow_warmup_compiles_what_the_shadow_launches() -> None:
+    """An sm90 engine of fp8 through the shadow (raw rows and
     shadow bytes in one row, 128 heads): ``warmup_decode`` and ``warmup_update_cache``
     record the warp-specialized kernel's keys (one split and several) and exactly the keys
     a serving sweep of batches, lengths and cache writes launches."""
@@ -868,7 +838,6 @@ def test_shadow_warmup_compiles_what_the_switch_launches(monkeypatch: pytest.Mon
 
     from test_warmup import _keys, make_engine, sweep, warm
 
-    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
     engine = make_engine(AttentionQuant.uniform("fp8"), True, blocks=37, width=35, max_rows=40,
                          max_seq_len=2176, dtype=torch.float16, device="cpu")  # fmt: skip
     warmed = _keys(lambda: warm(engine, prefill_too=False))
@@ -899,10 +868,10 @@ def _shadow_config(case: str, config: WsConfig) -> WsConfig:
 @pytest.mark.parametrize("config", [VARIANTS[0], VARIANTS[4]], ids=[VARIANTS[0].name,
                                                                    VARIANTS[4].name])  # fmt: skip
 def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsConfig) -> None:
-    """``decode_shadow(config=config)`` on a pool an engine filled (ragged lengths up to
-    1000: a prefill in three chunks, then decode steps) against ``gluon_decode``'s shadow
-    kernel (``config=gluon_decode.VARIANTS[0]``, a V̂ section's ``SEPARATE_V_CONFIG``,
-    whatever ``WS_SHADOW_AUTO`` says) at each step and split count (1, 4, the default;
+    """``decode_shadow`` forced to ``config`` on a pool an engine filled (ragged lengths up
+    to 1000: a prefill in three chunks, then decode steps) against the Gluon split
+    kernel's shadow path (``gluon.VARIANTS[0]``, a V̂ section's ``SEPARATE_V_CONFIG``) at
+    each step and split count (1, 4, the default;
     ``test_shadow_gpu._agree``'s bounds: the same
     quantized operands, another summation order), split invariance (1 against 4), and the
     float64 oracle at the default count (``test_decode_gpu.check``). ``VARIANTS[4]`` (TMA
@@ -913,8 +882,7 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
     from test_shadow_gpu import SCALE as SH_SCALE
 
     import mla_reference
-    from mla_triton import decode_shadow
-    from mla_triton.decode import decode_num_splits
+    from mla_triton.common.splitk import decode_num_splits
 
     config = _shadow_config(case, config)
     glu_config = SEPARATE_V_CONFIG if case == "nvfp4" else GLUON_VARIANTS[0]
@@ -934,7 +902,7 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
             assert got[splits][0].dtype == torch.bfloat16
             glu = decode_shadow(*args, config=glu_config, **kw)
             label = f"ws {config.name} {case} h{heads} step {step}, {splits} splits"
-            _agree(got[splits], glu, pool, heads, label + " vs gluon_decode's shadow kernel")
+            _agree(got[splits], glu, pool, heads, label + " vs the Gluon split kernel")
             if splits == default:
                 ref = mla_reference.decode(
                     q.cpu(), pool.cache.cpu(), pool.table.cpu(), seq.cpu(),
@@ -947,21 +915,17 @@ def test_shadow_matches_gluon_and_reference(case: str, heads: int, config: WsCon
 @gpu
 @pytest.mark.parametrize(
     ("config", "nvfp4"),
-    [(VARIANTS[0], False), (VARIANTS[3], False), (NVFP4_CONFIG, True), (NVFP4_TMA_CONFIG, True),
-     (replace(NVFP4_TMA_CONFIG, lazy_rescale=True), True)],
-    ids=[VARIANTS[0].name, VARIANTS[3].name, "nvfp4", "nvfp4-tma", "nvfp4-tma-lr"],
+    [(VARIANTS[0], False), (VARIANTS[3], False), (NVFP4_CONFIG, True), (NVFP4_TMA_CONFIG, True)],
+    ids=[VARIANTS[0].name, VARIANTS[3].name, "nvfp4", "nvfp4-tma"],
 )  # fmt: skip
-def test_shadow_nan_rule_as_gluon(
-    config: WsConfig, nvfp4: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_shadow_nan_rule_as_gluon(config: WsConfig, nvfp4: bool) -> None:
     """Through the fp8 shadow (V̂ = K̂, scale 3), or nvfp4's (its V̂ section; the lengths'
     open V blocks from the raw rows): pages outside the cache, a length outside the table
     and a non-finite latent element seen (its K̂ is NaN) poison exactly the rows
-    ``gluon_decode``'s shadow kernel poisons (one split and several); a non-finite row past
-    a request's end (in its last tile: TMA brings it in) poisons nothing. With
-    ``WS_SHADOW_AUTO`` on (and, nvfp4, ``WS_SHADOW_NVFP4_AUTO``), ``decode_shadow()`` is
-    ``decode_shadow(config=...)`` of the switch's configuration bit for bit."""
-    from mla_triton import allocate_shadow, decode_shadow, update_cache
+    the Gluon split kernel's shadow path poisons (one split and several); a non-finite row
+    past a request's end (in its last tile: TMA brings it in) poisons nothing. Unforced,
+    ``decode_shadow`` is the call forced to the dispatch's configuration bit for bit."""
+    from mla_triton import allocate_shadow, update_cache
 
     quant = AttentionQuant.uniform("nvfp4") if nvfp4 else FP8_3
     glu_config = SEPARATE_V_CONFIG if nvfp4 else GLUON_VARIANTS[0]
@@ -991,8 +955,6 @@ def test_shadow_nan_rule_as_gluon(
         err = ((o_w[4:].double() - o_g[4:].double()).abs().amax(-1) / den).flatten()
         assert int((err > 4e-3).sum()) <= max(1, math.ceil(0.02 * err.numel())), err.max()
         assert float(err.max()) <= 0.5
-    monkeypatch.setattr(ws, "WS_SHADOW_AUTO", True)
-    monkeypatch.setattr(ws, "WS_SHADOW_NVFP4_AUTO", True)
     for splits in (1, 3):
         auto = decode_shadow(q, cache, shadow, table, seq, num_splits=splits, **kw)
         direct = decode_shadow(q, cache, shadow, table, seq, num_splits=splits,

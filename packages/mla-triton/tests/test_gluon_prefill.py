@@ -4,12 +4,11 @@ arguments ``prefill`` launches it with (CPU), and the kernel against ``mla_refer
 (Hopper GPU only). The dispatch itself: test_prefill_dispatch.py.
 
 Compiling needs no GPU (Triton's ptxas is bundled); the numbers themselves come
-from ``benchmarks/gluon_prefill.py`` and the GPU test below on an H200.
+from ``benchmarks/prefill.py`` and the GPU test below on a Hopper GPU.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -23,13 +22,12 @@ from typing import Any, Literal
 import pytest
 import torch
 import triton
+from calls import prefill  # mla_triton.prefill, with ``impl``/``config`` forced (tuning.use)
 
 from mla_formats import AttentionQuant, NMSparsity
-from mla_triton import gluon_prefill as gp
-from mla_triton import prefill
-
-PREFILL = importlib.import_module("mla_triton.prefill")  # the module (the package's
-# attribute of that name is the function)
+from mla_triton.common import device as dev
+from mla_triton.ops.prefill import gluon as gp
+from mla_triton.ops.prefill.core import LOG2E, Recipe
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a block may use on sm90
 _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
@@ -39,12 +37,12 @@ _CUOBJDUMP = Path(str(triton.__file__)).parent / "backends/nvidia/bin/cuobjdump"
 # every tiling prefill's dispatcher picks (gp.AUTO_CONFIGS: P none warp specialized,
 # P fp8 / nvfp4 with dynamic Q (and K) scales and fp16 P V; with N:M: nvfp4 + 2:4 with
 # dense sink / recent keys), and the ping-pong tilings (two consumer warpgroups; 64-key
-# tiles plain, 128-key tiles with nvfp4 P and 4:8); then the schedule options of issue 17's
-# third step: K released after Q K^T (early_k) with the row-minimum -inf check at 128-key
-# ping-pong, FA3's head-dim-192 schedule (128 x 128 x 2, two consumers without turns,
-# early_k) with nvfp4 P, early_k on the warp-specialized 128 x 64 tiling with 2:4 in a
-# persistent loop, and the persistent ping-pong 128 x 64 tiling (not causal); 2:4's rank by
-# pair maxima and minima (nm_pairs) with NaN scores kept by their rank (nm_nan_rank) on the
+# tiles plain, 128-key tiles with nvfp4 P and 4:8); then the schedule options: K released
+# after Q K^T (early_k) at 128-key ping-pong, FA3's head-dim-192 schedule (128 x 128 x 2,
+# two consumers without turns, early_k) with nvfp4 P, early_k on the warp-specialized
+# 128 x 64 tiling with 2:4, and the ping-pong 128 x 64 tiling (not causal); 2:4's rank by
+# pair maxima and
+# minima (nm_pairs) with NaN scores kept by their rank (nm_nan_rank) on the
 # warp-specialized 128 x 128 x 2 early_k tiling.
 DEFAULT = gp.GluonPrefillConfig()
 AUTO = gp.AUTO_CONFIGS
@@ -66,24 +64,20 @@ VARIANTS = [
     (torch.bfloat16, 192, 128, PP64, True, True, {}),
     (torch.float16, 192, 128, PP128, True, False, NVFP4 | {"nm_n": 4, "nm_m": 8}),
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
-        128, 128, 2, True, True, early_k=True, row_inf_check=True), True, True, {}),
+        128, 128, 2, True, True, early_k=True), True, True, {}),
     (torch.float16, 192, 128, gp.GluonPrefillConfig(
         128, 128, 2, True, True, turns=False, early_k=True), True, True, NVFP4),
     (torch.float16, 192, 128, gp.GluonPrefillConfig(
-        128, 64, 3, True, early_k=True, persistent=True), True, True, NVFP4 | NM24),
+        128, 64, 3, True, early_k=True), True, True, NVFP4 | NM24),
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
-        128, 64, 3, True, True, persistent=True), False, True, {}),
+        128, 64, 3, True, True), False, True, {}),
     (torch.float16, 192, 128, gp.GluonPrefillConfig(
         128, 128, 2, True, early_k=True, nm_pairs=True, nm_nan_rank=True), True, True,
      NVFP4 | NM24),
-    (torch.bfloat16, 192, 128, replace(AUTO["none"], fma_inf_check=True), True, True, {}),
-    (torch.float16, 192, 128, replace(AUTO["fp8"], row_inf_check=False, fma_inf_check=True),
-     True, True, FP8),
-    (torch.float16, 192, 128, replace(AUTO["nvfp4"], fma_inf_check=True), True, True, NVFP4),
     # Q's QDQ in the kernel (q_in_kernel), bf16 Q and fp16 K, P and V: dynamic fp8 Q on
     # AUTO fp8's tiling, static nvfp4 Q by the reciprocal path on AUTO nvfp4's, static
-    # nvfp4 Q by division with 2:4 on AUTO nvfp4+nm's and on the persistent
-    # warp-specialized tiling
+    # nvfp4 Q by division with 2:4 on AUTO nvfp4+nm's and on the warp-specialized
+    # 128 x 64 early_k tiling
     (torch.bfloat16, 192, 128, replace(AUTO["fp8"], q_in_kernel=True), True, True,
      FP8 | {"q_fmt": 1}),
     (torch.bfloat16, 192, 128, replace(AUTO["nvfp4"], q_in_kernel=True), True, True,
@@ -91,22 +85,10 @@ VARIANTS = [
     (torch.bfloat16, 192, 128, replace(AUTO["nvfp4+nm"], q_in_kernel=True), True, True,
      {"p_fmt": 2, "q_fmt": 2} | NM24),
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
-        128, 64, 3, True, early_k=True, persistent=True, q_in_kernel=True), True, True,
+        128, 64, 3, True, early_k=True, q_in_kernel=True), True, True,
      {"p_fmt": 2, "q_fmt": 2} | NM24),
 ]  # fmt: skip
-Q_IN_KERNEL = {18: 4, 19: 5, 20: 7, 21: 12}  # variant: its twin with Q's pass (fp16 Q)
-SPILLS = {  # (variant index): variants allowed a small stack (no local memory)
-    4,  # fp8 P at 128 x 128: 72 B
-    6,  # AUTO none: ping-pong 128 x 128, early_k, row_inf_check: 32 B
-    7,  # nvfp4 P + 2:4 at 128 x 128
-    9,  # ping-pong 128 x 128
-    10,  # ping-pong 128 x 128, early_k: 32 B
-    14,  # nm_pairs, 2:4 with dense windows at 128 x 128 (its twin without them: 32 B)
-    15,  # AUTO none with fma_inf_check
-    16,  # fp8 P at 128 x 128 with fma_inf_check
-    18,  # fp8 P at 128 x 128, Q's QDQ in the kernel: 88 B (its twin, 4: 48 B)
-    20,  # nvfp4 P + 2:4 at 128 x 128, Q's QDQ in the kernel: 8 B (its twin, 7: 32 B)
-}
+Q_IN_KERNEL = {15: 4, 16: 5, 17: 7, 18: 12}  # variant: its twin with Q's pass (fp16 Q)
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -139,8 +121,7 @@ def compile_stats() -> list[dict[str, Any]]:
             "fp8_cvts": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
             "fences": ptx.count("fence.proxy.async.shared::cta"),
             "setmaxnreg": "setmaxnreg" in ptx, "num_warps": kernel.metadata.num_warps,
-            "mbarrier_init": ptx.count("mbarrier.init"), "min_f32": "min.f32" in ptx,
-            "fma_zero": len(re.findall(r"fma\.rn\.f32\s+%r\d+, %r\d+, 0f00000000,", ptx)),
+            "mbarrier_init": ptx.count("mbarrier.init"),
         } | _resources(kernel.asm["cubin"]))  # fmt: skip
     return stats
 
@@ -159,9 +140,7 @@ def test_every_variant_compiles_for_sm90a() -> None:
         stats = json.loads(done.stdout.strip().splitlines()[-1])
     else:
         stats = compile_stats()
-    for index, ((_, dim, _, config, _, lse, quant), got) in enumerate(
-        zip(VARIANTS, stats, strict=True)
-    ):
+    for (_, dim, _, config, _, lse, quant), got in zip(VARIANTS, stats, strict=True):
         variant = (dim, config, lse, quant)
         assert got["sm_90a"] and got["tma"] and got["mbarrier"], variant
         # wgmma: Q K^T over Dqk / 16 k-steps and P V over block_n / 16, per warpgroup
@@ -176,25 +155,13 @@ def test_every_variant_compiles_for_sm90a() -> None:
         # warp specialized: a producer warpgroup beside the compute warps, registers moved
         assert got["setmaxnreg"] == config.warp_specialize, variant
         assert got["num_warps"] == config.total_warps, variant
-        assert got["LOCAL"] == 0, variant
+        assert got["LOCAL"] == 0, variant  # no local-memory spills
         # mbarriers: Q; K, V and the slot releases per stage; K's own releases (early_k);
         # the ping-pong turns (without turns: each stage's "V checked" hand-over); "Q empty"
         stages = config.num_stages
         want = 1 + 3 * stages + stages * config.early_k
-        want += config.pingpong * (2 if config.turns else stages) + config.persistent  # Q empty
+        want += config.pingpong * (2 if config.turns else stages)
         assert got["mbarrier_init"] == want, variant
-        # the row-minimum -inf check (row_inf_check): the kernel's only float minimum
-        # outside nvfp4 P's QDQ
-        if quant.get("p_fmt", 0) != 2:
-            assert got["min_f32"] == config.row_inf_check, variant
-        # fma_inf_check: the -inf check as fma(s, 0, t) in the exponent, one a score of a
-        # tile (kept by LLVM: no fast-math folding); elsewhere at most a few such fmas
-        # (Q's QDQ in the kernel poisons with such fmas too: one a Q element)
-        fma_check = config.fma_inf_check and "nm_n" not in quant
-        if not config.q_in_kernel:
-            assert (got["fma_zero"] >= 32) == fma_check, variant
-        if index not in SPILLS:
-            assert got["STACK"] == 0, variant
     # Q's QDQ in the kernel: a fence for the async proxy before the first Q K^T (each
     # consumer), and by the conversion instruction (fp8 codes, or nvfp4 block scales by
     # the reciprocal path) E4M3 conversions beside P's
@@ -243,9 +210,6 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("pingpong", 1),
         ("turns", 0),
         ("early_k", 1),
-        ("row_inf_check", None),
-        ("fma_inf_check", 1),
-        ("persistent", "yes"),
         ("nm_pairs", 1),
         ("nm_nan_rank", "no"),
     ],
@@ -253,11 +217,6 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
 def test_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"config.{field}"):
         gp.GluonPrefillConfig(**{field: value})  # type: ignore[arg-type]
-
-
-def test_config_rejects_two_inf_checks() -> None:
-    with pytest.raises(ValueError, match=r"config\.fma_inf_check"):
-        gp.GluonPrefillConfig(row_inf_check=True, fma_inf_check=True)
 
 
 @pytest.mark.parametrize(
@@ -274,11 +233,6 @@ def test_pingpong_needs_two_warpgroups_and_a_producer(kwargs: dict[str, Any]) ->
         ({"turns": False}, r"^config\.turns: False needs pingpong=True"),
         ({"warp_specialize": True, "turns": False}, r"^config\.turns: False needs pingpong"),
         ({"early_k": True}, r"^config\.early_k: needs warp_specialize=True"),
-        ({"persistent": True}, r"^config\.persistent: needs warp_specialize=True and turns"),
-        (
-            {"warp_specialize": True, "pingpong": True, "turns": False, "persistent": True},
-            r"^config\.persistent: needs",
-        ),
     ],
 )
 def test_schedule_options_need_their_schedule(kwargs: dict[str, Any], message: str) -> None:
@@ -369,6 +323,14 @@ class _Capture:
         return run
 
 
+def as_sm90(monkeypatch: pytest.MonkeyPatch, capture: _Capture) -> None:
+    """``prefill`` dispatches CPU tensors as on an H200 (the Gluon kernel captured, not
+    run; the Q and K/V passes keep the interpreter's E4M3 conversions)."""
+    monkeypatch.setattr(gp, "gluon_prefill_kernel", capture)
+    monkeypatch.setattr(dev, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(dev, "hw_fp8", lambda device: False)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the K/V pass on CPU")
 @pytest.mark.parametrize("k_amax", ["dynamic", 896.0])
 def test_launch_passes_factored_operands_and_scales(
@@ -378,11 +340,9 @@ def test_launch_passes_factored_operands_and_scales(
     off; ``test_q_in_kernel_launches_raw_q`` has it on): the kernel gets Q, K and V
     factored by the pass, the dynamic per-token scales, the static ones folded in."""
     from mla_formats import OperandQuant, qdq_factored
-    from mla_triton.kernels import gluon_prefill as kernels
 
     capture = _Capture()
-    monkeypatch.setattr(kernels, "gluon_prefill_kernel", capture)
-    monkeypatch.setattr(PREFILL, "_capability", lambda device: (9, 0))  # as on an H200
+    as_sm90(monkeypatch, capture)
     gen = torch.Generator().manual_seed(0)
     lens = [3, 18]
     q = torch.randn(21, 2, 192, generator=gen).half()
@@ -412,7 +372,7 @@ def test_launch_passes_factored_operands_and_scales(
     qk_scale, p_gs, p_inv_gs, out_scale = capture.args[9:13]
     assert p_gs == pytest.approx(2.0 / 448.0)
     # dynamic scales stay per token, static ones are folded in (K: 896 / 448)
-    assert qk_scale == pytest.approx(0.1 * PREFILL.LOG2E * (1.0 if dynamic else 2.0))
+    assert qk_scale == pytest.approx(0.1 * LOG2E * (1.0 if dynamic else 2.0))
     assert p_inv_gs == pytest.approx(448.0 / 2.0) and out_scale == pytest.approx(
         2.0 / 448.0 * float(v_gs.flatten()[0])
     )  # fmt: skip
@@ -434,7 +394,7 @@ def _sort_keys(s: torch.Tensor) -> torch.Tensor:
 
 
 def test_nm_pairs_keeps_the_two_largest_of_four() -> None:
-    """``nm_pairs``' rule (``kernels.gluon_prefill._keep_2_of_4``, on the same sort keys):
+    """``nm_pairs``' rule (``gluon_kernels._keep_2_of_4``, on the same sort keys):
     the group's second largest is ``max(min(max a b, max c d), max(min a b, min c d))``,
     every key at or above it kept. The same mask as the general rank (``_nm_keep``: two
     rounds of group maxima) on every group of four drawn from seven scores with exact
@@ -482,11 +442,9 @@ def test_q_in_kernel_launches_raw_q(
     the pass. ``auto`` without a config: fp8 Q in the kernel, nvfp4 Q through the pass
     (``AUTO_CONFIGS``)."""
     from mla_formats import OperandQuant
-    from mla_triton.kernels import gluon_prefill as kernels
 
     capture = _Capture()
-    monkeypatch.setattr(kernels, "gluon_prefill_kernel", capture)
-    monkeypatch.setattr(PREFILL, "_capability", lambda device: (9, 0))
+    as_sm90(monkeypatch, capture)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(21, 2, 192, generator=gen).bfloat16()
     k = torch.randn(21, 1, 192, generator=gen).bfloat16()
@@ -494,7 +452,7 @@ def test_q_in_kernel_launches_raw_q(
     cu = torch.tensor([0, 3, 21], dtype=torch.int32)
     for fmt, code in (("fp8", 1), ("nvfp4", 2)):
         quant = AttentionQuant(q=OperandQuant(fmt, q_amax), k=fmt, p=fmt, v=fmt)
-        config = replace(gp.auto_config(PREFILL.Recipe.of(quant)), q_in_kernel=True)
+        config = replace(gp.auto_config(Recipe.of(quant)), q_in_kernel=True)
         prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, config=config,
                 max_seqlen_q=18, max_seqlen_k=18)  # fmt: skip
         q_desc, k_desc = capture.args[:2]
@@ -513,7 +471,7 @@ def test_q_in_kernel_launches_raw_q(
         prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, max_seqlen_q=18,
                 max_seqlen_k=18)  # fmt: skip
         auto_in_kernel = fmt == "fp8"
-        assert gp.q_qdq_in_kernel(gp.auto_config(PREFILL.Recipe.of(quant)),
-                                  PREFILL.Recipe.of(quant)) == auto_in_kernel  # fmt: skip
+        assert gp.q_qdq_in_kernel(gp.auto_config(Recipe.of(quant)),
+                                  Recipe.of(quant)) == auto_in_kernel  # fmt: skip
         assert capture.kwargs["Q_FMT"] == (code if auto_in_kernel else 0), fmt
         assert (capture.args[0].base is q) == auto_in_kernel, fmt

@@ -11,27 +11,23 @@ wrong axis, block origin or scale moves most elements and fails.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from calls import prefill  # mla_triton.prefill, with ``config`` forced through tuning.use
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import mla_reference
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant, e2m1_round, qdq, qdq_factored
-from mla_triton import prefill
-from mla_triton import qdq_device as dev
-from mla_triton.prefill import PrefillConfig
-
-# the module (``mla_triton.prefill`` the attribute is the function)
-prefill_module = importlib.import_module("mla_triton.prefill")
+from mla_triton.common import qdq as dev
+from mla_triton.ops.prefill.triton import PrefillConfig
+from mla_triton.precompile import _intercept
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -361,7 +357,8 @@ def test_kv_prepass_and_fused_give_the_same_numbers() -> None:
 
 @pytest.mark.parametrize("sparsity", [None, NMSparsity(2, 4, dense_sink_tokens=4)])
 def test_tile_invariance(sparsity: NMSparsity | None) -> None:
-    """Two tilings agree within the SPEC 4 bound (P codes may flip only at ties)."""
+    """Two tilings agree within the bound of docs/numerics.md "Softmax, P and schedule
+    invariance" (P codes may flip only at ties)."""
     quant = QUANTS["nvfp4"]
     q, k, v, cu_q, cu_k, scale = make_batch([17, 100], [40, 100], 2, 1, 64, 32, seed=11)
     outs = []
@@ -492,7 +489,7 @@ def test_understated_max_seqlen_k_is_still_right(name: str) -> None:
 
 def test_quantize_kv_covers_every_key() -> None:
     """The pass on its own, launched for 1 token per sequence: every key still QDQ'd."""
-    from mla_triton.prefill import quantize_kv
+    from mla_triton.ops.prefill.core import quantize_kv
 
     _, k, v, _, cu_k, _ = make_batch([1, 1], [40, 70], 1, 2, 32, 16, seed=16)
     quant = AttentionQuant(q="nvfp4", k=OperandQuant("nvfp4", "dynamic"), p="nvfp4", v="nvfp4")
@@ -598,7 +595,7 @@ def test_nan_rule(name: str, causal: bool, pattern: str) -> None:
 FORMATS = ("none", "fp8", "nvfp4")
 # an invalid change of one argument, given the case: (argument, change)
 MUTATIONS = ("softmax_scale", "cu_seqlens_q", "cu_seqlens_k", "q", "k", "v", "out",
-             "max_seqlen_q", "max_seqlen_k", "sparsity", "config", "causal", "quant")  # fmt: skip
+             "max_seqlen_q", "max_seqlen_k", "sparsity", "causal", "quant")  # fmt: skip
 
 
 @st.composite
@@ -666,7 +663,6 @@ def _cases(draw: st.DrawFn, mutation: str | None) -> tuple[dict[str, Any], str |
         "max_seqlen_q": {"max_seqlen_q": -1},
         "max_seqlen_k": {"max_seqlen_k": longest_k - 1, "max_seqlen_q": None},
         "sparsity": {"sparsity": NMSparsity(2, 32), "config": PrefillConfig(16, 16)},
-        "config": {"config": (16, 16)},
         "causal": {"causal": 1},
         "quant": {"quant": "nvfp4"},
     }.get(mutation or "", {})
@@ -685,19 +681,14 @@ def itertools_accumulate(values: list[int]) -> list[int]:
 
 def _spied_prefill(kwargs: dict[str, Any]) -> tuple[Any, list[str]]:
     """``prefill(**kwargs, return_lse=True)`` (or the ValueError it raised), and the
-    kernels it launched, seen through the kernel objects of its module."""
+    names of the kernels it launched (each launch runs)."""
     launches: list[str] = []
 
-    class Spy:
-        def __init__(self, name: str) -> None:
-            self.kernel, self.name = getattr(prefill_module, name), name
+    def spy(run: Any, kernel: Any, args: Any, kw: dict[str, Any], grid: Any) -> Any:
+        launches.append(kernel.fn.__name__)
+        return run(kernel, *args, grid=grid, warmup=False, **kw)
 
-        def __getitem__(self, grid: Any) -> Any:
-            launches.append(self.name)
-            return self.kernel[grid]
-
-    spies = {n: Spy(n) for n in ("prefill_fwd_kernel", "kv_qdq_kernel")}
-    with mock.patch.multiple(prefill_module, **spies):  # type: ignore[arg-type]
+    with _intercept(spy):
         try:
             return prefill(**kwargs, return_lse=True), launches
         except ValueError as error:

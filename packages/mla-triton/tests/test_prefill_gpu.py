@@ -32,17 +32,21 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from calls import prefill  # mla_triton.prefill, with ``impl``/``config`` forced (tuning.use)
 
 import mla_reference
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant, e2m1_round, e4m3_round
-from mla_triton import gluon_prefill, prefill
-from mla_triton import qdq_device as dev
-from mla_triton.prefill import PrefillConfig, Recipe
+from mla_triton.common import qdq as dev
+from mla_triton.ops.prefill import gluon as gluon_prefill
+from mla_triton.ops.prefill.core import Recipe
+from mla_triton.ops.prefill.triton import PrefillConfig
+from mla_triton.precompile import _intercept
 
 torch.set_num_threads(2)  # one of several xdist workers sharing the host's cores
 
@@ -303,15 +307,11 @@ GLUON_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity |
     "pp64-nvfp4-2:4": (_PP64, "nvfp4", _NM),
     "pp128-fp8-4:8": (_PP128, "fp8", NMSparsity(4, 8)),
 }
-# The schedule options of issue 17's third step (benchmarks/gpu/prefill_next.sh): K slots
-# released after Q K^T (early_k), two consumer warpgroups without turns (FA3's head-dim-192
-# schedule), the row-minimum -inf check (row_inf_check), the persistent loop (persistent)
+# The schedule options: K slots released after Q K^T (early_k), two consumer warpgroups
+# without turns (FA3's head-dim-192 schedule)
 _EK128 = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True)
 _NT128 = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, turns=False, early_k=True)
-_RI64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, row_inf_check=True)
-_PER64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, persistent=True)
-_WSPER64 = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, early_k=True, persistent=True)
-NEXT_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
+SCHEDULE_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
     "pp128-ek-none": (_EK128, "none", None),
     "pp128-ek-nvfp4": (_EK128, "nvfp4", None),
     "nt128-none": (_NT128, "none", None),
@@ -321,50 +321,24 @@ NEXT_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | 
                    "nvfp4", None),
     "ws64-ek-nvfp4-2:4": (gluon_prefill.GluonPrefillConfig(128, 64, 3, True, early_k=True),
                           "nvfp4", _NM),
-    "pp64-ri-none": (_RI64, "none", None),
-    "pp64-per-none": (_PER64, "none", None),
-    "pp64-per-nvfp4-2:4": (_PER64, "nvfp4", _NM),
-    "pp128-ek-per-nvfp4": (gluon_prefill.GluonPrefillConfig(
-        128, 128, 2, True, True, early_k=True, persistent=True), "nvfp4", None),
-    "ws64-ek-per-fp8": (_WSPER64, "fp8", None),
 }  # fmt: skip
-# Issue 17, sitting 8 (benchmarks/gpu/prefill_sit8.sh): two consumers without turns with
-# early_k and row_inf_check at 128 x 64 (nvfp4), row_inf_check on the warp-specialized
-# 128 x 128 tiling (2:4), and nm_pairs (2:4 ranked by pair maxima and minima)
-_NT64_EK_RI = gluon_prefill.GluonPrefillConfig(
-    128, 64, 3, True, True, turns=False, early_k=True, row_inf_check=True
-)
-_WS128_EK_RI = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, early_k=True,
-                                                row_inf_check=True)  # fmt: skip
+# Combined schedule options: two consumers without turns with early_k at 128 x 64, and
+# nm_pairs (2:4 ranked by pair maxima and minima) on the warp-specialized tilings
+_NT64_EK = gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, turns=False, early_k=True)
 _WS128_EK = gluon_prefill.GluonPrefillConfig(128, 128, 2, True, early_k=True)
-SIT8_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
-    "s8-nt64-ek-ri-nvfp4": (_NT64_EK_RI, "nvfp4", None),
-    "s8-nt64-ek-ri-fp8": (_NT64_EK_RI, "fp8", None),
-    "s8-ws128-ek-ri-nvfp4-2:4": (_WS128_EK_RI, "nvfp4", _NM),
-    "s8-ws128-ek-np-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True), "nvfp4", _NM),
-    "s8-ws128-ek-np-nr-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True, nm_nan_rank=True),
+COMBINED_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
+    "nt64-ek-nvfp4": (_NT64_EK, "nvfp4", None),
+    "nt64-ek-fp8": (_NT64_EK, "fp8", None),
+    "ws128-ek-nvfp4-2:4": (_WS128_EK, "nvfp4", _NM),
+    "ws128-ek-np-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True), "nvfp4", _NM),
+    "ws128-ek-np-nr-nvfp4-2:4": (replace(_WS128_EK, nm_pairs=True, nm_nan_rank=True),
                                     "nvfp4", _NM),
-    "s8-ws64-ek-np-nr-nvfp4-2:4": (gluon_prefill.GluonPrefillConfig(
+    "ws64-ek-np-nr-nvfp4-2:4": (gluon_prefill.GluonPrefillConfig(
         128, 64, 3, True, early_k=True, nm_pairs=True, nm_nan_rank=True), "nvfp4", _NM),
-    "s8-ws64-ek-np-none-2:4": (gluon_prefill.GluonPrefillConfig(
+    "ws64-ek-np-none-2:4": (gluon_prefill.GluonPrefillConfig(
         128, 64, 3, True, early_k=True, nm_pairs=True), "none", NMSparsity(2, 4)),
-    "s8-nt64-ri-nvfp4": (gluon_prefill.GluonPrefillConfig(
-        128, 64, 3, True, True, turns=False, row_inf_check=True), "nvfp4", None),
-    "s8-nt128-ek-ri-nvfp4": (replace(_NT128, row_inf_check=True), "nvfp4", None),
-    "s8-ws128-ek-ri-np-nvfp4-2:4": (replace(_WS128_EK_RI, nm_pairs=True), "nvfp4", _NM),
 }  # fmt: skip
-# Issue 17, sitting 13 (benchmarks/gpu/sit13.sh): the NaN rule's -inf check in the exponent
-# (fma_inf_check) on AUTO_CONFIGS' tilings of P none, fp8 (instead of its row minimum), nvfp4
-_FI_NONE = replace(_AUTO["none"], fma_inf_check=True)
-_FI_FP8 = replace(_AUTO["fp8"], row_inf_check=False, fma_inf_check=True)
-_FI_NVFP4 = replace(_AUTO["nvfp4"], fma_inf_check=True)
-SIT13_CASES: dict[str, tuple[gluon_prefill.GluonPrefillConfig, str, NMSparsity | None]] = {
-    "s13-pp128-ek-fi-none": (_FI_NONE, "none", None),
-    "s13-pp128-ek-fi-fp8": (_FI_FP8, "fp8", None),
-    "s13-nt64-fi-nvfp4": (_FI_NVFP4, "nvfp4", None),
-    "s13-nt64-fi-nvfp4-2:4": (_FI_NVFP4, "nvfp4", _NM),
-}
-GLUON_CASES |= NEXT_CASES | SIT8_CASES | SIT13_CASES
+GLUON_CASES |= SCHEDULE_CASES | COMBINED_CASES
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
@@ -384,49 +358,17 @@ def test_gluon_tilings(case: str) -> None:
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
 @pytest.mark.parametrize(
     "config",
-    [_PP64, _PP128, _EK128, _NT128, _RI64, gluon_prefill.GluonPrefillConfig(row_inf_check=True),
-     gluon_prefill.GluonPrefillConfig(128, 128, 2, True, True, early_k=True,
-                                      row_inf_check=True), _PER64, _WSPER64, _NT64_EK_RI,
-     _WS128_EK_RI, _FI_NONE, _FI_NVFP4],
-    ids=["pp64", "pp128", "pp128-ek", "nt128", "pp64-ri", "plain-ri", "pp128-ek-ri", "pp64-per",
-         "ws64-ek-per", "s8-nt64-ek-ri", "s8-ws128-ek-ri", "s13-pp128-ek-fi", "s13-nt64-fi"],
+    [_PP64, _PP128, _EK128, _NT128, gluon_prefill.GluonPrefillConfig(), _NT64_EK, _WS128_EK,
+     _AUTO["none"], _AUTO["nvfp4"]],
+    ids=["pp64", "pp128", "pp128-ek", "nt128", "plain", "nt64-ek", "ws128-ek", "auto-none",
+         "auto-nvfp4"],
 )  # fmt: skip
 def test_nan_rule_gluon_tilings(config: gluon_prefill.GluonPrefillConfig) -> None:
     """The NaN rule on the ping-pong tilings: a masked V tile is checked and zeroed by
     warpgroup 0 only, warpgroup 1 reads the first bad key it left (rows of both; without
-    turns through the per-slot hand-over barrier); with ``row_inf_check`` the infinite
-    K element (key 70: on an unmasked tile for the queries of the second 128-row tile)
-    poisons its rows through the row minimum."""
+    turns through the per-slot hand-over barrier); the infinite K element (key 70: on an
+    unmasked tile for the queries of the second 128-row tile) poisons its rows."""
     _nan_rule("gluon", config)
-
-
-@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
-@pytest.mark.parametrize(
-    ("config", "name"),
-    [(_FI_NONE, "none"), (_FI_FP8, "fp8"), (_FI_NVFP4, "nvfp4")],
-    ids=["s13-fi-none", "s13-fi-fp8", "s13-fi-nvfp4"],
-)  # fmt: skip
-def test_fma_inf_check_bit_for_bit(config: gluon_prefill.GluonPrefillConfig, name: str) -> None:
-    """``fma_inf_check`` computes the same P as the compare and select: out and LSE bit for
-    bit against the same tiling without it (varlen causal, GQA; a chunked context; the NaN
-    rule's batch, causal and not: a NaN in Q, an infinite K element on an unmasked tile, a
-    -inf in V)."""
-    nan_batch = make_batch([300, 200], [300, 200], 16, 16, seed=7)
-    q, k, v = nan_batch[:3]
-    q[10, 3, 5] = float("nan")
-    k[300 + 70, 5, 100] = float("inf")
-    v[300 + 130, 7, 2] = float("-inf")
-    batches = [(True, make_batch(LENS, LENS, 16, 4, seed=3)),
-               (False, make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=8)),
-               (True, nan_batch), (False, nan_batch)]  # fmt: skip
-    for index, (causal, (q, k, v, cu_q, cu_k, scale)) in enumerate(batches):
-        kwargs = {"softmax_scale": scale, "return_lse": True, "causal": causal,
-                  "quant": QUANTS[name], "impl": "gluon"}  # fmt: skip
-        got = [prefill(q, k, v, cu_q, cu_k, config=c, **kwargs)
-               for c in (config, replace(config, fma_inf_check=False))]  # fmt: skip
-        for a, b in zip(*got, strict=True):
-            assert torch.equal(a.isnan(), b.isnan()), (name, index)
-            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (name, index)
 
 
 @pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
@@ -435,7 +377,7 @@ def test_fma_inf_check_bit_for_bit(config: gluon_prefill.GluonPrefillConfig, nam
     [("nvfp4", _NM, {"nm_pairs": True}), ("none", NMSparsity(2, 4), {"nm_pairs": True}),
      ("nvfp4", _NM, {"nm_nan_rank": True}),
      ("none", NMSparsity(2, 4), {"nm_pairs": True, "nm_nan_rank": True})],
-    ids=["s8-np-nvfp4-2:4-dense", "s8-np-none-2:4", "s8-nr-nvfp4-2:4-dense", "s8-np-nr-none-2:4"],
+    ids=["np-nvfp4-2:4-dense", "np-none-2:4", "nr-nvfp4-2:4-dense", "np-nr-none-2:4"],
 )  # fmt: skip
 def test_nm_options_bit_for_bit(name: str, sparsity: NMSparsity, options: dict[str, bool]) -> None:
     """``nm_pairs`` keeps the same keys as the general rank, ``nm_nan_rank`` keeps every
@@ -505,38 +447,21 @@ def test_q_in_kernel_bit_for_bit(name: str, sparse: bool) -> None:
         assert bool(got[0][0].isnan().any()) == (index >= 2), (name, index)
 
 
-class _Spy:
-    """Stands in for a kernel: records its name at each launch, then launches it."""
-
-    def __init__(self, kernel: object, name: str, launched: list[str]) -> None:
-        self.kernel, self.name, self.launched = kernel, name, launched
-
-    def __getitem__(self, grid: object) -> object:
-        self.launched.append(self.name)
-        return self.kernel[grid]  # type: ignore[index]
-
-
 @pytest.mark.skipif(not _sm90(), reason="the dispatch default needs an sm90 (H100/H200) GPU")
-def test_auto_runs_gluon_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """impl="auto" launches the Gluon kernel on sm90; with N:M only while
-    ``prefill.GLUON_NM_AUTO`` is on (else the Triton one)."""
-    import importlib
-
-    from mla_triton.kernels import gluon_prefill as gk
-
-    prefill_module = importlib.import_module("mla_triton.prefill")
+def test_auto_runs_gluon_on_sm90() -> None:
+    """Without a forced implementation, sm90 launches the Gluon kernel, dense and N:M
+    alike (the kernels run)."""
     launched: list[str] = []
-    monkeypatch.setattr(gk, "gluon_prefill_kernel", _Spy(gk.gluon_prefill_kernel, "gluon",
-                                                          launched))  # fmt: skip
-    monkeypatch.setattr(prefill_module, "prefill_fwd_kernel", _Spy(
-        prefill_module.prefill_fwd_kernel, "triton", launched))  # fmt: skip
+
+    def spy(run: Any, kernel: Any, args: Any, kwargs: dict[str, Any], grid: Any) -> Any:
+        launched.append(kernel.fn.__name__)
+        return run(kernel, *args, grid=grid, warmup=False, **kwargs)
+
     q, k, v, cu_q, cu_k, scale = make_batch([300], [300], 8, 8, seed=9)
-    prefill(q, k, v, cu_q, cu_k, softmax_scale=scale)
-    prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, sparsity=NMSparsity(2, 4))
-    assert launched == ["gluon", "gluon" if prefill_module.GLUON_NM_AUTO else "triton"]
-    monkeypatch.setattr(prefill_module, "GLUON_NM_AUTO", True)  # the switch flipped
-    prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, sparsity=NMSparsity(2, 4))
-    assert launched[-1] == "gluon"
+    with _intercept(spy):
+        prefill(q, k, v, cu_q, cu_k, softmax_scale=scale)
+        prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, sparsity=NMSparsity(2, 4))
+    assert launched.count("gluon_prefill_kernel") == 2 and "prefill_fwd_kernel" not in launched
 
 
 @triton.jit
@@ -598,7 +523,7 @@ def _p_qdq_kernel(
     p = tl.load(p_ptr + offs)
     tl.store(new_ptr + offs, dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, True))
     tl.store(sw_ptr + offs, dev.nvfp4_qdq_p(p, gs, inv_6gs, ROWS, COLS, False))
-    # the same QDQ as sitting 13's kernels computed it: Triton's division, float32 products
+    # the same QDQ by Triton's division and float32 products
     xb = tl.reshape(p, (ROWS, COLS // 16, 16))
     sb = dev.e4m3_round_hw(tl.max(xb, axis=2) * inv_6gs, True)
     inv = 1.0 / tl.maximum(sb * gs, 1e-30)
@@ -609,8 +534,8 @@ def _p_qdq_kernel(
 @pytest.mark.parametrize("amax", [1.0, 0.37, 1e-3])
 def test_nvfp4_qdq_p_hardware_path_bit_for_bit(amax: float) -> None:
     """P's nvfp4 QDQ (``recip_hw``'s reciprocal, the codes times block scales in f16x2)
-    equals, bit for bit, the same QDQ with Triton's division and float32 products (the
-    kernels before sitting 14) and the float32 path of GPUs without fp8 conversions (its
+    equals, bit for bit, the same QDQ with Triton's division and float32 products and
+    the float32 path of GPUs without fp8 conversions (its
     software E4M3 of the products ``bmax * inv_6gs``: wrong before ``poison`` stopped
     using ``a - a``): P tiles of exponentials, blocks of zeros, NaN included."""
     g = torch.Generator().manual_seed(14)

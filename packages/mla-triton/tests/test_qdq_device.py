@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from mla_formats import e4m3_round, qdq_factored
-from mla_triton import qdq_device as dev
+from mla_triton.common import qdq as dev
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -89,7 +89,7 @@ def test_interpreter_nan_max_in_numpy_matches_its_generic_reduce(
     reduce: magnitudes with NaN, +inf, zeros and a whole NaN row or column."""
     from triton.runtime import interpreter
 
-    assert dev.INTERPRETER_NAN_MAX_IN_NUMPY, "Triton's interpreter hook is gone"
+    assert dev.interpreter_nan_max_in_numpy, "Triton's interpreter hook is gone"
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(8, 16, generator=g) * 100).abs()
     x[0, 3] = float("nan")

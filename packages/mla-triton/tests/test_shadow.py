@@ -28,19 +28,19 @@ from typing import Any
 
 import pytest
 import torch
+from calls import decode, decode_shadow  # the public calls, ``config`` forced (tuning.use)
 
+import mla_triton.ops.shadow as shadow_module
 from mla_formats import AttentionQuant, OperandQuant, qdq_factored
 from mla_triton import (
     ShadowLayout,
     allocate_shadow,
-    decode,
-    decode_shadow,
     shadow_layout,
     update_cache,
 )
-from mla_triton import shadow as shadow_module
-from mla_triton.decode import DecodeConfig, decode_config
-from mla_triton.shadow import shadow_decode_config
+from mla_triton.common.splitk import DecodeConfig
+from mla_triton.ops.decode.triton import default_config as decode_config
+from mla_triton.ops.shadow import shadow_decode_config
 
 SCALE = 0.07
 D1, D2 = 512, 64
@@ -211,7 +211,8 @@ def check_contents(pool: Pool) -> None:
     """Every written token's K̂ and every complete block's V̂ against mla_formats, bitwise.
 
     On the CPU (a copy of a GPU pool): mla_formats on CUDA divides by a Python
-    scalar through its reciprocal, which is not the SPEC's rounded division.
+    scalar through its reciprocal, which is not the rounded division of
+    docs/numerics.md "Formats and scales".
     """
     pool = pool.on_cpu()
     q = pool.quant
@@ -692,7 +693,6 @@ def _decode_calls() -> list[tuple[str, dict[str, object]]]:
         ("seq_lens", {"seq_lens": torch.tensor([3, 40], dtype=torch.int32)}),
         ("block_table", {"block_table": torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)}),
         ("num_splits", {"num_splits": 0}),
-        ("config", {"config": "fast"}),
     ]
     return [(name, {**base, **change}) for name, change in cases]
 

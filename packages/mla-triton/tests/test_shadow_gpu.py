@@ -15,12 +15,13 @@ same tiles and split count (1, 4 and the default policy) within the bounds of
 compiled float32 arithmetic (``_compare``); the share of bit-identical rows is
 printed.
 
-``impl="gluon"`` (sm90 only; the shadows ``gluon_shadow_unsupported`` takes: fp16 storage
-with V̂ = K̂, or a V̂ section: nvfp4 with its open block quantized in the kernel, dynamic
-K, K and V of different recipes; the packed nvfp4 shadow): ``decode_shadow`` through the
-Gluon kernel against the Triton shadow kernel and on-read decode with the same split count
-(``_agree``'s bounds:
-the quantized operands are the same bits, the summation order differs), and against
+Forced to ``"gluon"`` (sm90 only; the shadows ``gluon_shadow_unsupported`` takes: fp16
+storage with V̂ = K̂, or a V̂ section: nvfp4 with its open block quantized in the kernel,
+dynamic K, K and V of different recipes) and to ``"gluon_ws"`` (the shadows the
+warp-specialized kernel reads, the packed nvfp4 one among them): ``decode_shadow``
+through the Gluon kernels against the Triton shadow kernel and on-read decode with the
+same split count (``_agree``'s bounds: the quantized operands are the same bits, the
+summation order differs), and against
 ``mla_reference.decode`` (float64, CPU) with test_decode_gpu's bounds, after each step.
 """
 
@@ -31,14 +32,16 @@ from typing import Any
 
 import pytest
 import torch
+from calls import decode, decode_shadow  # the public calls, ``impl``/``config`` forced
 from test_shadow import NVFP4, RECIPES, SCALE, Pool, check_contents, row_errors
 
 import mla_reference
 from mla_formats import AttentionQuant, OperandQuant
-from mla_triton import decode, decode_shadow
-from mla_triton.decode import decode_config, decode_num_splits
-from mla_triton.gluon_decode import GluonRecipe, gluon_facts
-from mla_triton.shadow import (
+from mla_triton.common.splitk import decode_num_splits
+from mla_triton.ops.decode.gluon import GluonRecipe, gluon_facts
+from mla_triton.ops.decode.gluon_ws import ws_shadow_dispatched
+from mla_triton.ops.decode.triton import default_config as decode_config
+from mla_triton.ops.shadow import (
     _gluon_tiles,
     gluon_shadow_recipe,
     gluon_shadow_unsupported,
@@ -144,9 +147,27 @@ GLUON_CASES = [
         GluonRecipe,
     )
 ]
-"""The cases ``decode_shadow(impl="gluon")`` takes: fp16 storage with V̂ = K̂ (fp8,
-fp8-scale-3) or a V̂ section (nvfp4, calibrated, and the two of ``GLUON_ONLY``), and the
-packed nvfp4 shadow (nvfp4-packed: the warp-specialized kernel's decoding producer)."""
+"""The cases the Gluon kernels take: fp16 storage with V̂ = K̂ (fp8, fp8-scale-3) or a V̂
+section (nvfp4, calibrated, and the two of ``GLUON_ONLY``), and the packed nvfp4 shadow
+(nvfp4-packed: the warp-specialized kernel's decoding producer)."""
+
+
+def _gluon_recipe(case: str) -> GluonRecipe | str:
+    quant, storage, _ = (CASES | GLUON_ONLY)[case]
+    return gluon_shadow_recipe(quant, shadow_layout(quant, storage=storage), torch.bfloat16)
+
+
+def _takes(impl: str, case: str) -> bool:
+    r = _gluon_recipe(case)
+    if not isinstance(r, GluonRecipe):
+        return False
+    # the split kernel does not read the packed shadow
+    return ws_shadow_dispatched(r) if impl == "gluon_ws" else not r.packed
+
+
+GLUON_IMPL_CASES = [(c, i) for c in GLUON_CASES for i in ("gluon", "gluon_ws") if _takes(i, c)]
+"""``(case, impl)``: the Gluon split kernel on every fp16 case, the warp-specialized one
+on the shadows it reads."""
 
 
 def _pool(case: str) -> Pool:
@@ -195,10 +216,11 @@ def test_default_tiles_are_the_same() -> None:
 
 @pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 CUDA GPU")
 @pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("case", GLUON_CASES)
-def test_gluon_shadow_bf16(case: str, heads: int) -> None:
-    """``decode_shadow(impl="gluon")`` against the Triton shadow kernel and on-read decode
-    (same split counts: 1, 4, the default) and against the float64 oracle, each step."""
+@pytest.mark.parametrize(("case", "impl"), GLUON_IMPL_CASES)
+def test_gluon_shadow_bf16(case: str, impl: str, heads: int) -> None:
+    """``decode_shadow`` forced to a Gluon kernel against the Triton shadow kernel and
+    on-read decode (same split counts: 1, 4, the default) and against the float64 oracle,
+    each step."""
     from test_decode_gpu import check
 
     pool = _pool(case)
@@ -218,9 +240,9 @@ def test_gluon_shadow_bf16(case: str, heads: int) -> None:
             kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": pool.quant,
                                      "num_splits": splits}  # fmt: skip
             args = (q, pool.cache, pool.shadow, pool.table, seq)
-            got = decode_shadow(*args, storage=pool.storage, impl="gluon", **kw)
+            got = decode_shadow(*args, storage=pool.storage, impl=impl, **kw)
             tri = decode_shadow(*args, storage=pool.storage, impl="triton", **kw)
-            label = f"gluon {case} h{heads} step {step}, {splits} splits"
+            label = f"{impl} {case} h{heads} step {step}, {splits} splits"
             s, n = _agree(got, tri, pool, heads, label + " vs Triton shadow")
             on_read = decode(q, pool.cache, pool.table, seq, impl="triton", **kw)
             _agree(got, on_read, pool, heads, label + " vs on-read")
@@ -232,4 +254,4 @@ def test_gluon_shadow_bf16(case: str, heads: int) -> None:
                 )  # fmt: skip
                 check(got[0], got[1], ref[0].cuda(), ref[1].cuda(), pool.quant)
     check_contents(pool)
-    print(f"\ngluon {case} h{heads}: {same} of {rows} rows bit-identical to the Triton shadow")
+    print(f"\n{impl} {case} h{heads}: {same} of {rows} rows bit-identical to the Triton shadow")

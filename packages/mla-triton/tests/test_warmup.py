@@ -1,4 +1,4 @@
-"""``mla_triton.warmup``: what an engine's calls compile is compiled at warmup.
+"""``mla_triton.precompile``: what an engine's calls compile is compiled at warmup.
 
 CPU: ``record_keys`` computes Triton's compile keys (for sm_90) without launching;
 the keys of a sweep of serving-like calls (built the way vLLM 0.33 builds them:
@@ -21,16 +21,19 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
 
+import mla_triton
 from mla_formats import AttentionQuant
 from mla_triton import allocate_shadow, decode, decode_shadow, prefill, update_cache
-from mla_triton.decode import decode_config, decode_num_splits
-from mla_triton.shadow import shadow_layout
-from mla_triton.warmup import (
+from mla_triton.common.splitk import decode_num_splits
+from mla_triton.ops.decode.triton import default_config as decode_config
+from mla_triton.ops.shadow import shadow_layout
+from mla_triton.precompile import (
     compile_only,
     compiled_variants,
     decode_split_counts,
@@ -380,13 +383,28 @@ def test_block_count_is_not_a_compile_key(name: str) -> None:
     assert all(k == keys[0] for k in keys), [len(k - keys[0]) for k in keys]
 
 
-def test_block_count_is_not_a_gluon_compile_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an sm90 engine (dispatch as on an H200, ``test_gluon_decode.as_sm90``) the Gluon
-    split kernel's keys (``gluon_decode``'s, or ``gluon_decode_ws``'s where ``WS_AUTO``
-    takes recipe none) do not depend on the cache's block count either (37 and 64)."""
-    from test_gluon_decode import as_sm90
+def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode`` and ``prefill`` dispatch CPU tensors as on an H200 (launches must be
+    intercepted: ``record_keys``)."""
+    import mla_triton.ops.decode.gluon as gd
+    from mla_triton.common import device as dev
 
-    as_sm90.__wrapped__(monkeypatch)  # the fixture's body
+    real = gd.gluon_facts
+
+    def facts(*args: Any) -> Any:
+        return replace(real(*args), device_type="cuda", capability=(9, 0), interpreting=False,
+                       api_missing=None)  # fmt: skip
+
+    monkeypatch.setattr(gd, "gluon_facts", facts)
+    monkeypatch.setattr(dev, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(dev, "hw_fp8", lambda device: False)
+
+
+def test_block_count_is_not_a_gluon_compile_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an sm90 engine (dispatch as on an H200) the keys of the Gluon decode kernel that
+    auto takes for recipe none (the warp-specialized one) do not depend on the cache's
+    block count either (37 and 64)."""
+    as_sm90(monkeypatch)
     keys = []
     for blocks in (37, 64):
         engine = make_engine(None, False, blocks=blocks, width=35, max_rows=40,
@@ -395,6 +413,51 @@ def test_block_count_is_not_a_gluon_compile_key(monkeypatch: pytest.MonkeyPatch)
         gluon = ("gluon_decode_split_kernel", "gluon_decode_ws_kernel")
         keys.append({key for kernel, key in warmed if kernel.endswith(gluon)})
     assert len(keys[0]) == 2 and keys[0] == keys[1]
+
+
+@pytest.mark.parametrize("shadow", [False, True], ids=["on-read", "shadow"])
+def test_public_warmup_runs_every_warmup_and_counts_compiles(
+    shadow: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mla_triton.warmup`` (CPU): decode's, the shadow's cache write (with a shadow) and
+    prefill's warm-ups run with the engine's arguments, nothing is written, and the count
+    of compiled variants it returns is an int (0 under the interpreter: nothing compiles)."""
+    import mla_triton.precompile as pc
+
+    called: dict[str, dict[str, Any]] = {}
+
+    def spy(name: str) -> Callable[..., Any]:
+        real = getattr(pc, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            called[name] = kwargs
+            return real(*args, **kwargs)
+
+        return run
+
+    for name in ("warmup_decode", "warmup_update_cache", "warmup_prefill"):
+        monkeypatch.setattr(pc, name, spy(name))
+    engine = make_engine(NVFP4, shadow, blocks=5, width=3, max_rows=2, max_seq_len=300,
+                         dtype=torch.float16, device="cpu")  # fmt: skip
+    before = engine.rows.clone()
+    compiled = mla_triton.warmup(engine.raw, num_heads=16, pages_per_row=engine.width,
+                                 max_rows=engine.max_rows, max_seq_len=engine.max_seq_len,
+                                 softmax_scale=SCALE, quant=NVFP4, shadow=engine.shadow_bytes,
+                                 prefill_heads=4, threads=1)  # fmt: skip
+    assert isinstance(compiled, int) and not isinstance(compiled, bool)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        assert compiled == 0
+    else:
+        assert compiled >= 0
+    assert set(called) == {"warmup_decode", "warmup_prefill"} | (
+        {"warmup_update_cache"} if shadow else set())  # fmt: skip
+    assert called["warmup_decode"]["num_heads"] == 16
+    assert called["warmup_decode"]["pages_per_row"] == engine.width
+    assert called["warmup_prefill"]["num_heads"] == 4
+    assert (called["warmup_prefill"]["head_dim_qk"], called["warmup_prefill"]["head_dim_v"]) == (
+        192, 128)  # fmt: skip
+    assert called["warmup_prefill"]["quant"] == NVFP4
+    assert torch.equal(engine.rows, before)  # compiled at most, never launched
 
 
 def test_compile_only_launches_nothing() -> None:

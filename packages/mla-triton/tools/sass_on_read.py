@@ -3,12 +3,11 @@
 From the repository root::
 
     PYTHONPATH=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src \\
-        python packages/mla-triton/tools/sass_on_read.py [--mode 1|2|3|4] [--sass FILE]
+        python packages/mla-triton/tools/sass_on_read.py [--mode 1|2] [--sass FILE]
 
 Compiles ``gluon_decode_split_kernel`` for sm_90a as ``test_compiles_for_sm90a
 [bn32-st2-on-read-nvfp4]`` does (uniform nvfp4 on read, bf16, page 64, two splits; ``--mode
-2``: ``ON_READ_BLOCKS_CONFIG``, ``V_OWN == 2``; ``--mode 3``: ``ON_READ_OVERLAP_CONFIG``,
-``V_OWN == 3``; ``--mode 4``: ``ON_READ_PIPELINED_CONFIG``), reassembles its PTX with line
+2``: ``ON_READ_BLOCKS_CONFIG``, ``V_OWN == 2``), reassembles its PTX with line
 information (Triton's ``ptxas -lineinfo``) and disassembles it (``nvdisasm -gi``). Each
 instruction of the main loop (from the loop's top barrier to its back edge: one warp, one
 32-token tile) is charged to the kernel line it was inlined into: V̂ QDQ, K̂ QDQ (and its
@@ -16,7 +15,7 @@ in-place barriers), S wgmma, softmax, acc rescale, P̂ QDQ, P V wgmma, copies, w
 phase: instructions and the pipe they issue to (``alu``: integer, logic, compare, min/max,
 select, half rate on sm90; ``fma``: float32 and packed 16-bit arithmetic; ``fmaheavy``:
 integer multiply-add; ``xu``: MUFU and conversions; ``mio``: shared memory and shuffles;
-``ctl``: MMA, barriers, branches; ``uniform``: the uniform datapath). docs/gluon.md
+``ctl``: MMA, barriers, branches; ``uniform``: the uniform datapath). docs/design/decode.md
 ("What bounds nvfp4 on read") builds its issue model from these counts.
 """
 
@@ -67,8 +66,7 @@ def compile_sass(mode: int) -> str:
     ``V_OWN`` (1 today, 2 whole blocks, 3 with V̂ under the S MMA, 4 and K̂ under P V)."""
     recipe = gd.gluon_recipe(AttentionQuant.uniform("nvfp4"))
     assert isinstance(recipe, gd.GluonRecipe)
-    cfg = (gd.SEPARATE_V_CONFIG, gd.ON_READ_BLOCKS_CONFIG, gd.ON_READ_OVERLAP_CONFIG,
-           gd.ON_READ_PIPELINED_CONFIG)[mode - 1]  # fmt: skip
+    cfg = (gd.SEPARATE_V_CONFIG, gd.ON_READ_BLOCKS_CONFIG)[mode - 1]
     return ptx_sass(gd.compile_variant(cfg, num_splits=2, recipe=recipe).ptx)
 
 
@@ -139,7 +137,7 @@ class Lines:
         self.s1 = at("s = _scores(", self.v3)
         self.sm0 = at("valid = (start + offs_n) < hi", self.s0)
         self.res = at("acc = acc * gl.convert_layout(alpha", self.sm0)
-        self.pst = at("p_smem.store(_p_hat(", self.res)
+        self.pst = at("p_smem.store(p_hat(", self.res)
         self.pv = (at("acc = warpgroup_mma(p_smem", self.pst) - 1,
                    at("acc = warpgroup_mma_wait(0, deps=(acc,))", self.pst))  # fmt: skip
 
@@ -221,7 +219,7 @@ def report(sass: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", type=int, default=1, choices=(1, 2, 3, 4), help="V_OWN (see above)")
+    ap.add_argument("--mode", type=int, default=1, choices=(1, 2), help="V_OWN (see above)")
     ap.add_argument("--sass", default=None, help="also write the SASS here")
     args = ap.parse_args(argv)
     sass = compile_sass(args.mode)

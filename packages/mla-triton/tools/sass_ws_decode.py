@@ -12,11 +12,11 @@ per-tile loops are the natural loops of the SASS control-flow graph that hold wg
 (``HGMMA``) and no smaller such loop: one a math warpgroup, whose iteration is its own
 tile (``S``, softmax, P̂, ``P V`` on its 256 features) and the other warpgroup's ``P V``
 on them. Ranges a forward branch skips
-that hold ``_zero_tail`` / ``_tail_v`` code run on the tile holding the split's end only
+that hold ``_zero_tail`` / ``tail_v`` code run on the tile holding the split's end only
 ("tail only"); the rest is what every other tile issues, one warp of the warpgroup (one
 a sub-partition: the SM issues this per tile per sub-partition, both warpgroups
 together). The producer's loop (``LDGSTS`` or ``UTMALDG``) is counted the same way.
-docs/gluon.md ("Bounds, counted in SASS") builds its per-tile model from these counts.
+docs/design/decode.md ("Bounds, counted in SASS") builds its per-tile model from these counts.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ CASES: dict[str, tuple[ws.WsConfig, Any]] = {
 Inst = dict[str, Any]
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _INST = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;")
-_TAIL = {"_tail_v", "_nvfp4_v_block", "_zero_tail"}
+_TAIL = {"tail_v", "_nvfp4_v_block", "_zero_tail"}
 
 
 def sass(config: ws.WsConfig, recipe: Any) -> str:
@@ -115,7 +115,7 @@ def category(i: Inst) -> str:
         return "bar.sync"
     if fns & _TAIL:
         return "tail only"
-    if "_p_hat" in fns or i["files"] & {"common.py", "qdq_device.py"}:
+    if "p_hat" in fns or i["files"] & {"kernels.py", "qdq.py"}:
         return "P QDQ"
     if "_softmax" in fns:
         return "softmax"

@@ -1,4 +1,4 @@
-"""Compile, before serving, every kernel variant an engine's calls can reach .
+"""Compile, before serving, every kernel variant an engine's calls can reach.
 
 A Triton kernel is compiled once per *key*: its constexprs (here: the recipe's
 formats and flags, tile sizes, ``MULTI_SPLIT``, ``CAUSAL``, ``RETURN_LSE``,
@@ -69,7 +69,10 @@ _PACKAGE = "mla_triton"
 _SPLIT_TOKENS = 256  # decode_num_splits reads max_seq_len only as max_seq_len // 256
 _MAX_SPLITS = 64
 _LOCK = threading.Lock()
-_Action = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any], Any], Any]
+_Run = Callable[..., Any]
+_Args = tuple[Any, ...]
+_Kwargs = dict[str, Any]
+_Action = Callable[[_Run, Any, _Args, _Kwargs, Any], Any]
 
 
 def _ours(kernel: Any) -> bool:
@@ -135,13 +138,7 @@ def compile_only(threads: int | None = None) -> Iterator[None]:
     """
     workers = _threads(threads)
 
-    def compile_kernel(
-        run: Callable[..., Any],
-        kernel: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        grid: Any,
-    ) -> Any:
+    def compile_kernel(run: _Run, kernel: Any, args: _Args, kwargs: _Kwargs, grid: Any) -> Any:
         return run(kernel, *args, grid=grid, warmup=True, **kwargs)
 
     with _intercept(compile_kernel):
@@ -174,13 +171,7 @@ def record_keys(target: Any = None) -> Iterator[set[tuple[str, str]]]:
             binders[id(kernel)] = found
         return found
 
-    def record(
-        run: Callable[..., Any],
-        kernel: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        grid: Any,
-    ) -> None:
+    def record(run: _Run, kernel: Any, args: _Args, kwargs: _Kwargs, grid: Any) -> None:
         _, specialization, options = binder(kernel)(*args, **kwargs)
         name = f"{kernel.fn.__module__}.{kernel.fn.__qualname__}"
         keys.add((name, compute_cache_key({}, specialization, options)))
@@ -433,23 +424,13 @@ def warmup_update_cache(
 # ---------------------------------------------------------------------------- all of it
 
 
+# fmt: off
 def warmup(
-    kv_cache: torch.Tensor,
-    *,
-    num_heads: int,
-    pages_per_row: int,
-    max_rows: int,
-    max_seq_len: int,
-    softmax_scale: float,
-    quant: AttentionQuant | None = None,
-    shadow: torch.Tensor | None = None,
-    storage: str = "fp16",
-    kv_lora_rank: int = 512,
-    prefill_heads: int | None = None,
-    head_dim_qk: int = 192,
-    head_dim_v: int = 128,
-    sparsity: NMSparsity | None = None,
-    threads: int | None = None,
+    kv_cache: torch.Tensor, *, num_heads: int, pages_per_row: int, max_rows: int,
+    max_seq_len: int, softmax_scale: float, quant: AttentionQuant | None = None,
+    shadow: torch.Tensor | None = None, storage: str = "fp16", kv_lora_rank: int = 512,
+    prefill_heads: int | None = None, head_dim_qk: int = 192, head_dim_v: int = 128,
+    sparsity: NMSparsity | None = None, threads: int | None = None,
 ) -> int:
     """Compile every kernel variant an engine's decode, prefill and cache writes can launch.
 
@@ -464,31 +445,16 @@ def warmup(
     Engines with several recipes or geometries call it once for each.
     """
     before = sum(compiled_variants().values())
+    geometry = {"num_heads": num_heads, "pages_per_row": pages_per_row, "max_rows": max_rows,
+                "max_seq_len": max_seq_len}  # fmt: skip
     with compile_only(threads):
-        warmup_decode(
-            kv_cache,
-            num_heads=num_heads,
-            pages_per_row=pages_per_row,
-            max_rows=max_rows,
-            max_seq_len=max_seq_len,
-            softmax_scale=softmax_scale,
-            quant=quant,
-            shadow=shadow,
-            storage=storage,
-            kv_lora_rank=kv_lora_rank,
-        )
+        warmup_decode(kv_cache, **geometry, softmax_scale=softmax_scale, quant=quant,
+                      shadow=shadow, storage=storage, kv_lora_rank=kv_lora_rank)  # fmt: skip
         if shadow is not None and quant is not None:
-            warmup_update_cache(
-                kv_cache, shadow, quant=quant, storage=storage, kv_lora_rank=kv_lora_rank
-            )
-        warmup_prefill(
-            num_heads=prefill_heads or num_heads,
-            head_dim_qk=head_dim_qk,
-            head_dim_v=head_dim_v,
-            dtype=kv_cache.dtype,
-            device=kv_cache.device,
-            softmax_scale=softmax_scale,
-            quant=quant,
-            sparsity=sparsity,
-        )
+            warmup_update_cache(kv_cache, shadow, quant=quant, storage=storage,
+                                kv_lora_rank=kv_lora_rank)  # fmt: skip
+        warmup_prefill(num_heads=prefill_heads or num_heads, head_dim_qk=head_dim_qk,
+                       head_dim_v=head_dim_v, dtype=kv_cache.dtype, device=kv_cache.device,
+                       softmax_scale=softmax_scale, quant=quant, sparsity=sparsity)  # fmt: skip
     return sum(compiled_variants().values()) - before
+# fmt: on

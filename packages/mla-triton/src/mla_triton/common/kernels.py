@@ -4,7 +4,7 @@
   shadow-cache decode, prefill): base-2 scores, an integer running maximum (every
   rescale an exact power of two), ``P = 2^(t - m)``, the row sums of the
   unquantized P.
-- The split-K decode program, as both split kernels (``decode_kernel``, on read;
+- The split-K decode program, as both split kernels (``ops.decode.triton_kernels``, on read;
   ``shadow_kernel``, from the shadow cache) run it: ``split_invariants`` (the
   tiling's static checks), ``split_bounds`` (which request and split a program
   owns), ``load_q`` (q or q̂, the per-row factor and the running state),

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import triton
 import triton.language as tl
+from triton.runtime import interpreter
 
 # Format codes, passed to kernels as constexpr ints.
 FMT_NONE: tl.constexpr = tl.constexpr(0)
@@ -62,11 +64,6 @@ def _interpreter_nan_max_in_numpy() -> bool:
     magnitudes, so no signed zeros). Compiled kernels are untouched; without this
     interpreter's hook (another Triton) the generic path stays. Returns whether it is set.
     """
-    try:
-        import numpy as np
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - numpy comes with triton's interpreter
-        return False
     ops = getattr(interpreter, "ReduceOps", None)
     generic = getattr(ops, "apply_impl", None)
     if ops is None or generic is None or not hasattr(ops, "min_max"):
@@ -84,7 +81,8 @@ def _interpreter_nan_max_in_numpy() -> bool:
     return True
 
 
-INTERPRETER_NAN_MAX_IN_NUMPY = _interpreter_nan_max_in_numpy()
+interpreter_nan_max_in_numpy = _interpreter_nan_max_in_numpy()
+"""Whether the interpreter reduces ``nan_max`` with ``np.max`` (set at import)."""
 
 
 @triton.jit

@@ -618,7 +618,7 @@ class SplitFamily:
     """What a split-kernel family adds to the decode core (``run_decode``): its kernel,
     default tiles, whether V̂ is K̂'s first features, and its own kernel arguments.
 
-    On-read decode (``_OnRead``, here) and the shadow cache (``mla_triton.shadow``)
+    On-read decode (``ops.decode.triton.OnRead``) and the shadow cache (``ops.shadow``)
     are the two families; q̂ (stage 0), the split policy, the workspace, the shared
     kernel arguments (``split_kernel_args``) and the merge (stage 2) are common.
     """
@@ -759,7 +759,7 @@ def split_kernel_args(
 ) -> dict[str, Any]:
     """The keyword arguments the split kernels share, by name.
 
-    ``split``: ``kernels.common.split_program``'s tuple; ``partials``: the workspace's
+    ``split``: ``common.kernels.split_program``'s tuple; ``partials``: the workspace's
     ``(acc, ml)``; ``queries``: ``(q_nope, q_pe, q_scale)`` as ``_stage_q`` returns them;
     ``operands``: q, k, v, p; ``cache``: the family's cache pointers and their (page,
     row) strides (``SplitFamily.cache_args``; None: the raw cache alone).

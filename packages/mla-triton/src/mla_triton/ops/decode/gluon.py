@@ -36,8 +36,6 @@ from mla_triton.ops.decode.triton import OnRead
 
 __all__ = [
     "ON_READ_BLOCKS_CONFIG",
-    "ON_READ_OVERLAP_CONFIG",
-    "ON_READ_PIPELINED_CONFIG",
     "SEPARATE_V_CONFIG",
     "UNQUANTIZED",
     "GluonDecodeConfig",
@@ -70,12 +68,9 @@ class GluonDecodeConfig:
         overlap: issue ``S`` of the next tile before the softmax of this one (needs
             ``stages >= 3``: two tiles resident while copies run ahead).
         on_read: the on-read QDQ schedule of a V̂-of-its-own recipe (nvfp4 on read; the
-            kernel's ``V_OWN``), each level adding to the one before, the same bits: 1
-            today's layouts; 2 whole 16-element blocks a thread (no shuffles, the block
-            scales once a block: ``ON_READ_BLOCKS_CONFIG``); 3 K̂ first into the V̂ ring and
-            V̂ in place on the ALUs while the S MMA runs (K and q quantized:
-            ``ON_READ_OVERLAP_CONFIG``); 4 K̂ of the next tile quantized while the P V MMA
-            of this one runs (``ON_READ_PIPELINED_CONFIG``). Above 1: the bn32-st2 tiling.
+            kernel's ``V_OWN``), the same bits either way: 1 the tile's layouts; 2 whole
+            16-element blocks a thread (no shuffles, the block scales once a block:
+            ``ON_READ_BLOCKS_CONFIG``, the bn32-st2 tiling only).
     """
 
     block_n: int
@@ -90,8 +85,8 @@ class GluonDecodeConfig:
             raise ValueError(f"config.stages: expected 2 to 4, got {self.stages}")
         if self.overlap and self.stages < 3:
             raise ValueError(f"config.overlap: needs stages >= 3, got {self.stages}")
-        if self.on_read not in (1, 2, 3, 4) or isinstance(self.on_read, bool):
-            raise ValueError(f"config.on_read: expected 1 to 4, got {self.on_read!r}")
+        if self.on_read not in (1, 2) or isinstance(self.on_read, bool):
+            raise ValueError(f"config.on_read: expected 1 or 2, got {self.on_read!r}")
         if self.on_read > 1 and (self.block_n, self.stages, self.overlap) != (32, 2, False):
             raise ValueError("config.on_read: above 1, the bn32-st2 tiling only (V̂ tiles of "
                              "their own)")  # fmt: skip
@@ -105,7 +100,7 @@ class GluonDecodeConfig:
     @property
     def name(self) -> str:
         """A short label: ``bn64-st2``, ``bn32-st4-ov``."""
-        schedule = ("", "-vb", "-vb-vs", "-vb-vs-kp")[self.on_read - 1]
+        schedule = ("", "-vb")[self.on_read - 1]
         return f"bn{self.block_n}-st{self.stages}" + ("-ov" if self.overlap else "") + schedule
 
 
@@ -125,16 +120,6 @@ ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=2)
 """``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
 for a V̂-of-its-own recipe (nvfp4 on read);
 what ``gluon_decode_config`` gives nvfp4 Q/K/P/V (``on_read_blocks_taken``)."""
-
-ON_READ_PIPELINED_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=4)
-"""``ON_READ_OVERLAP_CONFIG`` with K̂ of tile i + 1 quantized while the P V MMA of tile i
-runs (``V_OWN == 4``): every QDQ pass of a tile lies under an MMA but K̂'s own wait for
-the next tile's copies. For K and q quantized; not picked by the dispatch."""
-
-ON_READ_OVERLAP_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=3)
-"""``ON_READ_BLOCKS_CONFIG`` with V̂ quantized while the S MMA runs (``V_OWN == 3``): K̂ is
-written to the V̂ ring, V̂ over the raw tile. For K and q quantized (nvfp4 on read); not
-picked by the dispatch."""
 
 
 def on_read_blocks_taken(quant: AttentionQuant | None) -> bool:
@@ -230,9 +215,7 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     Implemented on read: q none, fp8 or nvfp4 (static or dynamic); K and V both none, or
     both fp8 with the same static power-of-two global scale (V̂ = K̂, in place); or, with
     ``GluonRecipe.v_own``, V fp8 or nvfp4 quantized into its own ring beside K none, fp8
-    or nvfp4 in place (static scales, any value); P none, fp8 or nvfp4. nvfp4 q or P and
-    ``v_own`` recipes are not verified on a GPU yet: ``gluon_unsupported`` keeps them off
-    ``"auto"`` too.
+    or nvfp4 in place (static scales, any value); P none, fp8 or nvfp4.
     """
     if quant is None:
         return UNQUANTIZED
@@ -438,11 +421,6 @@ class _GluonFamily(OnRead):
                     f"config: V quantized into its own tiles runs the Gluon kernel as "
                     f"{SEPARATE_V_CONFIG.name} only (two tiles a stage), got {cfg.name}"
                 )
-            taken = gluon_recipe(recipe)
-            if cfg.on_read >= 3 and not (
-                isinstance(taken, GluonRecipe) and taken.k_fmt and taken.q_scaled
-            ):
-                raise ValueError(f"config: {cfg.name} needs K and q quantized (K̂, q̂ float16)")
             cfg = cfg if cfg.on_read > 1 else SEPARATE_V_CONFIG
         elif cfg.on_read > 1:
             raise ValueError(
@@ -507,12 +485,7 @@ def compile_variant(
     fn = kernels.gluon_decode_split_kernel
     q_dtype = "fp16" if recipe.mma_f16 else dtype
     tile_dtype = "fp16" if recipe.shadow_f16 else dtype
-    # split_program's tuple: (type, marked divisible by 16) per element, nested as passed
-    div, i32 = ("i32", True), ("i32", False)
-
-    def ptr(t: str) -> tuple[str, bool]:
-        return (f"*{t}", True)
-
+    div, i32, ptr = SIG_DIV, SIG_I32, sig_ptr
     cache: tuple[Any, ...] = (ptr(tile_dtype),)
     strides: tuple[Any, ...] = (div, div)
     if recipe.v_sep:  # (K tiles, V tiles, raw rows, K scales); a dynamic-K shadow's row
@@ -523,12 +496,7 @@ def compile_variant(
             sh if recipe.shadow_f16 else div, sh if recipe.shadow_f16 else div,
             sh if recipe.v_f16 else div, sh if recipe.v_f16 else div, div, div, sh, sh,
         )  # fmt: skip
-    split = (
-        (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), cache, ptr(index_dtype),
-        ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
-        (div, div, div, div), strides, (i32, i32), i32, (div, div, i32, i32),
-        (i32, i32), ("fp32", False),
-    )  # fmt: skip
+    split = split_signature(q_dtype, cache, strides, index_dtype, dtype)
     k_fmt = 1 if recipe.kv_fp8 or (recipe.shadow_f16 and not recipe.k_fmt) else recipe.k_fmt
     constexprs: dict[str, Any] = {
         "SHAPE": (512, 64, page, kernels.BLOCK_H, config.block_n, 2, SPLIT_ALIGN),
@@ -543,6 +511,32 @@ def compile_variant(
     scalars |= dict.fromkeys(("k_scales", "v_scales", "p_scales"), ("fp32", "fp32", "fp32"))
     scalars["out_scale"] = "fp32"
     return compile_split_sm90(fn, split, scalars, constexprs, kernels.NUM_WARPS)
+
+
+# A split kernel's signature for ``compile_split_sm90``: (type, marked divisible by 16) per
+# element of ``split_program``'s tuple, nested as passed.
+SIG_DIV = ("i32", True)
+SIG_I32 = ("i32", False)
+
+
+def sig_ptr(t: str) -> tuple[str, bool]:
+    """A pointer to ``t`` (16-byte aligned)."""
+    return (f"*{t}", True)
+
+
+def split_signature(
+    q_dtype: str, cache: tuple[Any, ...], strides: tuple[Any, ...], index_dtype: str, dtype: str
+) -> tuple[Any, ...]:
+    """``split_program``'s tuple as a signature: q (q̂) of ``q_dtype``, the ``cache``
+    pointers and their ``strides``, the block table and lengths of ``index_dtype``, the
+    output of ``dtype``."""
+    div, i32, ptr = SIG_DIV, SIG_I32, sig_ptr
+    return (
+        (ptr(q_dtype), ptr(q_dtype), ptr("fp32")), cache, ptr(index_dtype),
+        ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
+        (div, div, div, div), strides, (i32, i32), i32, (div, div, i32, i32),
+        (i32, i32), ("fp32", False),
+    )  # fmt: skip
 
 
 def compile_split_sm90(

@@ -3,7 +3,7 @@
 Algorithm (one CTA per (head group of 64, split, request); 8 warps = 2 warpgroups)
 ----------------------------------------------------------------------------------
 The split bounds, the base-2 online softmax with an integer running maximum, the
-NaN rules and the partial outputs are those of ``decode_kernel.decode_split_kernel``
+NaN rules and the partial outputs are those of ``triton_kernels.decode_split_kernel``
 (its docstring is the contract); only the schedule differs:
 
 - q (``[64, 512]`` and ``[64, 64]``, heads past ``H`` zero) is staged in shared
@@ -25,13 +25,12 @@ NaN rules and the partial outputs are those of ``decode_kernel.decode_split_kern
   stages: a K and a V̂ ring): copied from a shadow's V̂ section (``V_SEP``; nvfp4's open
   16-token block quantized here from the raw rows, ``V_TAIL``; dynamic K's per-token
   scales on S's columns, ``K_DYN``), or quantized on read from the raw tile with K̂ then
-  rewritten in place (``V_OWN``; 2: whole 16-element blocks a thread; 3: K̂ first into
-  the V̂ ring, V̂ in place while the S MMA runs; 4: and K̂ of the next tile while the P V
-  MMA runs). P̂ between the MMAs (fp8, nvfp4 16-token blocks).
+  rewritten in place (``V_OWN``; 2: whole 16-element blocks a thread). P̂ between the
+  MMAs (fp8, nvfp4 16-token blocks).
 
 Epilogue: one split writes ``out``/``lse``; several write the unnormalized float32
 accumulator and the base-2 ``(m, l)`` to the workspace of ``mla_triton.decode``,
-whose merge kernel (``decode_kernel.decode_merge_kernel``) combines them.
+whose merge kernel (``common.splitk_kernels.decode_merge_kernel``) combines them.
 """
 
 from __future__ import annotations
@@ -182,7 +181,7 @@ def _nvfp4_v_block(x, v_scales, V_EXACT: gl.constexpr):
 
 
 @gluon.jit
-def _tail_v(vh_tile, raw_ptr, strides, bt_row, start, hi, stride_bt_p, num_blocks, v_scales,
+def tail_v(vh_tile, raw_ptr, strides, bt_row, start, hi, stride_bt_p, num_blocks, v_scales,
             PAGE: gl.constexpr, V_EXACT: gl.constexpr, layout: gl.constexpr = _LD16):  # fmt: skip
     """nvfp4 V: the sequence's open 16-token block (``ob = 16 (hi // 16) < hi``, in this
     tile) has no V̂ in the shadow (the copy left its rows zero): quantize it from the raw
@@ -258,9 +257,8 @@ def _qdq_tile_kv(kv_raw, kpe_raw, kv_mma, kpe_mma, vh_tile, k_scales, v_scales,
 def _qdq_k(kv_raw, kpe_raw, k_out, kpe_mma, k_scales, K_FMT: gl.constexpr, K_EXACT: gl.constexpr,
            WK: gl.constexpr, lk: gl.constexpr):  # fmt: skip
     """K̂ of the resident raw tile along the features (``common.qdq_latent``), ``WK``
-    columns a piece read in layout ``lk``: the latent part into ``k_out`` (in place, or
-    with ``V_OWN`` 3 or 4 the V̂ ring's slot: no barrier, the raw rows stay for V̂), the rope
-    part in place. The caller fences and meets at a barrier before the S MMA."""
+    columns a piece read in layout ``lk``: the latent part into ``k_out`` (in place), the
+    rope part in place. The caller fences and meets at a barrier before the S MMA."""
     BN: gl.constexpr = kv_raw.shape[0]
     D1: gl.constexpr = kv_raw.shape[1]
     for c in gl.static_range(D1 // WK):
@@ -274,22 +272,7 @@ def _qdq_k(kv_raw, kpe_raw, k_out, kpe_mma, k_scales, K_FMT: gl.constexpr, K_EXA
 
 
 @gluon.jit
-def _qdq_v_in_place(kv_raw, v_mma, v_scales, V_FMT: gl.constexpr, V_EXACT: gl.constexpr):
-    """``V_OWN`` 3 or 4: V̂ of the resident raw tile along the tokens, in place (``v_mma``: the
-    same buffer in float16), whole blocks a thread (``_LDVB``), while the S MMA runs on K̂
-    (one compiler-added barrier a piece: it is stored where it was read). The caller fences
-    and meets at a barrier before the P V MMA."""
-    BN: gl.constexpr = kv_raw.shape[0]
-    D1: gl.constexpr = kv_raw.shape[1]
-    WV: gl.constexpr = 256
-    for c in gl.static_range(D1 // WV):
-        x = kv_raw.slice(c * WV, WV, dim=1).load(_LDVB).to(gl.float32)
-        y = common.qdq_latent(x, v_scales, V_FMT, V_EXACT, True, BN, WV, common.AXIS_TOKENS)
-        v_mma.slice(c * WV, WV, dim=1).store(y.to(v_mma.dtype))
-
-
-@gluon.jit
-def _p_hat(p, p_scales, P_FMT: gl.constexpr):
+def p_hat(p, p_scales, P_FMT: gl.constexpr):
     """P̂ (factored) for the P V MMA, ``common.qdq_p`` on S's layout: fp8 per element,
     nvfp4 in blocks of 16 tokens at multiples of 16 (within a warpgroup's half of the
     tile), or P itself. ``p_scales = (gs, 1 / gs, 1 / (6 gs))``."""
@@ -297,16 +280,33 @@ def _p_hat(p, p_scales, P_FMT: gl.constexpr):
 
 
 @gluon.jit
-def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, dtype: gl.constexpr):
-    """Request ``b``'s q rows of heads ``[64 hg, 64 hg + 64)``, features ``[0, D)``, in a
-    shared ``[64, D]`` wgmma operand; heads past ``num_heads`` are zeros."""
-    offs_h = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, _LD))
-    offs_d = gl.arange(0, D, gl.SliceLayout(0, _LD))
-    rows = gl.load(
+def q_rows(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, ld: gl.constexpr):
+    """Request ``b``'s q rows of heads ``[64 hg, 64 hg + 64)``, features ``[0, D)``, loaded
+    in layout ``ld``; heads past ``num_heads`` are zeros."""
+    offs_h = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, ld))
+    offs_d = gl.arange(0, D, gl.SliceLayout(0, ld))
+    return gl.load(
         q_ptr + b * stride_b + offs_h[:, None] * stride_h + offs_d[None, :],
         mask=(offs_h < num_heads)[:, None],
         other=0.0,
     )
+
+
+@gluon.jit
+def normalized(acc, l_o, poisoned, seq_len, out_scale):
+    """One split's output rows ``acc * out_scale / l`` (``l_o`` in ``acc``'s row layout, NaN
+    for a poisoned request; 0 for an empty request), the rows kept (not empty, or
+    poisoned) and ``l`` with its zeros made 1: ``(o, keep, l_safe)``."""
+    l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+    keep = (seq_len > 0) | poisoned
+    inv_l = gl.where(keep, out_scale / l_safe, 0.0)
+    return acc * inv_l[:, None], keep, l_safe
+
+
+@gluon.jit
+def _q_rows_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, dtype: gl.constexpr):
+    """``q_rows`` in a shared ``[64, D]`` wgmma operand."""
+    rows = q_rows(q_ptr, b, hg, stride_b, stride_h, num_heads, D, _LD)
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], dtype)
     return gl.allocate_shared_memory(dtype, [_HEADS, D], layout, rows)
 
@@ -339,14 +339,14 @@ def gluon_decode_split_kernel(
 ):
     """Stage 1: one (head group, split, request).
 
-    Shapes as ``decode_kernel.decode_split_kernel``: q ``[B, H, D1]`` + ``[B, H, D2]``,
+    Shapes as ``triton_kernels.decode_split_kernel``: q ``[B, H, D1]`` + ``[B, H, D2]``,
     cache rows ``D1 + D2`` wide, out ``[B, H, D1]`` and lse ``[B, H]`` (one split) or
     workspace acc ``[B, num_splits, H, D1]`` and ``(m, l)`` ``[B, num_splits, H, 2]``.
     Recipes: ``Q_SCALED``: q is q̂ (factored, by ``decode_q_kernel``) with its global
     scales ``qgs [B, H]``; ``K_FMT``: K's format (0: the tiles are raw, so an infinite
     score becomes NaN); ``KV_FP8``: K̂ = V̂ (fp8, one static power-of-two global scale)
     quantized in place once the tile has landed; ``P_FMT`` 0, 1 (fp8) or 2 (nvfp4). ``split`` and
-    ``SHAPE`` as the Triton split kernels' (``kernels.common.split_program``; ``cache =
+    ``SHAPE`` as the Triton split kernels' (``common.kernels.split_program``; ``cache =
     (kv_ptr,)``, ``BLOCK_H`` 64); ``num_splits`` a runtime argument, ``MULTI_SPLIT``
     (``num_splits > 1``) the epilogue, as theirs.
 
@@ -356,7 +356,7 @@ def gluon_decode_split_kernel(
     ``[.., 512]``, or the raw rows), the raw cache and the dynamic K scales (``K_DYN``:
     float32, one a token, multiplied into S's columns). ``V_TAIL`` (nvfp4 V): the
     sequence's open 16-token block has no V̂ yet and is quantized here from the raw rows
-    (``_tail_v``; ``V_EXACT``: ``gs_v`` not a power of two).
+    (``tail_v``; ``V_EXACT``: ``gs_v`` not a power of two).
 
     ``V_OWN`` (``decode`` on read, V quantized and not sharing K̂: nvfp4, K and V of
     different recipes): once a raw tile has landed, V̂ (``V_FMT``, ``v_scales``) goes to
@@ -388,8 +388,7 @@ def gluon_decode_split_kernel(
     gl.static_assert(SHAPE[3] == _HEADS, "BLOCK_H: 64 heads a CTA (the wgmma M)")
     gl.static_assert(not (V_SEP and (OVERLAP or KV_FP8)), "V_SEP: the plain loop, no QDQ")
     gl.static_assert(not (V_OWN and (OVERLAP or KV_FP8 or V_SEP)), "V_OWN: the plain loop")
-    gl.static_assert(V_OWN < 3 or (K_FMT != 0 and Q_SCALED), "V_OWN 3, 4: K̂ and q̂ float16")
-    gl.static_assert(V_OWN != 4 or STAGES == 2, "V_OWN 4: two stages")
+    gl.static_assert(V_OWN == 0 or V_OWN == 1 or V_OWN == 2, "V_OWN: 0, 1 or 2")
     gl.static_assert((not V_TAIL and not K_DYN) or V_SEP, "V_TAIL, K_DYN: shadow sections")
     gl.static_assert(PAGE % 16 == 0 or not V_TAIL, "PAGE: a multiple of 16 (V blocks)")
     dtype: gl.constexpr = k_ptr.dtype.element_ty  # the K tiles as stored
@@ -484,7 +483,7 @@ def gluon_decode_split_kernel(
         p, alpha, m_i, l_el = _softmax_step(
             s, m_i, l_el, lo + offs_n < hi, row_scale, col_scale, RAW, False
         )
-        p_ring.index(0).store(_p_hat(p, p_scales, P_FMT).to(mma))
+        p_ring.index(0).store(p_hat(p, p_scales, P_FMT).to(mma))
         for i in range(n_tiles):
             cp.wait_group(STAGES - 3)  # tile i + 1 has landed (this thread's copies) ...
             nx = (i + 1) % STAGES
@@ -506,7 +505,7 @@ def gluon_decode_split_kernel(
             p, alpha, m_i, l_el = _softmax_step(
                 s, m_i, l_el, valid, row_scale, col_scale, RAW, False
             )
-            p_ring.index((i + 1) % 2).store(_p_hat(p, p_scales, P_FMT).to(mma))
+            p_ring.index((i + 1) % 2).store(p_hat(p, p_scales, P_FMT).to(mma))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             nxt = i + STAGES - 1  # into the buffer of tile i - 1: both warpgroups are past it
@@ -517,11 +516,6 @@ def gluon_decode_split_kernel(
             n_bad |= bad
     else:
         p_smem = gl.allocate_shared_memory(pv, [_HEADS, BLOCK_N], p_layout)
-        if V_OWN == 4:  # K̂ of tile 0 here; of tile i + 1 under the P V MMA of tile i
-            cp.wait_group(0)
-            gl.barrier()  # every thread's copies of tile 0 have landed
-            _qdq_k(kv_ring.index(0), kpe_ring.index(0), vh_ring.index(0), kpe_mma.index(0),
-                   k_scales, K_FMT, K_EXACT, 128, _LDKB)  # fmt: skip
         for i in range(n_tiles):
             # Both warpgroups are done with tile i - 1 (its P V was waited for): free.
             gl.barrier()
@@ -550,53 +544,31 @@ def gluon_decode_split_kernel(
                 )
             if V_OWN:
                 gl.barrier()  # every thread's copies have landed
-                if V_OWN == 4:
-                    pass  # K̂ of this tile was quantized under the last tile's P V MMA
-                elif V_OWN == 3:  # K̂ first, apart; V̂ in place below, under the S MMA
-                    _qdq_k(
-                        kv_ring.index(cur), kpe_ring.index(cur), vh_ring.index(cur),
-                        kpe_mma.index(cur), k_scales, K_FMT, K_EXACT, 128, _LDKB,
-                    )  # fmt: skip
-                else:
-                    _qdq_tile_kv(
-                        kv_ring.index(cur), kpe_ring.index(cur), kv_mma.index(cur),
-                        kpe_mma.index(cur), vh_ring.index(cur), k_scales, v_scales, K_FMT,
-                        K_EXACT, V_FMT, V_EXACT, V_OWN == 2,
-                    )  # fmt: skip
+                _qdq_tile_kv(
+                    kv_ring.index(cur), kpe_ring.index(cur), kv_mma.index(cur),
+                    kpe_mma.index(cur), vh_ring.index(cur), k_scales, v_scales, K_FMT,
+                    K_EXACT, V_FMT, V_EXACT, V_OWN == 2,
+                )  # fmt: skip
             if V_TAIL:  # noqa: SIM102 (a constexpr branch, then the tile holding the block)
                 if (v_hi < hi) & (start <= v_hi) & (v_hi < start + BLOCK_N):
                     gl.barrier()  # every thread's copies (the open block's zero rows) landed
-                    _tail_v(
+                    tail_v(
                         vh_ring.index(cur), ptrs[2], strides, bt_row, start, hi,
                         stride_bt_p, num_blocks, v_scales, PAGE, V_EXACT,
                     )  # fmt: skip
             fence_async_shared()
             gl.barrier()  # ... and every thread's
-            if V_OWN >= 3:  # S on K̂ in the second ring; V̂ on the ALUs meanwhile
-                s = _scores(q1_smem, q2_smem, vh_ring.index(cur), kpe_mma.index(cur), s_layout)
-                _qdq_v_in_place(kv_ring.index(cur), kv_mma.index(cur), v_scales, V_FMT, V_EXACT)
-            else:
-                s = _scores(q1_smem, q2_smem, kv_mma.index(cur), kpe_mma.index(cur), s_layout)
+            s = _scores(q1_smem, q2_smem, kv_mma.index(cur), kpe_mma.index(cur), s_layout)
             s = warpgroup_mma_wait(0, deps=(s,))
             valid = (start + offs_n) < hi
             p, alpha, m_i, l_el = _softmax_step(
                 s, m_i, l_el, valid, row_scale, col_scale, RAW, K_DYN
             )
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_smem.store(_p_hat(p, p_scales, P_FMT).to(pv))
+            p_smem.store(p_hat(p, p_scales, P_FMT).to(pv))
             fence_async_shared()
             gl.barrier()  # both halves of P are in shared memory
-            if V_OWN >= 3:  # V̂ where the raw tile was
-                acc = warpgroup_mma(p_smem, kv_mma.index(cur), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(p_smem, vh_ring.index(cur), acc, is_async=True)
-            if V_OWN == 4:  # noqa: SIM102 (a constexpr branch, then a runtime one)
-                if i + 1 < n_tiles:  # K̂ of the next tile (its copies were issued above)
-                    cp.wait_group(0)
-                    gl.barrier()  # every thread's copies of tile i + 1 have landed
-                    nx = (i + 1) % STAGES
-                    _qdq_k(kv_ring.index(nx), kpe_ring.index(nx), vh_ring.index(nx),
-                           kpe_mma.index(nx), k_scales, K_FMT, K_EXACT, 128, _LDKB)  # fmt: skip
+            acc = warpgroup_mma(p_smem, vh_ring.index(cur), acc, is_async=True)
             # Waited for here, not across the loop's back edge: ptxas serializes every
             # wgmma of the loop (warning C7515) when an async accumulator crosses it.
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -613,10 +585,7 @@ def gluon_decode_split_kernel(
     offs_d = gl.arange(0, D1, gl.SliceLayout(0, o_layout))
     if not MULTI_SPLIT:
         l_o = gl.where(poisoned, float("nan"), l_o)
-        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        keep = (seq_len > 0) | poisoned
-        inv_l = gl.where(keep, out_scale / l_safe, 0.0)
-        o = acc * inv_l[:, None]
+        o, keep, l_safe = normalized(acc, l_o, poisoned, seq_len, out_scale)
         row_sum = gl.sum(acc, axis=1)
         o = o + (row_sum - row_sum)[:, None]  # a non-finite row is NaN in every feature
         lse = gl.where(keep, (gl.log2(l_safe) + m_o) * LN2, float("-inf"))

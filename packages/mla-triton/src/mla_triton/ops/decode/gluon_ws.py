@@ -83,10 +83,6 @@ class WsConfig:
             for bit. Else (the default) ``P_{t-1} V_{t-1}`` is issued first.
         stages: ring slots, 2 (default) or, with 32-token tiles, 4 (the same 144 KiB:
             three tiles can be landing while one is computed on, against one of two).
-        lazy_rescale: a math warpgroup rescales its accumulator only where some row's
-            running maximum moved (a vote through shared memory instead of 128
-            multiplications a thread, twice a tile); the same outputs bit for bit. Off by
-            default (compiled, not yet timed).
     """
 
     math_regs: int = 232
@@ -96,7 +92,6 @@ class WsConfig:
     block_n: int = 64
     stages: int = 2
     early_s: bool = False
-    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         for name in ("math_regs", "producer_regs"):
@@ -115,13 +110,11 @@ class WsConfig:
     def name(self) -> str:
         """A short label: ``ws-r232-p40`` (``-tile`` when not chunked, ``-tma`` with TMA
         loads, ``-n32s4`` for tiles and slots other than 64 and 2, ``-es`` with
-        ``early_s``, ``-lr`` with ``lazy_rescale``)."""
+        ``early_s``)."""
         ring = "" if (self.block_n, self.stages) == (64, 2) else f"-n{self.block_n}s{self.stages}"
         loads = ("" if self.chunked else "-tile") + ("-tma" if self.tma else "")
-        return (
-            f"ws-r{self.math_regs}-p{self.producer_regs}{loads}{ring}"
-            + ("-es" if self.early_s else "")
-            + ("-lr" if self.lazy_rescale else "")
+        return f"ws-r{self.math_regs}-p{self.producer_regs}{loads}{ring}" + (
+            "-es" if self.early_s else ""
         )
 
 
@@ -142,10 +135,8 @@ early, and with the 4-slot ring of 32-token tiles (compiled for sm_90a, not yet 
 
 def twin(config: WsConfig) -> WsConfig | None:
     """The configuration ``config``'s outputs equal bit for bit with one feature fewer
-    (the same tiles in the same order): without ``lazy_rescale``, else without
-    ``early_s``, else without ``tma``; None for none of them."""
-    if config.lazy_rescale:
-        return replace(config, lazy_rescale=False)
+    (the same tiles in the same order): without ``early_s``, else without ``tma``; None
+    for neither."""
     if config.early_s:
         return replace(config, early_s=False)
     return replace(config, tma=False) if config.tma else None
@@ -178,7 +169,7 @@ class WsFamily(OnRead):
         return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
                 "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc,
                 "EARLY_S": c.early_s, "p_hat_scales": None, "v_tail_scales": None,
-                "V_SEP": False, "LAZY_RESCALE": c.lazy_rescale, "PACKED": False}  # fmt: skip
+                "V_SEP": False, "PACKED": False}  # fmt: skip
 
 
 class WsShadowFamily(WsFamily):
@@ -342,10 +333,10 @@ def ws_shadow_config_family(
     config: WsConfig, facts: gd.GluonFacts, impl: str, taken: GluonRecipe | str,
     tiles: torch.Tensor, sections: Sections | None = None,
 ) -> WsShadowFamily:  # fmt: skip
-    """``decode_shadow``'s split family for ``config=WsConfig(...)`` (``facts`` of the K̂
-    tiles, ``impl`` checked, ``taken``: ``shadow.gluon_shadow_recipe``'s, ``sections``: a
-    V̂ section's pointers and strides). Raises ValueError before any launch: ``config``
-    under ``impl="triton"``, or a V̂ section with another ring than ``NVFP4_CONFIG``'s
+    """``decode_shadow``'s split family for a forced ``tuning.GluonWsDecode`` (``facts`` of
+    the K̂ tiles, ``taken``: ``ops.shadow.gluon_shadow_recipe``'s, ``sections``: a V̂
+    section's pointers and strides). Raises ValueError before any launch: ``config`` for
+    a V̂ section with another ring than ``NVFP4_CONFIG``'s
     (32-token tiles, two slots: shared memory) or TMA with ``chunked``; ``quant`` for a recipe
     ``ws_shadow_kind`` refuses, ``impl`` where the Gluon kernels cannot run (the platform,
     the widths, strides not multiples of 8 elements)."""
@@ -400,10 +391,10 @@ def _recipe_none(quant: AttentionQuant | None) -> gd.GluonRecipe | str:
 
 
 def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFamily:
-    """``decode``'s split family for ``config=WsConfig(...)`` (``facts``: the checked call's,
-    ``impl``: ``"gluon"``). Raises ValueError before any launch: ``config`` under
-    ``impl="triton"``, ``quant`` for a quantized recipe, ``impl`` where the Gluon kernels
-    cannot run (not an sm90 GPU, another Triton release, widths other than 512 + 64)."""
+    """``decode``'s split family for a forced ``tuning.GluonWsDecode`` (``facts``: the
+    checked call's). Raises ValueError before any launch: ``quant`` for a quantized
+    recipe, ``impl`` where the Gluon kernels cannot run (not an sm90 GPU, another Triton
+    release, widths other than 512 + 64)."""
     if impl == "triton":
         raise ValueError("config: a WsConfig configures impl='gluon', not 'triton'")
     taken = _recipe_none(facts.quant)
@@ -424,7 +415,8 @@ class WsRoute:
         configured: the family for a given ``WsConfig`` (``config, facts, impl``), or a
             ValueError before any launch.
         default: where the dispatch picked the Gluon kernel without a config (``facts``),
-            this kernel's family while its switch is on, else None (``gluon_decode``'s).
+            this kernel's family where it takes the recipe, else None (the Gluon split
+            kernel's).
     """
 
     configured: Callable[[WsConfig, gd.GluonFacts, str], WsFamily]
@@ -476,11 +468,8 @@ def compile_ws(
     if recipe != gd.UNQUANTIZED and isinstance(why := ws_shadow_kind(recipe), str):
         raise ValueError(f"recipe: {why}")
     fn = k.gluon_decode_ws_kernel
-    div, i32 = ("i32", True), ("i32", False)
+    div, ptr = gd.SIG_DIV, gd.sig_ptr
     tile = "fp16" if recipe.shadow_f16 else dtype  # q (q̂) and the K tiles: one type
-
-    def ptr(t: str) -> tuple[str, bool]:
-        return (f"*{t}", True)
 
     cache: tuple[Any, ...] = (ptr(tile),)
     strides: tuple[Any, ...] = (div, div)
@@ -488,12 +477,7 @@ def compile_ws(
         section = "u8" if recipe.packed else "fp16"
         cache = (ptr("u8" if recipe.packed else tile), ptr(section), ptr(dtype), ptr(dtype))
         strides = (div,) * 8
-    split = (
-        (ptr(tile), ptr(tile), ptr("fp32")), cache, ptr(index_dtype),
-        ptr(index_dtype), (ptr(dtype), ptr("fp32")), (ptr("fp32"), ptr("fp32")),
-        (div, div, div, div), strides, (i32, i32), i32, (div, div, i32, i32),
-        (i32, i32), ("fp32", False),
-    )  # fmt: skip
+    split = gd.split_signature(tile, cache, strides, index_dtype, dtype)
     tma = config.tma and page % config.block_n == 0 and not recipe.packed
     block = [config.block_n, 64]
     layout = _box_layout(config.block_n, torch.bfloat16 if tile == "bf16" else torch.float16)
@@ -515,6 +499,6 @@ def compile_ws(
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
         "TMA": tma, "EARLY_S": config.early_s, "Q_SCALED": recipe.q_scaled,
         "K_FMT": recipe.k_fmt, "P_FMT": recipe.p_fmt, "V_SEP": recipe.v_sep,
-        "LAZY_RESCALE": config.lazy_rescale, "PACKED": recipe.packed,
+        "PACKED": recipe.packed,
     }  # fmt: skip
     return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

@@ -3,7 +3,7 @@ fp8 Q/K/P/V through the float16 shadow, V̂ = K̂; nvfp4 Q/K/P/V through its V̂
 ring beside the K̂ ring: ``gluon_decode_ws_kernel``'s last paragraphs).
 
 The contract (split bounds, base-2 online softmax with an integer running maximum,
-NaN rules, partial outputs) is ``decode_kernel.decode_split_kernel``'s, as in
+NaN rules, partial outputs) is ``triton_kernels.decode_split_kernel``'s, as in
 ``gluon_decode``; this kernel changes only the schedule, after FlashMLA's sm90 one.
 
 Schedule (one CTA per (64 heads, split, request); three partitions of 4 warps)
@@ -39,7 +39,7 @@ Epilogue: the two warpgroups exchange their denominators (rescaled to the final
 maximum) through shared memory (``done``: the producer adds the bad-page flags); each
 writes its 256 features (one split: ``out`` and,
 warpgroup 0, ``lse``; several: the float32 accumulator and ``(m, l)`` of the
-workspace that ``decode_kernel.decode_merge_kernel`` combines).
+workspace that ``common.splitk_kernels.decode_merge_kernel`` combines).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla_triton.common.kernels import split_program
 from mla_triton.ops.decode.gluon_kernels import BLOCK_H as BLOCK_H  # 64 heads a CTA (wgmma M)
-from mla_triton.ops.decode.gluon_kernels import LN2, _p_hat, _tail_v
+from mla_triton.ops.decode.gluon_kernels import LN2, normalized, p_hat, q_rows, tail_v
 
 NUM_WARPS = 4
 """Warps of each partition (the default one is the kernel's ``num_warps``)."""
@@ -81,13 +81,7 @@ _LD16: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [1, NUM_WARPS], [1, 0])
 def _q_smem(q_ptr, b, hg, stride_b, stride_h, num_heads, D: gl.constexpr, dtype: gl.constexpr):
     """q rows of heads ``[64 hg, 64 hg + 64)`` (zeros past ``num_heads``), features
     ``[0, D)``, as a shared ``[1, 64, D]`` wgmma operand (indexed at run time)."""
-    offs_h = hg * _HEADS + gl.arange(0, _HEADS, gl.SliceLayout(1, _LD))
-    offs_d = gl.arange(0, D, gl.SliceLayout(0, _LD))
-    rows = gl.load(
-        q_ptr + b * stride_b + offs_h[:, None] * stride_h + offs_d[None, :],
-        mask=(offs_h < num_heads)[:, None],
-        other=0.0,
-    )
+    rows = q_rows(q_ptr, b, hg, stride_b, stride_h, num_heads, D, _LD)
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, D], dtype)
     smem = gl.allocate_shared_memory(dtype, [1, _HEADS, D], layout)
     smem.index(0).store(rows)
@@ -415,24 +409,15 @@ def _slot(t, ST: gl.constexpr, ROLE: gl.constexpr):
 
 
 @gluon.jit
-def _rescale(acc, alpha, row_o: gl.constexpr, LAZY: gl.constexpr):
-    """``acc * alpha`` by rows (``alpha [64]``: powers of two, at most 1). ``LAZY``: only
-    where some row of the warpgroup has ``alpha != 1`` (NaN included), else ``acc`` as it
-    is: the same bits, since ``x * 1.0 = x`` (one warpgroup-wide vote: a reduction through
-    shared memory instead of 128 multiplications a thread while no maximum moves)."""
-    if LAZY:
-        moved = gl.max(gl.where(alpha == 1.0, 0.0, 1.0), axis=0)
-        if moved > 0.0:
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    else:
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    return acc
+def _rescale(acc, alpha, row_o: gl.constexpr):
+    """``acc * alpha`` by rows (``alpha [64]``: powers of two, at most 1)."""
+    return acc * gl.convert_layout(alpha, row_o)[:, None]
 
 
 @gluon.jit
 def _pv_other(
     acc, l_i, m_i, kv_ring, kpe_ring, m_smem, pready, t, ROLE: gl.constexpr,
-    row_s: gl.constexpr, row_o: gl.constexpr, p_sl: gl.constexpr, LAZY: gl.constexpr = False,
+    row_s: gl.constexpr, row_o: gl.constexpr, p_sl: gl.constexpr,
 ):  # fmt: skip
     """Wait for the other warpgroup's P of tile ``t`` and its maximum, rescale, issue
     ``acc += P_t V_t`` (this warpgroup's features of ``kv_ring``'s slot: the latent
@@ -443,7 +428,7 @@ def _pv_other(
     fence_async_shared()
     m_new = m_smem.slice((1 - ROLE) * _HEADS, _HEADS).load(row_s)
     alpha = gl.exp2(m_i - m_new)
-    acc = _rescale(acc, alpha, row_o, LAZY)
+    acc = _rescale(acc, alpha, row_o)
     p_tile = kpe_ring.index(s)._reinterpret(kpe_ring.dtype, [_HEADS, N], p_sl)
     v_half = kv_ring.index(s).slice(ROLE * (acc.shape[1]), acc.shape[1], dim=1)
     acc = warpgroup_mma(p_tile, v_half, acc, is_async=True)
@@ -483,11 +468,11 @@ def _own_tile(
     landed, so it runs under the other warpgroup's softmax of ``t - 1``; then ``P_{t-1}
     V_{t-1}``, which runs under this softmax (the other slot released after it). The
     same operations on ``acc`` and ``l`` in the same order. ``QUANT = (RAW, P_FMT, _,
-    V_PAGE, LAZY)`` (``_softmax``'s rule; P̂ fp8 or nvfp4 for both P V, ``gluon_kernels._p_hat``
+    V_PAGE, PACKED)`` (``_softmax``'s rule; P̂ fp8 or nvfp4 for both P V, ``gluon_kernels.p_hat``
     with ``quant[1]``, the denominators summing the unquantized P; ``V_PAGE`` nonzero
     (``V_SEP``: the page size): P V reads the V̂ ring ``quant[2]``, into whose slot the
     sequence's open 16-token V block is quantized from the raw rows first, where
-    ``_zero_tail`` stands, by ``gluon_kernels._tail_v`` with ``quant[3]``; with ``TMA``
+    ``_zero_tail`` stands, by ``gluon_kernels.tail_v`` with ``quant[3]``; with ``TMA``
     the V̂ tile's barrier is waited for there and its rows past the open block zeroed).
     Returns ``(acc, l, m)``."""
     HALF: gl.constexpr = acc.shape[1]
@@ -510,7 +495,6 @@ def _own_tile(
     if HAS_PREV and not EARLY_S:
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
-            QUANT[4],
         )  # fmt: skip
     # The slot as a value the compiler cannot fold: with a constant one, it hoists the
     # 72 wgmma descriptors of S out of the loop and spills them.
@@ -541,7 +525,6 @@ def _own_tile(
     if HAS_PREV and EARLY_S:  # P_{t-1} V_{t-1} behind S_t; S_t waited for, it stays in flight
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, t - 1, ROLE, row_s, row_o, p_sl,
-            QUANT[4],
         )  # fmt: skip
         sc = warpgroup_mma_wait(1, deps=(sc,))
     else:
@@ -550,13 +533,13 @@ def _own_tile(
     p, alpha, m_i = _softmax(sc, m_i, (lo + t * N + offs_n) < hi, row_scale, QUANT[0])
     l_i = l_i * alpha + gl.sum(p, axis=1)
     if QUANT[1] != 0:  # noqa: SIM108  (static) P̂ feeds both P V, P the denominators
-        p16 = _p_hat(p, quant[1], QUANT[1]).to(dtype)
+        p16 = p_hat(p, quant[1], QUANT[1]).to(dtype)
     else:
         p16 = p.to(dtype)
-    if (TMA or QUANT[5]) and QUANT[3] != 0:  # V_SEP: the V̂ tile (its own barrier)
+    if (TMA or QUANT[4]) and QUANT[3] != 0:  # V_SEP: the V̂ tile (its own barrier)
         mbarrier.wait(landed.index(s * _NCH + 1), phase)
         if TMA:  # rows past its blocks (PACKED: zeros already)
-            v_end = (hi + 15) // 16 * 16 - lo - t * N  # the open block (if any): _tail_v's
+            v_end = (hi + 15) // 16 * 16 - lo - t * N  # the open block (if any): tail_v's
             if v_end < N:
                 _zero_tail(v_ring.index(s), v_end)
         else:
@@ -569,7 +552,7 @@ def _own_tile(
         v_hi = (hi // 16) * 16
         start = lo + t * N
         if (v_hi < hi) & (start <= v_hi) & (v_hi < start + N):
-            _tail_v(v_ring.index(s), raw_ptr, strides, bt_row, start, hi, stride_bt_p,
+            tail_v(v_ring.index(s), raw_ptr, strides, bt_row, start, hi, stride_bt_p,
                     num_blocks, v_scales, QUANT[3], False, _LD16)  # fmt: skip
     # publish P_t (into the slot's rope columns, read by S_t only) and the maximum
     kpe_ring.index(s)._reinterpret(dtype, [_HEADS, N], p_sl).store(p16)
@@ -581,7 +564,7 @@ def _own_tile(
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.barrier()
         mbarrier.arrive(free.index(_slot(t - 1, ST, 1 - ROLE)))
-    acc = _rescale(acc, alpha, row_o, QUANT[4])
+    acc = _rescale(acc, alpha, row_o)
     v_half = v_ring.index(s).slice(ROLE * HALF, HALF, dim=1)
     acc = warpgroup_mma(gl.convert_layout(p16, p_op), v_half, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -647,7 +630,6 @@ def _math(
     if (last >= 0) & (last % 2 != ROLE):  # the other warpgroup's last tile
         acc, l_i, m_i = _pv_other(
             acc, l_i, m_i, v_ring, kpe_ring, m_smem, pready, last, ROLE, row_s, row_o_, p_sl,
-            QUANT[4],
         )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.barrier()
@@ -688,10 +670,7 @@ def _epilogue(
     offs_d = ROLE * HALF + gl.arange(0, HALF, gl.SliceLayout(0, o_layout))
     if not MULTI_SPLIT:
         l_o = gl.where(poisoned, float("nan"), l_o)
-        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        keep = (seq_len > 0) | poisoned
-        inv_l = gl.where(keep, out_scale / l_safe, 0.0)
-        o = acc * inv_l[:, None]
+        o, keep, l_safe = normalized(acc, l_o, poisoned, seq_len, out_scale)
         o = o + nonfinite[:, None]  # a non-finite row is NaN in every feature (both halves)
         o_ptrs = out_ptr + b * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
         gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
@@ -716,7 +695,7 @@ def _math_part(
     kernel's shared buffers, barriers, bounds and output pointers, in this order, then
     ``quant``: 0 for recipe none, else ``(qgs_ptr, p_scales)``, with ``V_SEP`` then the
     V̂ ring and ``(raw_ptr, strides, bt_row, stride_bt_p, num_blocks, v_scales)`` of the
-    open V block; ``QUANT = (RAW, P_FMT, Q_SCALED, V_PAGE, LAZY_RESCALE)``)."""
+    open V block; ``QUANT = (RAW, P_FMT, Q_SCALED, V_PAGE, PACKED)``)."""
     (q1_smem, q2_smem, kv_ring, kpe_ring, m_smem, l_smem, bad_smem, landed, pready, free, done,
      lo, hi, n_tiles, score_scale, out_ptr, lse_ptr, wacc_ptr, wml_ptr, b, hg, split,
      n_splits, seq_len, poisoned, num_heads, stride_o_b, stride_o_h, stride_lse_b,
@@ -754,14 +733,13 @@ def gluon_decode_ws_kernel(
     K_FMT: gl.constexpr,
     P_FMT: gl.constexpr,
     V_SEP: gl.constexpr,
-    LAZY_RESCALE: gl.constexpr,
     PACKED: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
     Q/K/P/V through the float16 shadow (V̂ = K̂).
 
     Arguments as ``gluon_kernels.gluon_decode_split_kernel``'s (``split``: the split
-    kernels' tuple, ``kernels.common.split_program``; ``SHAPE`` with ``BLOCK_H`` 64 and
+    kernels' tuple, ``common.kernels.split_program``; ``SHAPE`` with ``BLOCK_H`` 64 and
     ``BLOCK_N`` 32 or 64); ``PRODUCER_REGS`` / ``MATH_REGS``: the registers a thread of the
     producer / the worker math warpgroup asks for (``setmaxnreg``); ``CHUNKED``: S starts
     on each 64-feature chunk of a tile as it lands (one barrier a chunk), else on the
@@ -769,8 +747,7 @@ def gluon_decode_ws_kernel(
     ``TMA``: tiles arrive by TMA through ``kv_desc`` (the cache's rows ``[num_blocks *
     PAGE, 576]`` in ``[BLOCK_N, 64]`` boxes; ``PAGE`` a multiple of ``BLOCK_N``), else by
     ``cp.async`` (``kv_desc`` None); ``EARLY_S``: a warpgroup issues ``S_t`` before it waits
-    for the other's ``P_{t-1}`` (``_own_tile``); ``LAZY_RESCALE``: an accumulator rescale
-    only where a row's maximum moved (``_rescale``: the same bits).
+    for the other's ``P_{t-1}`` (``_own_tile``).
 
     The shadow (``decode_shadow``): the cache is the shadow's float16 K̂ ``[.., 576]``
     (V̂ its first 512 features), q its float16 q̂ (``Q_SCALED``: global scales ``qgs``
@@ -790,7 +767,7 @@ def gluon_decode_ws_kernel(
     P V read the V̂ slot; ``P_FMT`` 2: P̂ nvfp4 in 16-token blocks. With ``TMA`` (whole
     tiles): ``kv_desc = (K̂ descriptor, V̂ descriptor)``, the V̂ tile on the slot's second
     barrier, its rows past the open block zeroed by the owner (``_zero_tail``) before
-    ``_tail_v``. None and False elsewhere (no code). ``PACKED`` (with ``V_SEP``, not
+    ``tail_v``. None and False elsewhere (no code). ``PACKED`` (with ``V_SEP``, not
     ``TMA``): the shadow is the packed nvfp4 one (``split[1]``'s K̂ and V̂ pointers uint8, one
     stride pair for both, in bytes); the producer decodes its E2M1 codes and E4M3 block
     scales into the same float16 K̂ and V̂ tiles (``_producer_packed``), so the math
@@ -863,7 +840,7 @@ def gluon_decode_ws_kernel(
 
     RAW: gl.constexpr = (K_FMT == 0) or (not Q_SCALED)
     QUANT: gl.constexpr = gl.constexpr((RAW, P_FMT, Q_SCALED, PAGE if V_SEP else 0,
-                                        LAZY_RESCALE, PACKED))  # fmt: skip
+                                        PACKED))  # fmt: skip
     if V_SEP:  # the V̂ ring, and what the open V block is quantized from
         tail = (raw_ptr, split[7], bt_ptr + b * stride_bt_b, stride_bt_p, num_blocks,
                 v_tail_scales)  # fmt: skip

@@ -13,7 +13,7 @@ and its global scale; once, whatever the split count, and outside the split
 kernel, whose registers go to the accumulator.
 
 Stage 1, ``decode_split_kernel``: one program per (head group, split, request); its
-prologue, score, softmax and epilogue steps are ``kernels.common``'s, shared with
+prologue, score, softmax and epilogue steps are ``common.kernels``'s, shared with
 the shadow-cache kernel.
 A request's tokens are cut into ``num_splits`` chunks whose bounds are multiples
 of ``SPLIT_ALIGN`` tokens at absolute positions (the chunk size depends on the

@@ -259,6 +259,14 @@ class PrefillFamily:
         """``config`` checked for ``c`` (None: the family's default); ValueError names it."""
         raise NotImplementedError
 
+    @staticmethod
+    def check_key_tile(config: Any, c: Checked) -> Any:
+        """``config`` if its key tile ``block_n`` holds whole N:M groups, else a ValueError."""
+        if c.sparsity is not None and config.block_n % c.sparsity.m:
+            raise ValueError(f"sparsity: m = {c.sparsity.m} must divide the key tile "
+                             f"config.block_n = {config.block_n}")  # fmt: skip
+        return config
+
     def launch(self, c: Checked, recipe: Recipe, config: Any) -> None:
         """Write ``c.out`` (and ``c.lse`` with ``c.return_lse``) for a non-empty batch."""
         raise NotImplementedError

@@ -23,7 +23,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_formats import AttentionQuant, NMSparsity
-from mla_triton.common.splitk import sm_count
 from mla_triton.ops.prefill.core import (
     Checked,
     PrefillFamily,
@@ -63,17 +62,7 @@ class GluonPrefillConfig:
     as its ``Q Kᵀ`` MMA is done and the producer loads K one tile ahead of V (FA3's
     separate K and V pipelines), instead of one release per slot after its ``P V``: with
     two stages the next K load then has a whole key step to land instead of none;
-    ``row_inf_check``: the NaN rule's check for ``-inf`` raw scores on unmasked tiles
-    by one row minimum a tile (one min a score instead of a compare and a select; the
-    row's ``l`` is made NaN: the same out and LSE); ``fma_inf_check`` (not with
-    ``row_inf_check``; no effect with N:M): the same check in the exponent instead, ``P =
-    2^fma(s, 0, s scale - m)`` (NaN for an infinite score: one ``fma`` a score against a
-    compare and a select, and no row reduction; the same P); ``persistent`` (with
-    ``warp_specialize``, not with ``turns=False``): one program an SM loops over the
-    query tiles (heaviest first over every head), the K/V ring and the turns running on
-    across them, the producer loading the next tile's Q once the consumers' last ``Q Kᵀ``
-    of a tile is done (FA3's persistent scheduler): a tile's epilogue runs under the next
-    tile's loads; ``nm_pairs``: 2:4 sparsity's rank of a group of four keys by its two pairs'
+    ``nm_pairs``: 2:4 sparsity's rank of a group of four keys by its two pairs'
     maxima and minima (the second largest is ``max(min(max a b, max c d), max(min a b,
     min c d))``: a pair is one thread's two adjacent accumulator columns), about 3 integer
     instructions a key pair fewer than the general rank's two rounds of group maxima; the
@@ -96,9 +85,6 @@ class GluonPrefillConfig:
     pingpong: bool = False
     turns: bool = True
     early_k: bool = False
-    row_inf_check: bool = False
-    fma_inf_check: bool = False
-    persistent: bool = False
     nm_pairs: bool = False
     nm_nan_rank: bool = False
     q_in_kernel: bool = False
@@ -109,8 +95,8 @@ class GluonPrefillConfig:
         if self.block_n not in (64, 128):
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
         names = (
-            "warp_specialize", "pingpong", "turns", "early_k", "row_inf_check", "fma_inf_check",
-            "persistent", "nm_pairs", "nm_nan_rank", "q_in_kernel",
+            "warp_specialize", "pingpong", "turns", "early_k", "nm_pairs", "nm_nan_rank",
+            "q_in_kernel",
         )  # fmt: skip
         for name in names:
             if not isinstance(getattr(self, name), bool):
@@ -123,10 +109,6 @@ class GluonPrefillConfig:
             raise ValueError("config.turns: False needs pingpong=True")
         if self.early_k and not self.warp_specialize:
             raise ValueError("config.early_k: needs warp_specialize=True")
-        if self.row_inf_check and self.fma_inf_check:
-            raise ValueError("config.fma_inf_check: not with row_inf_check=True")
-        if self.persistent and not (self.warp_specialize and self.turns):
-            raise ValueError("config.persistent: needs warp_specialize=True and turns=True")
 
     @property
     def num_warps(self) -> int:
@@ -234,11 +216,10 @@ class _Gluon(PrefillFamily):
         if config is None:
             config = auto_config(Recipe.of(c.quant), c.sparsity is not None)
         elif not isinstance(config, GluonPrefillConfig):
-            raise ValueError(f"config: expected None or a GluonPrefillConfig, got {type(config)}")
-        if c.sparsity is not None and config.block_n % c.sparsity.m:
-            raise ValueError(f"sparsity: m = {c.sparsity.m} must divide the key tile "
-                             f"config.block_n = {config.block_n}")  # fmt: skip
-        return config
+            raise ValueError(
+                f"config: expected None or a GluonPrefillConfig, got {type(config).__name__}"
+            )
+        return self.check_key_tile(config, c)
 
     def launch(self, c: Checked, recipe: Recipe, config: GluonPrefillConfig) -> None:
         q, k, v, r = c.q, c.k, c.v, recipe
@@ -274,11 +255,7 @@ class _Gluon(PrefillFamily):
             else (0, 0)
         )  # fmt: skip
         grid = (triton.cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)
-        if config.persistent:  # one program an SM (one fits: the ring fills shared memory)
-            launch: tuple[int, ...] = (min(grid[0] * grid[1] * grid[2], sm_count(q.device)),)
-        else:
-            launch = grid
-        gluon_prefill_kernel[launch](
+        gluon_prefill_kernel[grid](
             _descriptor(q, [config.q_rows, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
             _descriptor(v, [bn, dim_v]), c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k,
             r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, q_gs, q_inv,
@@ -286,7 +263,7 @@ class _Gluon(PrefillFamily):
             n_sink, n_recent, q.stride(1), k.stride(1), v.stride(1),
             q_scales.stride(0) if r.q_dynamic else 0,
             k_scales.stride(0) if r.k_dynamic else 0, c.out.stride(0), c.out.stride(1),
-            c.lse.stride(0), *grid, **variant.constexprs(q.shape[2], dim_v, config),
+            c.lse.stride(0), **variant.constexprs(q.shape[2], dim_v, config),
         )  # fmt: skip
 
 
@@ -333,8 +310,6 @@ class Variant:
             "NM_PAIRS": config.nm_pairs, "NM_NAN_RANK": config.nm_nan_rank,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
             "PINGPONG": config.pingpong, "TURNS": config.turns, "EARLY_K": config.early_k,
-            "INF_CHECK": 1 if config.row_inf_check else 2 if config.fma_inf_check else 0,
-            "PERSISTENT": config.persistent,
             "PRODUCER_REGS": 24,
             "CONSUMER_REGS": CONSUMER_REGS, "num_warps": config.num_warps,
         }  # fmt: skip
@@ -369,7 +344,6 @@ def compile_sm90(
         "group": "i32", "n_sink": "i32", "n_recent": "i32",
         "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",
         "stride_kst": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_lh": "i32",
-        "grid_m": "i32", "grid_h": "i32", "grid_b": "i32",
     }  # fmt: skip
     constexprs = variant.constexprs(dim, dim_v, config)
     signature |= dict.fromkeys(constexprs, "constexpr")

@@ -178,78 +178,25 @@ def _nm_keep(
 
 
 @gluon.jit
-def _softmax_fma_inf(m_i, l_i, s, row_scale):
-    """``common.softmax_step`` on an unmasked tile, the NaN rule in its exponent: ``P =
-    2^fma(s, 0, t)`` for ``t = s row_scale - m`` is ``2^t`` for a finite score and NaN for
-    an infinite one (``0 * inf``), one ``fma`` a score against a compare and a select.
-    A ``-inf`` score left in the maximum changes nothing (it never wins; a row of them
-    only is NaN either way). Returns ``(m_new, alpha, p, l)``."""
-    m_new = gl.maximum(m_i, gl.ceil(gl.max(s, axis=1) * row_scale))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    t = gl.fma(s, gl.expand_dims(row_scale, 1), -gl.expand_dims(m_use, 1))
-    p = gl.exp2(gl.fma(s, 0.0, t))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return m_new, alpha, p, l_i
-
-
-@gluon.jit
-def _softmax_masked(
-    s, m_i, l_i, start_n, seq_len_k, q_pos, row_scale, s_layout: gl.constexpr,
-    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-):  # fmt: skip
-    """``common.softmax_step`` on a masked tile (at or past ``mid``; no N:M): raw ``-inf``
-    scores made NaN one by one, then the keys a row does not see set to ``-inf``."""
-    s = gl.where(s == float("-inf"), float("nan"), s)
-    key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    visible = gl.expand_dims(key_pos < seq_len_k, 0)
-    if CAUSAL:
-        visible = visible & (gl.expand_dims(key_pos, 0) <= gl.expand_dims(q_pos, 1))
-    s = gl.where(visible, s, float("-inf"))
-    return common.softmax_step(m_i, l_i, s, row_scale, True, True)
-
-
-@gluon.jit
 def _softmax(
     s, m_i, l_i, start_n, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst, p_scales,
     nm, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr,
-    INF_CHECK: gl.constexpr, pv_dtype: gl.constexpr,
+    pv_dtype: gl.constexpr,
 ):  # fmt: skip
     """One tile's online softmax: ``(p, alpha, m, l)`` (p in ``s``'s layout as the P V
     dot's ``pv_dtype``: P's factored QDQ value with ``P_FMT`` 1 or 2, converted to it
     directly, and carried to the next key step at half the registers of float32; ``l``
     summed before that QDQ).
 
-    The NaN rule's raw ``-inf`` scores (``INF_CHECK``): 0, made NaN one by one (a compare
-    and a select a score); 1, on unmasked tiles (before ``mid``) by the row minimum (one
-    min a score): a row whose minimum is ``-inf`` gets ``l = NaN``, so its out and LSE
-    are NaN as they are when the score itself is NaN (its P is 0 instead of NaN, every
-    other row is untouched); 2, on unmasked tiles without N:M, in the exponent (one
-    ``fma`` a score, ``_softmax_fma_inf``: the same P). Masked tiles keep the first way:
-    there the keys a row does not see must not poison it."""
+    The NaN rule: a raw ``-inf`` score (an infinite operand) is made NaN, one compare
+    and a select a score; masked tiles (at or past ``mid``) then set the keys a row does
+    not see to ``-inf``."""
     if K_DYNAMIC:  # K's per-key global scales (static ones live in row_scale)
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         col_gs = gl.load(ks_base + key_pos * stride_kst, mask=key_pos < seq_len_k, other=1.0)
         s = s * gl.expand_dims(col_gs, 0)
-    if INF_CHECK == 2 and NM[0] == 0:
-        if start_n < mid:
-            m_new, alpha, p, l_i = _softmax_fma_inf(m_i, l_i, s, row_scale)
-        else:
-            m_new, alpha, p, l_i = _softmax_masked(
-                s, m_i, l_i, start_n, seq_len_k, q_pos, row_scale, s_layout, BLOCK_N, CAUSAL
-            )  # fmt: skip
-        p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N, pv_dtype)
-        return p, alpha, m_new, l_i
-    ROW_INF: gl.constexpr = INF_CHECK == 1
-    bad = gl.zeros([BLOCK_M], gl.int1, gl.SliceLayout(1, s_layout))
-    if ROW_INF:
-        if start_n >= mid:
-            s = gl.where(s == float("-inf"), float("nan"), s)
-        else:
-            bad = gl.min(s, axis=1) == float("-inf")
-    else:
-        s = gl.where(s == float("-inf"), float("nan"), s)  # an infinite raw operand
+    s = gl.where(s == float("-inf"), float("nan"), s)  # an infinite raw operand
     if start_n >= mid:
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = gl.expand_dims(key_pos < seq_len_k, 0)
@@ -265,8 +212,6 @@ def _softmax(
             s = gl.where(keep | (s != s), s, float("-inf"))
     # the integer running maximum, exact power-of-two rescales, l from unquantized P
     m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)
-    if ROW_INF:
-        l_i = gl.where(bad, float("nan"), l_i)
     # P's QDQ along the keys (nvfp4 blocks of 16 at multiples of 16: the tile's start)
     p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N, pv_dtype)
     return p, alpha, m_new, l_i
@@ -290,8 +235,7 @@ def _sanitize_v(
     Without ``TURNS`` nothing orders the two, so warpgroup 0 arrives on the slot's
     ``turn_bars[stage]`` once the tile is checked and warpgroup 1 waits for it (phase:
     the masked tiles before ``tile`` in that slot; masked tiles are ``mid / BLOCK_N`` on).
-    ``ring``: the tile's index in the K/V ring (``tile``, or counted on from the earlier
-    work tiles of a persistent program): its slot and phase."""
+    ``ring``: the tile's index in the K/V ring: its slot and phase."""
     stage = ring % NUM_STAGES
     mbarrier.wait(v_bars.index(stage), (ring // NUM_STAGES) & 1)
     start_n = tile * BLOCK_N
@@ -432,14 +376,12 @@ def _attend(
     row_nan)``. With ``ISSUE_LOADS`` it issues the K/V loads of the tile ``NUM_STAGES``
     ahead itself; otherwise (warp specialized) it releases ring slots to the producer
     through ``empties = (empty_bars, k_empty_bars, q_empty)``: ``empty_bars[slot]`` once
-    a slot's P V MMA is done, and with ``EARLY_K`` (``SCHED = (TURNS, EARLY_K, INF_CHECK,
-    PERSISTENT)``; ``INF_CHECK``: ``_softmax``) its K half on ``k_empty_bars[slot]`` as
-    soon as the slot's ``S = Q Kᵀ`` is done (FA3's separate K and V pipelines: a K load
-    then has a whole key step to land, even with two stages). ``counts = (ring0, turn0,
+    a slot's P V MMA is done, and with ``EARLY_K`` (``SCHED = (TURNS, EARLY_K)``) its K
+    half on ``k_empty_bars[slot]`` as soon as the slot's ``S = Q Kᵀ`` is done (FA3's
+    separate K and V pipelines: a K load then has a whole key step to land, even with two
+    stages). ``counts = (ring0, turn0,
     q_phase)``: the ring index of the first key tile, the first turn and Q's barrier
-    phase (all 0; in a persistent program what its earlier work tiles used, and there
-    ``q_empty`` is arrived on once every ``S`` of the tile is done, and the last slot
-    released too).
+    phase (all 0: a program's one query tile).
 
     Ping-pong (``WG`` 0 or 1: one of two consumer warpgroups, rows ``WG * ROWS`` of
     the Q tile; -1: not): the warpgroups take turns on the tensor cores through the
@@ -454,10 +396,8 @@ def _attend(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     TURNS: gl.constexpr = SCHED[0]
     EARLY_K: gl.constexpr = SCHED[1]
-    INF_CHECK: gl.constexpr = SCHED[2]
-    PERSISTENT: gl.constexpr = SCHED[3]
     PP: gl.constexpr = WG >= 0 and TURNS  # ping-pong turns
-    empty_bars, k_empty_bars, q_empty = empties
+    empty_bars, k_empty_bars, _ = empties
     ring0, turn0, q_phase = counts
     Q0: gl.constexpr = NQ * WG if WG >= 0 else 0  # the first of this warpgroup's Q tiles
     offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
@@ -494,7 +434,7 @@ def _attend(
             mbarrier.arrive(k_empty_bars.index(ring0 % NUM_STAGES), count=1)
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, 0, mid, seq_len_k, q_pos, row_scale, ks_base, stride_kst,
-            p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM, INF_CHECK,
+            p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT, NM,
             pv_dtype,
         )  # fmt: skip
         for j in range(1, n_tiles):
@@ -531,7 +471,7 @@ def _attend(
             p, alpha, m_i, l_i = _softmax(
                 s, m_i, l_i, j * BLOCK_N, mid, seq_len_k, q_pos, row_scale, ks_base,
                 stride_kst, p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
-                NM, INF_CHECK, pv_dtype,
+                NM, pv_dtype,
             )  # fmt: skip
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if ISSUE_LOADS:
@@ -543,8 +483,6 @@ def _attend(
                     )  # fmt: skip
             else:  # the producer partition may refill the slot
                 mbarrier.arrive(empty_bars.index((ring0 + prev) % NUM_STAGES), count=1)
-        if PERSISTENT:  # every S of this work tile is done: Q may be replaced
-            mbarrier.arrive(q_empty, count=1)
         last = n_tiles - 1
         if PP:
             acc, p_op, row_nan = _turn_pv(
@@ -559,10 +497,6 @@ def _attend(
                 NUM_STAGES, WG, num_warps,
             )  # fmt: skip
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        if PERSISTENT:  # the last slot too: the next work tile's loads reuse it
-            mbarrier.arrive(empty_bars.index((ring0 + last) % NUM_STAGES), count=1)
-    elif PERSISTENT:
-        mbarrier.arrive(q_empty, count=1)
     return acc, l_i, m_i, row_nan
 
 
@@ -612,7 +546,7 @@ def _consume(
     K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr,
     WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """A consumer warpgroup (ping-pong; or, persistent, any consumer partition):
+    """A consumer warpgroup (ping-pong) or partition:
     ``_attend`` over its ``ROWS`` rows (from ``row0``), then their ``_epilogue``."""
     acc, l_i, m_i, row_nan = _attend(
         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem,
@@ -638,7 +572,7 @@ def _producer(
     consumers released the slot's previous tile (``empties = (empty_bars,
     k_empty_bars)``). ``EARLY_K``: K and V are released apart (``_attend``), and K runs
     one tile ahead of V (K_0, then K_{t+1} before V_t: FA3's producer order). ``ring0``:
-    the ring index of tile 0 (0, or, persistent, the key tiles of the earlier work tiles)."""
+    the ring index of tile 0."""
     empty_bars = empties[0]
     k_empty_bars = empties[1]
     mbarrier.expect(q_bar, QH * NQ * q_desc.block_type.nbytes)
@@ -681,11 +615,12 @@ def _producer(
 def _setup(
     q_desc, k_desc, v_desc, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
     NQ: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
-    EARLY_K: gl.constexpr, PERSISTENT: gl.constexpr,
+    EARLY_K: gl.constexpr,
 ):  # fmt: skip
     """Shared memory and mbarriers of a program: ``(q_smem, k_smem, v_smem, q_bar, k_bars,
     v_bars, empties, turn_bars, bad_smem)``, ``empties = (empty_bars, k_empty_bars,
-    q_empty)`` (the last two only with ``EARLY_K`` / ``PERSISTENT``, else aliases)."""
+    q_empty)`` (``k_empty_bars`` only with ``EARLY_K``, else an alias; ``q_empty`` an
+    alias of ``q_bar``, not used)."""
     dtype: gl.constexpr = q_desc.dtype  # Q (raw, bf16, where its QDQ runs here: Q_FMT)
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
     QH: gl.constexpr = 2 if PINGPONG else 1  # Q row blocks (descriptor: ROWS rows)
@@ -704,10 +639,7 @@ def _setup(
         )  # fmt: skip
     else:
         k_empty_bars = empty_bars  # not used
-    if PERSISTENT:  # the consumers are done with Q (its last S): the next may be loaded
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    else:
-        q_empty = q_bar  # not used
+    q_empty = q_bar  # not used (a program's one query tile)
     empties = (empty_bars, k_empty_bars, q_empty)
     TURN_BARS: gl.constexpr = 2 if TURNS else NUM_STAGES
     if PINGPONG:  # the turns (without TURNS: each slot's "V checked" barrier), and
@@ -731,8 +663,6 @@ def _setup(
     if PINGPONG:
         for i in gl.static_range(TURN_BARS):
             mbarrier.init(turn_bars.index(i), count=1)
-    if PERSISTENT:
-        mbarrier.init(q_empty, count=2 if PINGPONG else 1)
     fence_async_shared()
     return q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem
 
@@ -741,10 +671,9 @@ def _setup(
 def _teardown(
     q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES: gl.constexpr,
     PINGPONG: gl.constexpr, TURNS: gl.constexpr, EARLY_K: gl.constexpr,
-    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """Invalidate ``_setup``'s mbarriers."""
-    empty_bars, k_empty_bars, q_empty = empties
+    empty_bars, k_empty_bars, _ = empties
     TURN_BARS: gl.constexpr = 2 if TURNS else NUM_STAGES
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
@@ -756,110 +685,9 @@ def _teardown(
     if PINGPONG:
         for i in gl.static_range(TURN_BARS):
             mbarrier.invalidate(turn_bars.index(i))
-    if PERSISTENT:
-        mbarrier.invalidate(q_empty)
 
 
 @gluon.jit
-def _work(w, tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work tile ``w`` of a persistent launch (``tiles = (cu_seqlens_q, cu_seqlens_k,
-    grid_m, grid_h, grid_b, group)``: ``grid_m`` query tiles x ``grid_h`` heads x
-    ``grid_b`` sequences, the query tile slowest: every head's heaviest causal tiles
-    first): ``(start_m, head, q_start, seq_len_q, k_start, seq_len_k, kv_head, mid,
-    n_tiles)`` as the non-persistent kernel derives them from its grid."""
-    cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group = tiles
-    pid_m = w // (grid_h * grid_b)
-    rest = w % (grid_h * grid_b)
-    head = rest % grid_h
-    seq = rest // grid_h
-    if CAUSAL:  # noqa: SIM108
-        start_m = grid_m - 1 - pid_m  # longest query tiles first
-    else:
-        start_m = pid_m
-    q_start = gl.load(cu_seqlens_q + seq)
-    seq_len_q = gl.load(cu_seqlens_q + seq + 1) - q_start
-    k_start = gl.load(cu_seqlens_k + seq)
-    seq_len_k = gl.load(cu_seqlens_k + seq + 1) - k_start
-    hi, mid = key_bounds(start_m, seq_len_q, seq_len_k, BLOCK_M, BLOCK_N, CAUSAL)
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    return start_m, head, q_start, seq_len_q, k_start, seq_len_k, head // group, mid, n_tiles
-
-
-@gluon.jit
-def _consume_all(
-    bufs, tiles, heads, args, s_layout: gl.constexpr,
-    o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr,
-    BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-    NQ: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, QQ: gl.constexpr,
-    K_DYNAMIC: gl.constexpr, P_FMT: gl.constexpr, NM: gl.constexpr, RETURN_LSE: gl.constexpr,
-    WG: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    """A consumer partition of a persistent program: ``_consume`` for each of its work tiles
-    (``w = program_id, + num_programs, ...``; empty tiles past a sequence skipped), the
-    ring index, turn and Q phase counted on across them. ``bufs``, ``tiles``, ``heads``,
-    ``args``: the kernel's buffers and barriers, what ``_work`` reads, the head strides,
-    the rest of its arguments."""
-    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties = bufs
-    stride_kh = heads[1]
-    stride_vh = heads[2]
-    (
-        turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out, Lse, n_sink, n_recent, qk_scale,
-        p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh,
-    ) = args  # fmt: skip
-    ring = 0
-    turn = 0
-    done = 0
-    for w in range(gl.program_id(0), tiles[2] * tiles[3] * tiles[4], gl.num_programs(0)):
-        start_m, head, q_start, seq_len_q, k_start, seq_len_k, kv_head, mid, n_tiles = _work(
-            w, tiles, BLOCK_M, BLOCK_N, CAUSAL
-        )  # fmt: skip
-        if start_m * BLOCK_M < seq_len_q:
-            row0 = start_m * BLOCK_M + (ROWS if WG == 1 else 0)
-            _consume(
-                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem,
-                k_desc, v_desc, q_in, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0,
-                head, kv_head, kv_head * stride_kh, kv_head * stride_vh, mid, n_tiles,
-                qk_scale, p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot,
-                stride_oh, stride_lh, (n_sink, n_recent, seq_len_q == 1),
-                (ring, turn, done & 1), s_layout, o_layout, p_layout, pv_dtype, ROWS,
-                BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM,
-                RETURN_LSE, WG, SCHED, num_warps,
-            )  # fmt: skip
-            ring += n_tiles
-            turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
-            done += 1
-
-
-@gluon.jit
-def _produce_all(
-    bufs, tiles, heads, descs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NQ: gl.constexpr,
-    NUM_STAGES: gl.constexpr, QH: gl.constexpr, EARLY_K: gl.constexpr, CAUSAL: gl.constexpr,
-):  # fmt: skip
-    """The TMA partition of a persistent program: ``_producer`` for each of its work tiles
-    (those of ``_consume_all``: the same ``bufs``, ``tiles``, ``heads``), a new Q only once
-    the consumers left the last one (``empties[2]``, "Q empty"), the ring index counted on
-    across them; ``descs``: the Q, K and V descriptors."""
-    stride_qh, stride_kh, stride_vh = heads
-    q_desc, k_desc, v_desc = descs
-    q_empty = bufs[6][2]
-    ring = 0
-    done = 0
-    for w in range(gl.program_id(0), tiles[2] * tiles[3] * tiles[4], gl.num_programs(0)):
-        work = _work(w, tiles, BLOCK_M, BLOCK_N, CAUSAL)
-        start_m, _, q_start, seq_len_q, k_start, _, kv_head, _, n_tiles = work
-        if start_m * BLOCK_M < seq_len_q:
-            if done > 0:
-                mbarrier.wait(q_empty, (done - 1) & 1)
-            _producer(
-                *bufs, q_desc, k_desc, v_desc, q_start + start_m * BLOCK_M, work[1] * stride_qh,
-                k_start, kv_head * stride_kh, kv_head * stride_vh, n_tiles, ring, BLOCK_N, NQ,
-                NUM_STAGES, QH, EARLY_K,
-            )  # fmt: skip
-            ring += n_tiles
-            done += 1
-
-
-@gluon.jit(do_not_specialize=["grid_m", "grid_h", "grid_b"])  # no keys from the batch shape
 def gluon_prefill_kernel(
     q_desc,
     k_desc,
@@ -887,9 +715,6 @@ def gluon_prefill_kernel(
     stride_ot,
     stride_oh,
     stride_lh,
-    grid_m,
-    grid_h,
-    grid_b,
     DQK: gl.constexpr,
     DV: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -911,8 +736,6 @@ def gluon_prefill_kernel(
     PINGPONG: gl.constexpr,
     TURNS: gl.constexpr,
     EARLY_K: gl.constexpr,
-    INF_CHECK: gl.constexpr,
-    PERSISTENT: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -942,13 +765,9 @@ def gluon_prefill_kernel(
     ``PINGPONG``
     (with ``WARP_SPEC``): two consumer warpgroups of ``num_warps`` = 4 warps, 64 rows
     each, in ping-pong (``_attend``), ``CONSUMER_REGS`` registers for the second;
-    ``grid_m, grid_h, grid_b``: the one-tile grid (query tiles, heads, sequences), read by
-    the persistent kernel only (one program an SM, ``PERSISTENT``: ``_consume_all``);
     ``TURNS`` (default True): they take turns on the tensor cores, else they run
     independently. ``EARLY_K`` (with ``WARP_SPEC``): K slots released apart from V
-    slots, once their ``Q Kᵀ`` is done (``_attend``, ``_producer``). ``INF_CHECK``: the
-    NaN rule's ``-inf`` check on unmasked tiles, 0 a select a score, 1 by row minima, 2 in
-    the exponent (``_softmax``).
+    slots, once their ``Q Kᵀ`` is done (``_attend``, ``_producer``).
     """
     NQ: gl.constexpr = DQK // CHUNK
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M  # rows of a consumer
@@ -962,9 +781,7 @@ def gluon_prefill_kernel(
     gl.static_assert(WARP_SPEC or not PINGPONG)
     gl.static_assert(WARP_SPEC or not EARLY_K)
     gl.static_assert(PINGPONG or TURNS)
-    gl.static_assert(WARP_SPEC or not PERSISTENT)
-    gl.static_assert(TURNS or not PERSISTENT)
-    SCHED: gl.constexpr = (TURNS, EARLY_K, INF_CHECK, PERSISTENT)
+    SCHED: gl.constexpr = (TURNS, EARLY_K)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -974,70 +791,14 @@ def gluon_prefill_kernel(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
 
-    if PERSISTENT:  # one program an SM, looping over work tiles (_consume_all, _produce_all)
-        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem = _setup(
-            q_desc, k_desc, v_desc, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
-            True,
-        )  # fmt: skip
-        bufs = (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties)
-        tiles = (cu_seqlens_q, cu_seqlens_k, grid_m, grid_h, grid_b, group)
-        heads = (stride_qh, stride_kh, stride_vh)
-        args = (
-            turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out, Lse, n_sink, n_recent, qk_scale,
-            p_gs, p_inv_gs, out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh,
-        )  # fmt: skip
-        descs = (q_desc, k_desc, v_desc)
-        if PINGPONG:
-            mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 takes the first turn
-            gl.warp_specialize(
-                [
-                    (_consume_all, (
-                        bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
-                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
-                        K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
-                    )),
-                    (_consume_all, (
-                        bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
-                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
-                        K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1, SCHED, num_warps,
-                    )),
-                    (_produce_all, (
-                        bufs, tiles, heads, descs, BLOCK_M, BLOCK_N, NQ, NUM_STAGES, QH,
-                        EARLY_K, CAUSAL,
-                    )),
-                ],
-                [num_warps, 1],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )  # fmt: skip
-        else:
-            gl.warp_specialize(
-                [
-                    (_consume_all, (
-                        bufs, tiles, heads, args, s_layout, o_layout, p_layout, pv_dtype,
-                        BLOCK_M, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
-                        K_DYNAMIC, P_FMT, NM, RETURN_LSE, -1, SCHED, num_warps,
-                    )),
-                    (_produce_all, (
-                        bufs, tiles, heads, descs, BLOCK_M, BLOCK_N, NQ, NUM_STAGES, QH,
-                        EARLY_K, CAUSAL,
-                    )),
-                ],
-                [1],
-                [PRODUCER_REGS],
-            )  # fmt: skip
-        _teardown(
-            q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
-            True,
-        )  # fmt: skip
-    else:
-        _one_tile(
-            q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
-            p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh,
-            stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, s_layout, o_layout,
-            p_layout, pv_dtype, DV, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, QQ, K_DYNAMIC,
-            P_FMT, NM, RETURN_LSE, WARP_SPEC, PINGPONG, TURNS, EARLY_K, SCHED, QH, NQ, ROWS,
-            PRODUCER_REGS, CONSUMER_REGS, num_warps,
-        )  # fmt: skip
+    _one_tile(
+        q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
+        p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh,
+        stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, s_layout, o_layout,
+        p_layout, pv_dtype, DV, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, QQ, K_DYNAMIC,
+        P_FMT, NM, RETURN_LSE, WARP_SPEC, PINGPONG, TURNS, EARLY_K, SCHED, QH, NQ, ROWS,
+        PRODUCER_REGS, CONSUMER_REGS, num_warps,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -1053,7 +814,7 @@ def _one_tile(
     QH: gl.constexpr, NQ: gl.constexpr, ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """The non-persistent kernel: the program's one query tile (grid: query tiles x
+    """The kernel's body: the program's one query tile (grid: query tiles x
     heads x sequences)."""
     start_m, head, seq, q_start, seq_len_q = query_tile(cu_seqlens_q, CAUSAL)
     if start_m * BLOCK_M < seq_len_q:
@@ -1066,7 +827,6 @@ def _one_tile(
 
         q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem = _setup(
             q_desc, k_desc, v_desc, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
-            False,
         )  # fmt: skip
 
         q_col = head * stride_qh
@@ -1158,5 +918,4 @@ def _one_tile(
 
         _teardown(
             q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
-            False,
         )  # fmt: skip

@@ -97,10 +97,7 @@ class TritonPrefill(PrefillFamily):
             raise ValueError(
                 f"config: expected None or a PrefillConfig, got {type(config).__name__}"
             )
-        if c.sparsity is not None and config.block_n % c.sparsity.m:
-            raise ValueError(f"sparsity: m = {c.sparsity.m} must divide the key tile "
-                             f"config.block_n = {config.block_n}")  # fmt: skip
-        return config
+        return self.check_key_tile(config, c)
 
     def launch(self, c: Checked, recipe: Recipe, config: PrefillConfig) -> None:
         if not dev.interpreted_bf16(c.q.dtype):

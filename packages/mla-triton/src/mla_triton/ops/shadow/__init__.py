@@ -277,16 +277,12 @@ def shadow_layout(
     return _make_layout(q.k, q.v, kv_lora_rank, rope_dim, _check_storage(storage))
 
 
+# fmt: off
 def allocate_shadow(
-    num_blocks: int,
-    page_size: int,
-    quant: AttentionQuant,
-    *,
-    kv_lora_rank: int = 512,
-    rope_dim: int = 64,
-    storage: str = "fp16",
-    device: torch.device | str | None = None,
+    num_blocks: int, page_size: int, quant: AttentionQuant, *, kv_lora_rank: int = 512,
+    rope_dim: int = 64, storage: str = "fp16", device: torch.device | str | None = None,
 ) -> torch.Tensor:
+    # fmt: on
     """A zeroed uint8 shadow ``[num_blocks, page_size, token_bytes]`` for ``quant``.
 
     An engine with its own allocator instead allocates ``shadow_layout(...).shape(...)``
@@ -617,29 +613,21 @@ def _tail_loop(block_h: int, v_tail: bool) -> bool:
     return block_h < 64 and not v_tail
 
 
+# fmt: off
 def decode_shadow(
-    q: torch.Tensor | Sequence[torch.Tensor],
-    kv_cache: torch.Tensor,
-    shadow: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    quant: AttentionQuant,
-    storage: str = "fp16",
-    kv_lora_rank: int = 512,
-    num_splits: int | None = None,
-    workspace: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    max_seq_len: int | None = None,
-    check_values: bool | None = None,
+    q: torch.Tensor | Sequence[torch.Tensor], kv_cache: torch.Tensor, shadow: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, *, softmax_scale: float,
+    quant: AttentionQuant, storage: str = "fp16", kv_lora_rank: int = 512,
+    num_splits: int | None = None, workspace: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    max_seq_len: int | None = None, check_values: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # fmt: on
     """``mla_triton.decode`` reading K̂ and V̂ from a shadow written by ``update_cache``.
 
     Arguments and results as ``decode`` (q, kv_cache, block_table, seq_lens,
     softmax_scale, kv_lora_rank, num_splits, workspace — sized by
-    ``decode_workspace_size`` —, out, lse, max_seq_len, check_values, config),
+    ``decode_workspace_size`` —, out, lse, max_seq_len, check_values),
     plus ``shadow`` and ``storage`` as passed to ``update_cache``, and ``quant``
     (required), whose k and v must be those the shadow was written with. The
     page size must be a multiple of 16.
@@ -703,11 +691,11 @@ AUTO_GLUON_SHADOWS = frozenset(
 
 
 def gluon_shadow_verified(recipe: GluonRecipe) -> bool:
-    """Whether ``impl="auto"`` may run ``recipe`` through the Gluon kernel: its variant
-    passed ``tests/test_shadow_gpu.py::test_gluon_shadow_bf16`` on an H200 (fp8 with V̂ =
-    K̂, nvfp4 Q/K/P/V, dynamic nvfp4 K with fp8 V). The other recipes
+    """Whether the dispatch runs ``recipe`` through the Gluon kernel unforced: its variant is
+    in ``AUTO_GLUON_SHADOWS`` (fp8 with V̂ = K̂, nvfp4 Q/K/P/V, dynamic nvfp4 K with fp8 V,
+    the packed nvfp4 shadow: the variants whose GPU suite passes). The other recipes
     ``gluon_shadow_recipe`` takes (an exact V scale, K none with V quantized, q not
-    quantized) run with ``impl="gluon"`` only, until their cases pass there too."""
+    quantized) run there only under ``tuning.use("gluon")``."""
     return _verified_kind(recipe) in AUTO_GLUON_SHADOWS
 
 
@@ -768,7 +756,7 @@ def gluon_shadow_unsupported(
     """``gluon_unsupported`` for ``decode_shadow`` (``f`` of the K tiles the Gluon kernel
     reads; page and row strides multiples of 8 elements, the 16-byte rows of every
     shadow) with the shadow's recipe rule (``gluon_shadow_recipe``); ``"auto"`` (not
-    ``forced``). A pure function of its arguments and that switch."""
+    ``forced``). A pure function of its arguments."""
 
     def recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
         taken = gluon_shadow_recipe(quant, layout, f.dtype)

@@ -29,7 +29,7 @@ Kernels:
   (no masks, no QDQ of K or V); the tile holding the sequence's end runs after
   it, reads K̂ and the complete blocks' V̂ from the shadow and quantizes only the
   open nvfp4 V block (16 raw rows) on read. Stage 0 (q̂) and stage 2 (merge) are
-  ``decode_kernel``'s; prologue, scores, softmax step and epilogue ``common``'s.
+  ``ops.decode.triton_kernels``'s; prologue, scores, softmax step and epilogue ``common``'s.
 
 Storage (``STORE``): 0, the 16-bit form: factored values as float16 (exact; a
 cast to bfloat16 is exact too). 1, packed: nvfp4 as E2M1 codes (two per byte,
@@ -550,14 +550,10 @@ def _shadow_tile(
     return m_new, l_i, acc
 
 
+# fmt: off
 @triton.jit(do_not_specialize=["num_splits", "num_blocks"])
 def shadow_decode_split_kernel(
-    split,
-    v_scales,
-    p_scales,
-    out_scale,  # gs_p * gs_v
-    num_splits,
-    num_blocks,
+    split, v_scales, p_scales, out_scale, num_splits, num_blocks,  # out_scale: gs_p * gs_v
     MULTI_SPLIT: tl.constexpr,
     SHAPE: tl.constexpr,
     STORE: tl.constexpr,
@@ -573,6 +569,7 @@ def shadow_decode_split_kernel(
     PV_F16: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
+    # fmt: on
     """Stage 1 over the shadow: one (head group, split, request), as ``decode_split_kernel``
     (``split`` with ``cache = (kv_ptr, kh_ptr, ks_ptr, vh_ptr)`` and their (page, row)
     strides; ``num_splits`` and ``num_blocks`` runtime arguments, not specialized).
