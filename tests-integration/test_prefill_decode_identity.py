@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_triton import prefill
-from mla_triton import decode
+from mla_triton import decode, prefill
 
 KV_LORA_RANK, ROPE, NOPE, DV, HEADS, PAGE = 512, 64, 128, 128, 4, 16
 

@@ -445,11 +445,11 @@ def warmup(
     Engines with several recipes or geometries call it once for each.
     """
     before = sum(compiled_variants().values())
-    geometry = {"num_heads": num_heads, "pages_per_row": pages_per_row, "max_rows": max_rows,
-                "max_seq_len": max_seq_len}  # fmt: skip
     with compile_only(threads):
-        warmup_decode(kv_cache, **geometry, softmax_scale=softmax_scale, quant=quant,
-                      shadow=shadow, storage=storage, kv_lora_rank=kv_lora_rank)  # fmt: skip
+        warmup_decode(kv_cache, num_heads=num_heads, pages_per_row=pages_per_row,
+                      max_rows=max_rows, max_seq_len=max_seq_len, softmax_scale=softmax_scale,
+                      quant=quant, shadow=shadow, storage=storage,
+                      kv_lora_rank=kv_lora_rank)  # fmt: skip
         if shadow is not None and quant is not None:
             warmup_update_cache(kv_cache, shadow, quant=quant, storage=storage,
                                 kv_lora_rank=kv_lora_rank)  # fmt: skip

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from mla_formats import AttentionQuant
-from mla_triton import decode
-from mla_triton import decode_shadow
+from mla_triton import decode, decode_shadow
 from mla_vllm.shadow import LayerShadow
 from mla_vllm.state import LayerState
 from mla_vllm.workspace import decode_scratch

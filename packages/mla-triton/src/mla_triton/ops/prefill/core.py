@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import triton
@@ -179,6 +179,14 @@ def quantize_kv(
     return k_hat, v_hat, k_scales
 
 
+class _KeyTiled(Protocol):
+    @property
+    def block_n(self) -> int: ...
+
+
+_Tiling = TypeVar("_Tiling", bound=_KeyTiled)
+
+
 @dataclass(frozen=True)
 class Checked:
     """``prefill``'s arguments after its checks (docs/numerics.md "LSE, masks and input checks"):
@@ -260,7 +268,7 @@ class PrefillFamily:
         raise NotImplementedError
 
     @staticmethod
-    def check_key_tile(config: Any, c: Checked) -> Any:
+    def check_key_tile(config: _Tiling, c: Checked) -> _Tiling:
         """``config`` if its key tile ``block_n`` holds whole N:M groups, else a ValueError."""
         if c.sparsity is not None and config.block_n % c.sparsity.m:
             raise ValueError(f"sparsity: m = {c.sparsity.m} must divide the key tile "
