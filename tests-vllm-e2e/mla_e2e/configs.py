@@ -60,7 +60,7 @@ RUNS: dict[str, Run] = {
     "triton_graphs": Run("TRITON_MLA", False, None, "generate", 300),
     "quant_none_graphs": Run("MLA_QUANT", False, {}, "generate", 300),
     "nvfp4_graphs": Run("MLA_QUANT", False, {"recipe": "nvfp4"}, "generate", 300),
-    # The write-once shadow KV path (issue 8): the same function as on-read decode.
+    # The write-once shadow KV path: the same function as on-read decode.
     "nvfp4_shadow_eager": Run(
         "MLA_QUANT",
         True,

@@ -1,6 +1,6 @@
 """``python -m mla_vllm.compare.lm_eval_run``: lm-eval's CLI, then an exit that cannot hang.
 
-The hang it works around (issue 18's H200 run: results written, process alive until
+The hang it works around (seen on an H200: results written, process alive until
 killed) is reproduced here by what keeps any interpreter from exiting, a non-daemon
 thread that never ends: plain, the process does not exit; through the wrapper it
 exits with lm-eval's code, after naming the thread.

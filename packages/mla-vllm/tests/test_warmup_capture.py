@@ -1,4 +1,4 @@
-"""The engine warm-up against what vLLM 0.33's start launches around it (issue 15).
+"""The engine warm-up against what vLLM 0.33's start launches around it.
 
 vLLM's GPU worker (V2 model runner, the serving benchmark's) starts in this order:
 

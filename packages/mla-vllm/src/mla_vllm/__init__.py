@@ -15,7 +15,7 @@ Modules, each importing only those above it:
 - ``workspace`` (decode scratch), ``shadow`` (shadow bytes: layout and planning),
   ``targets`` (a model or a ``vllm.LLM``; its MLA layers);
 - ``decode`` (the decode step, in named steps), ``prefill`` (the prefill backend);
-- ``warmup`` (every kernel variant compiled in vLLM's kernel warm-up, issue 15);
+- ``warmup`` (every kernel variant compiled in vLLM's kernel warm-up);
 - ``backend`` (impl, metadata builder, attention backend);
 - ``installer`` (``install`` in place, and ``uninstall``), ``stats`` (error statistics);
 - ``calibration`` (static amaxes);

@@ -1,4 +1,4 @@
-"""Compile MLA_QUANT's kernels at engine start, not during inference (issue 15).
+"""Compile MLA_QUANT's kernels at engine start, not during inference.
 
 vLLM 0.33's GPU model runner holds a JIT-warmup registry while it builds the model;
 every ``MLAQuantImpl`` registers ``ENGINE_WARMUP`` there with the engine's
@@ -279,7 +279,7 @@ EARLY_ENV = "MLA_QUANT_WARMUP_EARLY"
 
 def early_enabled() -> bool:
     """False when ``MLA_QUANT_WARMUP_EARLY`` is ``0`` (or empty, ``false``/``off``/``no``);
-    on by default since sitting 9 measured it on the H200 (docs/vllm.md)."""
+    on by default (docs/vllm.md "Warm-up and CUDA graphs")."""
     return os.environ.get(EARLY_ENV, "1").strip().lower() not in ("", "0", "false", "off", "no")
 
 

@@ -1,7 +1,7 @@
 """``python -m mla_vllm.compare.lm_eval_run ARGS``: ``lm_eval ARGS`` that always exits.
 
 lm-eval 0.4.13 with ``--model vllm`` (vLLM 0.33) scored the task and wrote its
-results, then its process did not exit (issue 18's H200 run; docs/vllm.md "lm-eval").
+results, then its process did not exit (seen on an H200; docs/accuracy.md).
 This wrapper runs lm-eval's own command line (``lm_eval.__main__.cli_evaluate``, the
 same arguments) and then, in order:
 
