@@ -380,6 +380,10 @@ def test_attention_quant_accepts_or_names_the_role(role: str, fmt: object, amax:
     bad_fmt = fmt not in ("none", "fp8", "nvfp4")
     positive = isinstance(amax, float) and math.isfinite(amax) and amax > 0
     bad_amax = amax is not None and amax != "dynamic" and not positive
+    if positive and fmt in ("fp8", "nvfp4"):  # a global scale that is a normal float32
+        assert isinstance(amax, float)
+        unit = get_format(fmt).unit_amax  # type: ignore[arg-type]
+        bad_amax = amax > F32_MAX or amax / unit < F32_TINY
     if bad_fmt or bad_amax:
         with pytest.raises(ValueError, match="^fmt: " if bad_fmt else "^amax: "):
             OperandQuant(fmt, amax)  # type: ignore[arg-type]
@@ -405,3 +409,60 @@ def test_attention_quant_accepts_or_names_the_role(role: str, fmt: object, amax:
     assert got.format is operand.format and got.amax == (defaults[role] if amax is None else amax)
     if role == "p" and not got.is_dynamic:
         assert got.static_amax() >= 1.0
+
+
+# ---------------------------------------------------------------- amax range (float32)
+
+F32_MAX = 3.4028234663852886e38
+F32_TINY = 1.1754943508222875e-38
+
+
+@SETTINGS
+@given(
+    fmt=st.sampled_from(["fp8", "nvfp4"]),
+    amax=st.floats(min_value=F32_MAX * 1.0001, max_value=1e300, allow_infinity=False),
+    role=st.sampled_from(["q", "k", "v", "p"]),
+)
+def test_amax_beyond_float32_is_refused_naming_the_argument(
+    fmt: str, amax: float, role: str
+) -> None:
+    """Every place a static amax enters (an operand, a recipe, ``qdq``) refuses one beyond
+    float32's range before any arithmetic, naming the argument."""
+    with pytest.raises(ValueError, match=r"^amax: .*beyond float32's range"):
+        OperandQuant(fmt, amax=amax)
+    with pytest.raises(ValueError, match=r"^amax: .*beyond float32's range"):
+        qdq(torch.ones(32), fmt, amax=amax)
+
+
+@SETTINGS
+@given(
+    fmt=st.sampled_from(["fp8", "nvfp4"]),
+    exponent=st.floats(min_value=-320.0, max_value=0.0),
+)
+def test_amax_whose_scale_is_not_a_normal_float32_is_refused(fmt: str, exponent: float) -> None:
+    """A static amax whose global scale ``amax / unit_amax`` is below float32's smallest
+    normal is refused (the kernels multiply by its reciprocal); one at the boundary runs."""
+    unit = get_format(fmt).unit_amax
+    amax = F32_TINY * unit * 10.0**exponent * 0.999
+    if amax <= 0.0:
+        return
+    with pytest.raises(ValueError, match=r"^amax: .*below float32's smallest normal"):
+        OperandQuant(fmt, amax=amax)
+    as_tensor = torch.tensor(amax)  # a float32 tensor (0 below float32's subnormals)
+    message = r"^amax: .*below float32's smallest normal" if as_tensor > 0 else r"^amax: "
+    with pytest.raises(ValueError, match=message):
+        qdq(torch.ones(32), fmt, amax=as_tensor)
+
+
+@SETTINGS
+@given(
+    fmt=st.sampled_from(["fp8", "nvfp4"]),
+    amax=st.floats(min_value=1e-3, max_value=1e30),
+)
+def test_amax_in_range_gives_a_finite_recipe(fmt: str, amax: float) -> None:
+    """In range, the operand, the recipe and ``qdq`` accept the amax, and the QDQ of
+    values within it is finite."""
+    quant = AttentionQuant(k=OperandQuant(fmt, amax=amax), v=OperandQuant(fmt, amax=amax))
+    assert math.isfinite(quant.k.global_scale()) and quant.k.global_scale() > 0
+    x = torch.linspace(-1.0, 1.0, 32) * min(amax, 1e30)
+    assert bool(torch.isfinite(qdq(x, fmt, amax=amax)).all())

@@ -713,3 +713,23 @@ def test_layout_validation() -> None:
     with pytest.raises(ValueError, match=r"^page_size"):
         allocate_shadow(4, 24, NVFP4)
     assert math.prod(allocate_shadow(3, 16, NVFP4).shape) == 3 * 16 * 2176
+
+
+def test_shadow_of_other_widths_names_the_widths_not_the_recipe() -> None:
+    """A shadow stamped for other ``kv_lora_rank``/``rope_dim`` than the call's is refused
+    naming ``shadow`` and both widths, not the recipe (which is the same)."""
+    quant = AttentionQuant.uniform("fp8")
+    shadow = allocate_shadow(2, 16, quant, kv_lora_rank=256, rope_dim=32)
+    wide = shadow_layout(quant, kv_lora_rank=512, rope_dim=64)
+    with pytest.raises(ValueError, match=r"^shadow: allocated for kv_lora_rank 256 and "
+                       r"rope_dim 32; this call has kv_lora_rank 512 and rope_dim 64"):  # fmt: skip
+        shadow_module._check_stamp(shadow, wide, "quant")
+
+
+def test_allocate_shadow_on_cuda_without_cuda_names_the_device() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    with pytest.raises(ValueError, match=r"^device: 'cuda', but CUDA is not available"):
+        allocate_shadow(2, 16, AttentionQuant.uniform("fp8"), device="cuda")
+    with pytest.raises(ValueError, match=r"^device: not a torch device"):
+        allocate_shadow(2, 16, AttentionQuant.uniform("fp8"), device="tpu:x")

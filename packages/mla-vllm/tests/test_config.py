@@ -234,3 +234,22 @@ def test_mla_formats_refusals_name_the_config_key(monkeypatch: pytest.MonkeyPatc
         config.recipe_for("m.1.a")
     with pytest.raises(MLAQuantConfigError, match=r"^mla_quant\.v: refused by mla_formats$"):
         load_config({"recipe": "fp8"})
+
+
+@pytest.mark.parametrize(
+    ("amax", "message"),
+    [(1e39, "beyond float32's range"), (1e-40, "below float32's smallest normal")],
+)
+def test_amax_without_a_float32_scale_is_refused_naming_the_key(amax: float, message: str) -> None:
+    """A static amax whose global scale is not a normal float32 is refused when the
+    configuration is read, naming its dotted key (not after the engine starts)."""
+    with pytest.raises(MLAQuantConfigError, match=rf"^mla_quant\.k\.amax: amax .*{message}"):
+        load_config({"recipe": "nvfp4", "k": {"format": "nvfp4", "amax": amax}})
+    with pytest.raises(MLAQuantConfigError, match=rf"^mla_quant\.v\.amax\.decode: .*{message}"):
+        load_config({"v": {"format": "fp8", "amax": {"prefill": 3.0, "decode": amax}}})
+
+
+def test_a_recipe_name_as_the_whole_configuration_says_where_it_goes() -> None:
+    with pytest.raises(MLAQuantConfigError, match=r'^mla_quant: .nvfp4. is a recipe name, not a '
+                       r'configuration file: give \{"recipe": "nvfp4"\}'):  # fmt: skip
+        load_config("nvfp4")

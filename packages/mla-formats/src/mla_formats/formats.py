@@ -77,6 +77,33 @@ def get_format(fmt: FormatLike, *, argument: str = "fmt") -> Format:
 AmaxSpec = float | Literal["dynamic"]
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: a static amax must not exceed it."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32: a static global scale must not fall below it."""
+
+
+def check_scale(fmt: Format, amax: float, argument: str) -> None:
+    """A ``ValueError`` naming ``argument`` where a static ``amax`` of ``fmt`` has no
+    usable float32 global scale: beyond float32's range, or a scale ``amax / unit_amax``
+    below the smallest normal float32 (its reciprocal, which the kernels multiply by,
+    would overflow and the QDQ would return NaN or inf)."""
+    if fmt.is_identity:
+        return
+    if amax > FLOAT32_MAX:
+        raise ValueError(
+            f"{argument}: amax {amax!r} is beyond float32's range (at most {FLOAT32_MAX:.4g}); "
+            "global scales are float32"
+        )
+    scale = fmt.global_scale(amax)
+    if scale < FLOAT32_TINY:
+        raise ValueError(
+            f"{argument}: amax {amax!r} gives the global scale {scale:.3g} (amax / "
+            f"{fmt.unit_amax:g}), below float32's smallest normal {FLOAT32_TINY:.4g}; use an "
+            f"amax of at least {FLOAT32_TINY * fmt.unit_amax:.4g}"
+        )
+
+
 def _check_amax(amax: object, argument: str) -> AmaxSpec:
     if amax == "dynamic":
         return "dynamic"
@@ -104,9 +131,12 @@ class OperandQuant:
     amax: AmaxSpec | None = None
 
     def __init__(self, fmt: FormatLike, amax: AmaxSpec | None = None) -> None:
-        object.__setattr__(self, "format", get_format(fmt))
+        fmt_ = get_format(fmt)
+        object.__setattr__(self, "format", fmt_)
         if amax is not None:
             amax = _check_amax(amax, "amax")
+            if amax != "dynamic":
+                check_scale(fmt_, amax, "amax")
         object.__setattr__(self, "amax", amax)
 
     @property
@@ -144,6 +174,8 @@ def _resolve_operand(value: OperandLike, role: str) -> OperandQuant:
         return OperandQuant("none")
     if isinstance(value, OperandQuant):
         operand = value
+        if isinstance(operand.amax, float):
+            check_scale(operand.format, operand.amax, role)
     elif isinstance(value, (str, Format)):
         operand = OperandQuant(get_format(value, argument=role))
     else:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mla_formats.formats import Format, FormatLike, OperandQuant, get_format
+from mla_formats.formats import Format, FormatLike, OperandQuant, check_scale, get_format
 from mla_formats.rounding import E4M3_MAX, e2m1_round, e4m3_round
 
 __all__ = ["AmaxArg", "qdq", "qdq_factored", "resolve_amax"]
@@ -77,11 +77,14 @@ def resolve_amax(x: torch.Tensor, fmt: Format, amax: AmaxArg, axis: int) -> torc
             ) from err
         if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
             raise ValueError("amax: every value must be positive and finite")
+        if not fmt.is_identity:
+            check_scale(fmt, float(value.min()), "amax")
         return value.contiguous()
     if isinstance(amax, bool) or not isinstance(amax, (int, float)):
         raise ValueError(f"amax: expected a number, a tensor, None or 'dynamic', got {amax!r}")
     if not (float(amax) > 0.0 and float(amax) != float("inf")):
         raise ValueError(f"amax: must be positive and finite, got {amax!r}")
+    check_scale(fmt, float(amax), "amax")
     return torch.full(shape, float(amax), dtype=torch.float32, device=x.device)
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mla_formats import FORMATS, AttentionQuant, NMSparsity, OperandQuant
+from mla_formats.formats import check_scale
 from mla_vllm.checkpoint_amax import AmaxSourceError, load_amax_source
 
 __all__ = [
@@ -167,6 +168,12 @@ def _operand(obj: object, role: str, where: str) -> OperandSpec:
         amax_where = dict.fromkeys(PATHS, f"{where}.amax")
     if fmt == "none" and amax:
         raise _fail(f"{where}.amax", "format 'none' takes no amax")
+    for path, value in amax.items():
+        if isinstance(value, float):
+            try:  # a global scale that is a normal float32 (docs/numerics.md)
+                check_scale(FORMATS[fmt], value, "amax")
+            except ValueError as exc:
+                raise _fail(amax_where[path], str(exc).removeprefix("amax: ")) from None
     return OperandSpec(fmt, amax, amax_where)
 
 
@@ -344,6 +351,12 @@ class MLAQuantConfig:
         source = "<inline>"
         if isinstance(obj, (str, Path)):
             source = str(obj)
+            if isinstance(obj, str) and obj in FORMATS and not Path(obj).exists():
+                raise _fail(
+                    where,
+                    f"{obj!r} is a recipe name, not a configuration file: give "
+                    f'{{"recipe": "{obj}"}} (a string here is the path of a JSON file)',
+                )
             obj = _read_json(Path(obj), where)
         spec = _mapping(obj, where)
         _check_keys(spec, _TOP_KEYS, where)

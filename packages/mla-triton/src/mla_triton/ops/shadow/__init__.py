@@ -291,6 +291,12 @@ def allocate_shadow(
     """
     _positive_int(num_blocks, "num_blocks", 0)
     _positive_int(page_size, "page_size")
+    try:
+        where = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: not a torch device: {device!r} ({exc})") from None
+    if where is not None and where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r}, but CUDA is not available on this machine")
     if page_size % 16:
         raise ValueError(f"page_size: expected a multiple of 16, got {page_size}")
     lay = shadow_layout(quant, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, storage=storage)
@@ -315,6 +321,14 @@ def _stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
 def _check_stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
     """Refuse a tensor stamped with another layout, naming ``argument`` (the recipe)."""
     held = getattr(shadow, _STAMP, None)
+    if held is not None and held != lay and (held.kv_lora_rank, held.rope_dim) != (
+        lay.kv_lora_rank, lay.rope_dim,
+    ):  # fmt: skip
+        raise ValueError(
+            f"shadow: allocated for kv_lora_rank {held.kv_lora_rank} and rope_dim "
+            f"{held.rope_dim}; this call has kv_lora_rank {lay.kv_lora_rank} and rope_dim "
+            f"{lay.rope_dim} (allocate the shadow with the model's widths)"
+        )
     if held is not None and held != lay:
         raise ValueError(
             f"{argument}: this shadow holds K̂/V̂ written for k={held.k_quant}, "
