@@ -733,3 +733,29 @@ def test_allocate_shadow_on_cuda_without_cuda_names_the_device() -> None:
         allocate_shadow(2, 16, AttentionQuant.uniform("fp8"), device="cuda")
     with pytest.raises(ValueError, match=r"^device: not a torch device"):
         allocate_shadow(2, 16, AttentionQuant.uniform("fp8"), device="tpu:x")
+
+
+def test_recipe_check_holds_through_views_of_one_allocation() -> None:
+    """The recipe a shadow was written with is checked through any view that starts where
+    it starts (``view``, a prefix of its blocks); shadows at other addresses of one buffer
+    (an engine's per-layer views) keep recipes of their own."""
+    fp8 = AttentionQuant.uniform("fp8")
+    scaled = AttentionQuant(k=OperandQuant("fp8", amax=1344.0), v=OperandQuant("fp8", amax=1344.0))
+    cache = torch.zeros(4, 16, 512 + 64, dtype=torch.float16)
+    latent = torch.zeros(1, 512 + 64, dtype=torch.float16)
+    slots = torch.zeros(1, dtype=torch.int64)
+
+    def write(shadow: torch.Tensor, quant: AttentionQuant) -> None:
+        update_cache(latent[:, :512], latent[:, 512:], cache[: shadow.shape[0]], slots, shadow,
+                     quant=quant)  # fmt: skip
+
+    shadow = allocate_shadow(4, 16, fp8)
+    for view in (shadow.view(4, 16, -1), shadow[:2]):
+        with pytest.raises(ValueError, match=r"^quant: this shadow holds K̂/V̂ written for"):
+            write(view, scaled)
+        write(view, fp8)
+    buffer = torch.zeros(8, 16, shadow.shape[2], dtype=torch.uint8)
+    write(buffer[:4], fp8)
+    write(buffer[4:], scaled)  # another layer's shadow in the same buffer
+    with pytest.raises(ValueError, match=r"^quant: "):
+        write(buffer[4:], fp8)

@@ -308,19 +308,31 @@ def allocate_shadow(
 _STAMP = "_mla_shadow_layout"
 
 
-def _stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
-    """Record on the tensor object which layout (recipe) its contents follow.
+def _stamps(shadow: torch.Tensor) -> dict[int, ShadowLayout]:
+    """The layouts written into the memory ``shadow`` views, by start address: a dict
+    on the tensor that owns the memory, so every view of one allocation that starts at the
+    same address (``shadow.view(...)``, ``shadow[:n]``) shares its stamp, while views of
+    one buffer at other addresses (an engine's per-layer shadows) keep their own."""
+    owner = shadow
+    while owner._base is not None:
+        owner = owner._base
+    stamps: dict[int, ShadowLayout] | None = getattr(owner, _STAMP, None)
+    if stamps is None:
+        stamps = {}
+        setattr(owner, _STAMP, stamps)
+    return stamps
 
-    A Python attribute of this tensor object (views made from it do not carry it):
-    no device sync. Called once every check of a writing call has passed.
-    """
+
+def _stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
+    """Record which layout (recipe) the shadow's contents follow (``_stamps``): no device
+    sync. Called once every check of a writing call has passed."""
     _check_stamp(shadow, lay, argument)
-    setattr(shadow, _STAMP, lay)
+    _stamps(shadow)[shadow.data_ptr()] = lay
 
 
 def _check_stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
     """Refuse a tensor stamped with another layout, naming ``argument`` (the recipe)."""
-    held = getattr(shadow, _STAMP, None)
+    held = _stamps(shadow).get(shadow.data_ptr())
     if held is not None and held != lay and (held.kv_lora_rank, held.rope_dim) != (
         lay.kv_lora_rank, lay.rope_dim,
     ):  # fmt: skip
@@ -438,8 +450,9 @@ def update_cache(
             of the tokens lands (raw row and shadow alike) is undefined.
         shadow: uint8 ``shadow_layout(quant, storage=storage).shape(num_blocks,
             page_size)``, same device (a strided view works, see ``allocate_shadow``).
-            The tensor object is stamped with the layout (recipe) written; a later
-            call or ``decode_shadow`` with another recipe on it raises ``ValueError``.
+            The shadow is stamped with the layout (recipe) written (through any view
+            starting at its address); a later call or ``decode_shadow`` with another
+            recipe on it raises ``ValueError`` (docs/numerics.md).
         quant: the recipe; only ``quant.k`` and ``quant.v`` are used, and they must
             be the ones decode passes.
         storage: ``"fp16"`` (16-bit factored values) or ``"packed"`` (4/8-bit codes).
