@@ -788,3 +788,62 @@ def test_fp8_p_fast_path_matches_reference() -> None:
     _p_kernel[(1,)](x, y, 1.0, 448.0, 16, 64, True)
     want = qdq_factored(x, "fp8", amax=1.0)[0]
     assert (y != want).double().mean().item() < 1e-3
+
+
+def vouched_outside(
+    lens_q: list[int], lens_k: list[int], shift: int, seq: int, over_q: int, over_k: int,
+) -> tuple[list[int], list[int]]:  # fmt: skip
+    """Offsets of ``lens_*`` with sequence ``seq``'s end moved ``over_*`` rows on (the
+    later offsets with it), and every offset ``shift`` rows back (a negative start)."""
+    cu_q, cu_k = [0], [0]
+    for i, (a, b) in enumerate(zip(lens_q, lens_k, strict=True)):
+        cu_q.append(cu_q[-1] + a + (over_q if i == seq else 0))
+        cu_k.append(cu_k[-1] + b + (over_k if i == seq else 0))
+    return [x - shift for x in cu_q], [x - shift for x in cu_k]
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 24)), min_size=1, max_size=3),
+    seq=st.integers(0, 2),
+    over=st.sampled_from([(0, 0), (5, 0), (0, 9), (40, 40), (1, 1)]),
+    shift=st.sampled_from([0, 0, 3]),
+    quant=st.sampled_from(["none", "nvfp4", "fp8-amax"]),
+    causal=st.booleans(),
+)
+def test_vouched_offsets_never_leave_the_tensors(
+    lens: list[tuple[int, int]], seq: int, over: tuple[int, int], shift: int, quant: str,
+    causal: bool,
+) -> None:  # fmt: skip
+    """Offsets the caller vouches for (both maxima given, no checks) that run past the
+    tensors' rows or start before them: the sequences inside are computed as checked,
+    each sequence that leaves gets NaN in the output rows (and LSE) it holds inside the
+    tensors, and nothing around ``out`` is written (docs/numerics.md "Vouched offsets")."""
+    lens_q, lens_k = [a for a, _ in lens], [b for _, b in lens]
+    seq %= len(lens)
+    q, k, v, _, _, scale = make_batch(lens_q, lens_k, 2, 1, 32, 16, seed=len(lens) + seq)
+    bad_q, bad_k = vouched_outside(lens_q, lens_k, shift, seq, *over)
+    tokens, tokens_k = q.shape[0], k.shape[0]
+    big = torch.full((tokens + 4, 4, 24), 7.0)
+    out = big[2 : 2 + tokens, 1:3, 4:20]
+    kw: dict[str, Any] = {"softmax_scale": scale, "quant": QUANTS[quant], "causal": causal}
+    vouched = {"max_seqlen_q": max(lens_q) + over[0], "max_seqlen_k": max(lens_k) + over[1]}
+    cq, ck = (torch.tensor(x, dtype=torch.int32) for x in (bad_q, bad_k))
+    _, lse = prefill(q, k, v, cq, ck, return_lse=True, out=out, **kw, **vouched)
+    outside = torch.ones_like(big, dtype=torch.bool)
+    outside[2 : 2 + tokens, 1:3, 4:20] = False
+    assert torch.all(big[outside] == 7.0), "prefill wrote outside out"
+    for i in range(len(lens)):
+        a = max(bad_q[i], 0)
+        b = max(min(bad_q[i + 1], tokens), a)
+        left = bad_q[i] < 0 or bad_q[i + 1] > tokens or bad_k[i] < 0 or bad_k[i + 1] > tokens_k
+        if left:
+            assert out[a:b].isnan().all() and lse[:, a:b].isnan().all(), (i, a, b)
+            continue
+        ka, kb = bad_k[i], bad_k[i + 1]  # the sequence alone, offsets checked
+        cu_one, cu_one_k = (torch.tensor([0, n], dtype=torch.int32) for n in (b - a, kb - ka))
+        want, want_lse = prefill(
+            q[a:b], k[ka:kb], v[ka:kb], cu_one, cu_one_k, return_lse=True, **kw
+        )  # fmt: skip
+        assert torch.equal(out[a:b], want) and torch.equal(lse[:, a:b], want_lse), i
+    event(f"{sum(1 for x in bad_q if x > tokens or x < 0)} q offsets outside")

@@ -277,6 +277,51 @@ def test_out_slice_and_max_seqlen_no_sync(impl: str) -> None:
     assert torch.equal(big[:, 1:9, 16:144], want)
 
 
+@pytest.mark.parametrize("name", ["none", "nvfp4"])
+@pytest.mark.parametrize(
+    ("shift", "seq", "over"),
+    [(0, 1, (300, 0)), (0, 0, (0, 700)), (5, 1, (0, 0)), (0, 2, (1, 1))],
+    ids=["q-past-end", "k-past-end", "negative-start", "last-one-past"],
+)
+def test_vouched_offsets_never_leave_the_tensors(
+    name: str, shift: int, seq: int, over: tuple[int, int], impl: str
+) -> None:
+    """Vouched offsets that leave the tensors (docs/numerics.md "Vouched offsets"): the
+    sequences inside are as with checked offsets, a sequence that leaves gets NaN rows,
+    nothing around ``out`` is written (compute-sanitizer's memcheck sees no bad access)."""
+    lens_q, lens_k = [33, 300, 7], [40, 512, 64]
+    q, k, v, _, _, scale = make_batch(lens_q, lens_k, 8, 8, seed=11)
+    cu_q, cu_k = [0], [0]
+    for i, (a, b) in enumerate(zip(lens_q, lens_k, strict=True)):
+        cu_q.append(cu_q[-1] + a + (over[0] if i == seq else 0))
+        cu_k.append(cu_k[-1] + b + (over[1] if i == seq else 0))
+    cu_q, cu_k = [x - shift for x in cu_q], [x - shift for x in cu_k]
+    tokens, tokens_k = q.shape[0], k.shape[0]
+    big = torch.full((tokens + 64, 10, 160), 7.0, dtype=q.dtype, device="cuda")
+    out = big[32 : 32 + tokens, 1:9, 16:144]
+    kw: dict[str, Any] = {"softmax_scale": scale, "quant": QUANTS[name], "impl": impl}
+    cq, ck = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (cu_q, cu_k))
+    _, lse = prefill(
+        q, k, v, cq, ck, return_lse=True, out=out, max_seqlen_q=max(lens_q) + over[0],
+        max_seqlen_k=max(lens_k) + over[1], **kw,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    outside = torch.ones(big.shape, dtype=torch.bool, device="cuda")
+    outside[32 : 32 + tokens, 1:9, 16:144] = False
+    assert torch.all(big[outside] == 7.0), "prefill wrote outside out"
+    for i in range(len(lens_q)):
+        a = max(cu_q[i], 0)
+        b = max(min(cu_q[i + 1], tokens), a)
+        if cu_q[i] < 0 or cu_q[i + 1] > tokens or cu_k[i] < 0 or cu_k[i + 1] > tokens_k:
+            assert out[a:b].isnan().all() and lse[:, a:b].isnan().all(), (i, a, b)
+            continue
+        ka, kb = cu_k[i], cu_k[i + 1]
+        one_q, one_k = (torch.tensor([0, n], dtype=torch.int32, device="cuda")
+                        for n in (b - a, kb - ka))  # fmt: skip
+        want, want_lse = prefill(q[a:b], k[ka:kb], v[ka:kb], one_q, one_k, return_lse=True, **kw)
+        assert torch.equal(out[a:b], want) and torch.equal(lse[:, a:b], want_lse), i
+
+
 _AUTO = gluon_prefill.AUTO_CONFIGS
 _PLAIN = gluon_prefill.GluonPrefillConfig()
 _WS = gluon_prefill.GluonPrefillConfig(warp_specialize=True)

@@ -152,7 +152,9 @@ def prefill(
             it). Given with ``max_seqlen_k``, no host sync happens and the offsets'
             values are not checked: the caller vouches for the offsets and for
             ``max_seqlen_q`` (an understated value leaves the rows past it
-            unwritten). Otherwise the offsets are read back and checked (start at 0,
+            unwritten); a sequence whose offsets leave the tensors' rows gets NaN
+            rows and no read or write leaves the tensors (docs/numerics.md "Vouched
+            offsets"). Otherwise the offsets are read back and checked (start at 0,
             non-decreasing, end at the token count) and a given value smaller than
             the longest sequence raises ``ValueError``.
         max_seqlen_k: the longest key sequence: it only sizes the K/V pass's launch,

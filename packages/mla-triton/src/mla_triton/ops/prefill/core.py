@@ -165,7 +165,7 @@ def quantize_kv(
     k_fast = k_fmt != 0 and not k_dynamic and fast_qdq_exact(k, k_gs)
     v_fast = v_fmt != 0 and fast_qdq_exact(v, v_gs)
     kv_qdq_kernel[(triton.cdiv(max(max_seqlen_k, 1), block_t), kv_heads, batch)](
-        k, v, k_hat, v_hat, k_scales, cu_seqlens_k, k_gs, v_gs,
+        k, v, k_hat, v_hat, k_scales, cu_seqlens_k, tokens_k, k_gs, v_gs,
         1.0 / (6.0 * k_gs) if k_fmt == 2 else 1.0 / k_gs,
         1.0 / (6.0 * v_gs) if v_fmt == 2 else 1.0 / v_gs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

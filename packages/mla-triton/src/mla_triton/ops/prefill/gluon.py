@@ -258,6 +258,7 @@ class _Gluon(PrefillFamily):
         gluon_prefill_kernel[grid](
             _descriptor(q, [config.q_rows, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
             _descriptor(v, [bn, dim_v]), c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k,
+            q.shape[0], k.shape[0],
             r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, q_gs, q_inv,
             heads // kv_heads,
             n_sink, n_recent, q.stride(1), k.stride(1), v.stride(1),
@@ -339,7 +340,8 @@ def compile_sm90(
         "k_desc": desc([bn, _CHUNK], k_dtype or dtype),
         "v_desc": desc([bn, dim_v], pv), "Out": f"*{names[dtype]}", "Lse": "*fp32",
         "QS": "*fp32", "KS": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
-        "qk_scale": "fp32", "p_gs": "fp32", "p_inv_gs": "fp32", "out_scale": "fp32",
+        "rows_q": "i32", "rows_k": "i32", "qk_scale": "fp32", "p_gs": "fp32",
+        "p_inv_gs": "fp32", "out_scale": "fp32",
         "q_gs": "fp32", "q_inv": "fp32",
         "group": "i32", "n_sink": "i32", "n_recent": "i32",
         "stride_qh": "i32", "stride_kh": "i32", "stride_vh": "i32", "stride_qst": "i32",

@@ -64,6 +64,7 @@ from mla_triton.ops.prefill.triton_kernels import (
     _qdq_features_fast,
     key_bounds,
     query_tile,
+    seq_span,
 )
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns of one Q / K shared tile (128 bytes)
@@ -535,6 +536,28 @@ def _epilogue(
 
 
 @gluon.jit
+def _poison_tile(
+    Out, Lse, q_start, seq_len_q, row0, head, stride_ot, stride_oh, stride_lh,
+    BLOCK_M: gl.constexpr, DV: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """NaN into the ``BLOCK_M`` output rows from ``row0`` (and their LSE): a sequence
+    whose offsets left the tensors (``seq_span``'s ``bad``)."""
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, st_layout))
+    nan = gl.full([BLOCK_M, DV], float("nan"), gl.float32, st_layout)
+    o_ptrs = (
+        Out
+        + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
+        + gl.expand_dims(cols, 0)
+    )
+    gl.store(o_ptrs, nan.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < seq_len_q, 1))
+    if RETURN_LSE:
+        lse = gl.full([BLOCK_M], float("nan"), gl.float32, gl.SliceLayout(1, st_layout))
+        gl.store(Lse + head * stride_lh + q_start + rows, lse, mask=rows < seq_len_q)
+
+
+@gluon.jit
 def _consume(
     q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem, k_desc,
     v_desc, q_in, KS, Out, Lse, q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head,
@@ -687,7 +710,7 @@ def _teardown(
             mbarrier.invalidate(turn_bars.index(i))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["rows_q", "rows_k"])
 def gluon_prefill_kernel(
     q_desc,
     k_desc,
@@ -698,6 +721,8 @@ def gluon_prefill_kernel(
     KS,
     cu_seqlens_q,
     cu_seqlens_k,
+    rows_q,
+    rows_k,
     qk_scale,
     p_gs,
     p_inv_gs,
@@ -745,7 +770,9 @@ def gluon_prefill_kernel(
     Descriptors: Q ``[T, cols]`` blocks ``[BLOCK_M, 64]``, K ``[Tk, cols]`` blocks
     ``[BLOCK_N, 64]``, V ``[Tk, cols]`` blocks ``[BLOCK_N, DV]`` (see the module doc);
     ``stride_*h`` the head strides in elements; Out ``[T, H, DV]``; Lse ``[H, T]``
-    float32. Q and K are raw or factored QDQ values (from the launcher's pre-pass);
+    float32; ``rows_q`` / ``rows_k`` T and Tk, the bounds of the offsets (``seq_span``: a
+    sequence whose offsets leave them gets NaN rows). Q and K are raw or factored QDQ
+    values (from the launcher's pre-pass);
     ``QS [T, H]`` / ``KS [Tk, Hkv]`` their per-token global scales when dynamic.
     ``Q_FMT`` 1 (fp8) or 2 (nvfp4): Q arrives raw and is QDQ'd here, by each consumer in
     shared memory before its first ``Q Kᵀ`` (``_qdq_q``): its dynamic per-token global
@@ -792,9 +819,9 @@ def gluon_prefill_kernel(
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
 
     _one_tile(
-        q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
-        p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh,
-        stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, s_layout, o_layout,
+        q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, rows_q, rows_k,
+        qk_scale, p_gs, p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh,
+        stride_vh, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, s_layout, o_layout,
         p_layout, pv_dtype, DV, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, QQ, K_DYNAMIC,
         P_FMT, NM, RETURN_LSE, WARP_SPEC, PINGPONG, TURNS, EARLY_K, SCHED, QH, NQ, ROWS,
         PRODUCER_REGS, CONSUMER_REGS, num_warps,
@@ -803,9 +830,9 @@ def gluon_prefill_kernel(
 
 @gluon.jit
 def _one_tile(
-    q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, qk_scale, p_gs,
-    p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh, stride_vh, stride_qst,
-    stride_kst, stride_ot, stride_oh, stride_lh, s_layout: gl.constexpr,
+    q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, rows_q, rows_k,
+    qk_scale, p_gs, p_inv_gs, out_scale, group, n_sink, n_recent, stride_qh, stride_kh,
+    stride_vh, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, s_layout: gl.constexpr,
     o_layout: gl.constexpr, p_layout: gl.constexpr, pv_dtype: gl.constexpr, DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, QQ: gl.constexpr, K_DYNAMIC: gl.constexpr,
@@ -816,69 +843,51 @@ def _one_tile(
 ):  # fmt: skip
     """The kernel's body: the program's one query tile (grid: query tiles x
     heads x sequences)."""
-    start_m, head, seq, q_start, seq_len_q = query_tile(cu_seqlens_q, CAUSAL)
+    start_m, head, seq, q_start, seq_len_q, bad_q = query_tile(cu_seqlens_q, rows_q, CAUSAL)
     if start_m * BLOCK_M < seq_len_q:
-        k_start = gl.load(cu_seqlens_k + seq)
-        seq_len_k = gl.load(cu_seqlens_k + seq + 1) - k_start
-        kv_head = head // group
-        hi, mid = key_bounds(start_m, seq_len_q, seq_len_k, BLOCK_M, BLOCK_N, CAUSAL)
-        n_tiles = gl.cdiv(hi, BLOCK_N)
-        nm = (n_sink, n_recent, seq_len_q == 1)  # a single query is never sparsified
-
-        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem = _setup(
-            q_desc, k_desc, v_desc, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
-        )  # fmt: skip
-
-        q_col = head * stride_qh
-        k_col = kv_head * stride_kh
-        v_col = kv_head * stride_vh
-        q_row = q_start + start_m * BLOCK_M
-        row0 = start_m * BLOCK_M  # the tile's first row in the sequence
-        if PINGPONG:
-            if TURNS:  # warpgroup 0 takes the first turn
-                mbarrier.arrive(turn_bars.index(0), count=1)
-            gl.warp_specialize(
-                [
-                    (_consume, (
-                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
-                        empties, turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out, Lse,
-                        q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col,
-                        v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst,
-                        stride_kst, stride_ot, stride_oh, stride_lh, nm, (0, 0, 0), s_layout,
-                        o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
-                        QQ, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
-                    )),
-                    (_consume, (
-                        q_smem, k_smem, v_smem, q_bar, k_bars,
-                        v_bars, empties, turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out,
-                        Lse, q_start, seq_len_q, k_start, seq_len_k, row0 + ROWS, head,
-                        kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs,
-                        out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, nm,
-                        (0, 0, 0), s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ,
-                        NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1,
-                        SCHED, num_warps,
-                    )),
-                    (_producer, (
-                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc,
-                        k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, 0,
-                        BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
-                    )),
-                ],
-                [num_warps, 1],
-                [CONSUMER_REGS, PRODUCER_REGS],
+        k_start, seq_len_k, bad_k = seq_span(cu_seqlens_k, seq, rows_k)
+        if bad_q | bad_k:
+            _poison_tile(
+                Out, Lse, q_start, seq_len_q, start_m * BLOCK_M, head, stride_ot, stride_oh,
+                stride_lh, BLOCK_M, DV, RETURN_LSE, num_warps,
             )  # fmt: skip
         else:
-            if WARP_SPEC:
-                acc, l_i, m_i, row_nan = gl.warp_specialize(
+            kv_head = head // group
+            hi, mid = key_bounds(start_m, seq_len_q, seq_len_k, BLOCK_M, BLOCK_N, CAUSAL)
+            n_tiles = gl.cdiv(hi, BLOCK_N)
+            nm = (n_sink, n_recent, seq_len_q == 1)  # a single query is never sparsified
+
+            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars, bad_smem = _setup(
+                q_desc, k_desc, v_desc, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
+            )  # fmt: skip
+
+            q_col = head * stride_qh
+            k_col = kv_head * stride_kh
+            v_col = kv_head * stride_vh
+            q_row = q_start + start_m * BLOCK_M
+            row0 = start_m * BLOCK_M  # the tile's first row in the sequence
+            if PINGPONG:
+                if TURNS:  # warpgroup 0 takes the first turn
+                    mbarrier.arrive(turn_bars.index(0), count=1)
+                gl.warp_specialize(
                     [
-                        (_attend, (
-                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties,
-                            turn_bars, bad_smem, k_desc, v_desc, q_in, KS, q_start, seq_len_q,
-                            k_start, seq_len_k, row0, head, kv_head, k_col, v_col, mid,
-                            n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
+                        (_consume, (
+                            q_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
+                            empties, turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out, Lse,
+                            q_start, seq_len_q, k_start, seq_len_k, row0, head, kv_head, k_col,
+                            v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs, out_scale, stride_qst,
+                            stride_kst, stride_ot, stride_oh, stride_lh, nm, (0, 0, 0), s_layout,
+                            o_layout, p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL,
+                            QQ, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 0, SCHED, num_warps,
+                        )),
+                        (_consume, (
+                            q_smem, k_smem, v_smem, q_bar, k_bars,
+                            v_bars, empties, turn_bars, bad_smem, k_desc, v_desc, q_in, KS, Out,
+                            Lse, q_start, seq_len_q, k_start, seq_len_k, row0 + ROWS, head,
+                            kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs, p_inv_gs,
+                            out_scale, stride_qst, stride_kst, stride_ot, stride_oh, stride_lh, nm,
                             (0, 0, 0), s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N,
-                            DV, NQ,
-                            NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM, False, -1,
+                            DV, NQ, NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM, RETURN_LSE, 1,
                             SCHED, num_warps,
                         )),
                         (_producer, (
@@ -887,35 +896,58 @@ def _one_tile(
                             BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
                         )),
                     ],
-                    [1],
-                    [PRODUCER_REGS],
+                    [num_warps, 1],
+                    [CONSUMER_REGS, PRODUCER_REGS],
                 )  # fmt: skip
             else:
-                mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
-                for c in gl.static_range(NQ):
-                    tma.async_copy_global_to_shared(
-                        q_desc, [q_row, q_col + c * CHUNK], q_bar, q_smem.index(c)
-                    )
-                for i in gl.static_range(NUM_STAGES):
-                    if i < n_tiles:
-                        _load_kv(
-                            k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, k_start, k_col,
-                            v_col, BLOCK_N, NQ, NUM_STAGES,
-                        )  # fmt: skip
-                acc, l_i, m_i, row_nan = _attend(
-                    q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars,
-                    bad_smem, k_desc, v_desc, q_in, KS, q_start, seq_len_q, k_start, seq_len_k,
-                    row0, head, kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs,
-                    p_inv_gs, stride_qst, stride_kst, nm, (0, 0, 0), s_layout, o_layout,
-                    p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
-                    K_DYNAMIC, P_FMT, NM, True, -1, SCHED, num_warps,
+                if WARP_SPEC:
+                    acc, l_i, m_i, row_nan = gl.warp_specialize(
+                        [
+                            (_attend, (
+                                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties,
+                                turn_bars, bad_smem, k_desc, v_desc, q_in, KS, q_start, seq_len_q,
+                                k_start, seq_len_k, row0, head, kv_head, k_col, v_col, mid,
+                                n_tiles, qk_scale, p_gs, p_inv_gs, stride_qst, stride_kst, nm,
+                                (0, 0, 0), s_layout, o_layout, p_layout, pv_dtype, ROWS, BLOCK_N,
+                                DV, NQ,
+                                NUM_STAGES, CAUSAL, QQ, K_DYNAMIC, P_FMT, NM, False, -1,
+                                SCHED, num_warps,
+                            )),
+                            (_producer, (
+                                q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, q_desc,
+                                k_desc, v_desc, q_row, q_col, k_start, k_col, v_col, n_tiles, 0,
+                                BLOCK_N, NQ, NUM_STAGES, QH, EARLY_K,
+                            )),
+                        ],
+                        [1],
+                        [PRODUCER_REGS],
+                    )  # fmt: skip
+                else:
+                    mbarrier.expect(q_bar, NQ * q_desc.block_type.nbytes)
+                    for c in gl.static_range(NQ):
+                        tma.async_copy_global_to_shared(
+                            q_desc, [q_row, q_col + c * CHUNK], q_bar, q_smem.index(c)
+                        )
+                    for i in gl.static_range(NUM_STAGES):
+                        if i < n_tiles:
+                            _load_kv(
+                                k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, k_start, k_col,
+                                v_col, BLOCK_N, NQ, NUM_STAGES,
+                            )  # fmt: skip
+                    acc, l_i, m_i, row_nan = _attend(
+                        q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empties, turn_bars,
+                        bad_smem, k_desc, v_desc, q_in, KS, q_start, seq_len_q, k_start, seq_len_k,
+                        row0, head, kv_head, k_col, v_col, mid, n_tiles, qk_scale, p_gs,
+                        p_inv_gs, stride_qst, stride_kst, nm, (0, 0, 0), s_layout, o_layout,
+                        p_layout, pv_dtype, ROWS, BLOCK_N, DV, NQ, NUM_STAGES, CAUSAL, QQ,
+                        K_DYNAMIC, P_FMT, NM, True, -1, SCHED, num_warps,
+                    )  # fmt: skip
+                _epilogue(
+                    acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale,
+                    stride_ot, stride_oh, stride_lh, s_layout, o_layout, ROWS, DV, RETURN_LSE,
+                    num_warps,
                 )  # fmt: skip
-            _epilogue(
-                acc, l_i, m_i, row_nan, Out, Lse, q_start, seq_len_q, row0, head, out_scale,
-                stride_ot, stride_oh, stride_lh, s_layout, o_layout, ROWS, DV, RETURN_LSE,
-                num_warps,
-            )  # fmt: skip
 
-        _teardown(
-            q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
-        )  # fmt: skip
+            _teardown(
+                q_bar, k_bars, v_bars, empties, turn_bars, NUM_STAGES, PINGPONG, TURNS, EARLY_K,
+            )  # fmt: skip

@@ -153,7 +153,7 @@ def _launch(
     n_sink = sparsity.dense_sink_tokens if sparsity is not None else 0
     n_recent = sparsity.dense_recent_tokens if sparsity is not None else 0
     prefill_fwd_kernel[(m_tiles, heads, batch)](
-        q, k_in, v_in, k_scales, out, c.lse, c.cu_q, c.cu_k,
+        q, k_in, v_in, k_scales, out, c.lse, c.cu_q, c.cu_k, q.shape[0], k.shape[0],
         r.qk_scale(c.softmax_scale), r.q_gs, r.k_gs, r.v_gs, r.p_gs, r.p_inv_gs, r.out_scale,
         n_sink, n_recent, group,
         q.stride(0), q.stride(1), k_in.stride(0), k_in.stride(1),

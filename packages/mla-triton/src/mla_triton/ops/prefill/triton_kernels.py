@@ -439,11 +439,25 @@ def _attend_tiles(
 
 
 @triton.jit
-def query_tile(cu_seqlens_q, CAUSAL: tl.constexpr):
-    """This program's query tile: ``(start_m, head, seq, q_start, seq_len_q)`` from the
-    grid (query tiles x heads x sequences; causal grids walk the tiles from the last,
-    heaviest one down) and the int32 offsets ``cu_seqlens_q [B + 1]``. Shared with the
-    Gluon kernel (``gluon_kernels``)."""
+def seq_span(cu_seqlens, seq, rows):
+    """Sequence ``seq`` of a packed tensor of ``rows`` rows: ``(start, length, bad)`` from
+    the int32 offsets ``cu_seqlens [B + 1]``, clamped into ``[0, rows]`` so that no
+    offset, checked or vouched for, moves a read or a write outside the tensor
+    (docs/numerics.md "Vouched offsets"). ``bad``: the offsets left ``[0, rows]`` or
+    decreased."""
+    raw_start = tl.load(cu_seqlens + seq)
+    raw_end = tl.load(cu_seqlens + seq + 1)
+    start = tl.minimum(tl.maximum(raw_start, 0), rows)
+    end = tl.minimum(tl.maximum(raw_end, start), rows)
+    return start, end - start, (start != raw_start) | (end != raw_end)
+
+
+@triton.jit
+def query_tile(cu_seqlens_q, rows_q, CAUSAL: tl.constexpr):
+    """This program's query tile: ``(start_m, head, seq, q_start, seq_len_q, bad)`` from
+    the grid (query tiles x heads x sequences; causal grids walk the tiles from the last,
+    heaviest one down) and the offsets ``cu_seqlens_q`` into q's ``rows_q`` rows
+    (``seq_span``). Shared with the Gluon kernel (``gluon_kernels``)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -451,9 +465,31 @@ def query_tile(cu_seqlens_q, CAUSAL: tl.constexpr):
         start_m = tl.num_programs(0) - 1 - pid_m  # longest query tiles first
     else:
         start_m = pid_m
-    q_start = tl.load(cu_seqlens_q + seq)
-    seq_len_q = tl.load(cu_seqlens_q + seq + 1) - q_start
-    return start_m, head, seq, q_start, seq_len_q
+    q_start, seq_len_q, bad = seq_span(cu_seqlens_q, seq, rows_q)
+    return start_m, head, seq, q_start, seq_len_q, bad
+
+
+@triton.jit
+def poison_tile(
+    Out, Lse, q_start, seq_len_q, start_m, head, stride_ot, stride_oh, stride_lh,
+    BLOCK_M: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, RETURN_LSE: tl.constexpr,
+):  # fmt: skip
+    """NaN into the query tile's output rows (and LSE): a sequence whose offsets left
+    the tensors (``seq_span``'s ``bad``)."""
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, DVP)
+    row_ok = offs_m < seq_len_q
+    nan = tl.full([BLOCK_M, DVP], float("nan"), tl.float32)
+    o_ptrs = (
+        Out
+        + (q_start.to(tl.int64) + offs_m[:, None]) * stride_ot
+        + head * stride_oh
+        + offs_dv[None, :]
+    )
+    tl.store(o_ptrs, nan.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if RETURN_LSE:
+        lse = tl.full([BLOCK_M], float("nan"), tl.float32)
+        tl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -475,7 +511,7 @@ def key_bounds(
     return hi, mid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_q", "rows_k"])
 def prefill_fwd_kernel(
     Q,
     K,
@@ -485,6 +521,8 @@ def prefill_fwd_kernel(
     Lse,
     cu_seqlens_q,
     cu_seqlens_k,
+    rows_q,
+    rows_k,
     qk_scale,
     q_gs,
     k_gs,
@@ -535,16 +573,21 @@ def prefill_fwd_kernel(
     per-token global scales (``K_DYNAMIC``, not fused); Out ``[T, H, DV]``; Lse
     ``[H, T]`` float32. Scalars: ``qk_scale`` = softmax_scale * log2(e) times the
     static Q and K global scales; ``q_gs``, ``k_gs``, ``v_gs``, ``p_gs`` static
-    global scales (``p_inv_gs = 1 / p_gs``); ``out_scale`` = P's times V's global scale.
-    Format codes: 0 none, 1 fp8, 2 nvfp4.
+    global scales (``p_inv_gs = 1 / p_gs``); ``out_scale`` = P's times V's global scale;
+    ``rows_q`` / ``rows_k``: T and Tk, the bounds of the offsets (``seq_span``; a
+    sequence whose offsets leave them gets NaN rows). Format codes: 0 none, 1 fp8,
+    2 nvfp4.
     """
     tl.static_assert(BLOCK_N % 16 == 0, "BLOCK_N: P's 16-key blocks start at multiples of 16")
     tl.static_assert(NM_N == 0 or BLOCK_N % NM_M == 0, "BLOCK_N: whole N:M groups a tile")
-    start_m, head, seq, q_start, seq_len_q = query_tile(cu_seqlens_q, CAUSAL)
+    start_m, head, seq, q_start, seq_len_q, bad_q = query_tile(cu_seqlens_q, rows_q, CAUSAL)
     if start_m * BLOCK_M >= seq_len_q:
         return
-    k_start = tl.load(cu_seqlens_k + seq)
-    seq_len_k = tl.load(cu_seqlens_k + seq + 1) - k_start
+    k_start, seq_len_k, bad_k = seq_span(cu_seqlens_k, seq, rows_k)
+    if bad_q | bad_k:
+        poison_tile(Out, Lse, q_start, seq_len_q, start_m, head, stride_ot, stride_oh,
+                    stride_lh, BLOCK_M, DV, DVP, RETURN_LSE)  # fmt: skip
+        return
     kv_head = head // group
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows in the sequence
@@ -664,7 +707,7 @@ def _kv_qdq_tile(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_k"])
 def kv_qdq_kernel(
     K,
     V,
@@ -672,6 +715,7 @@ def kv_qdq_kernel(
     VQ,
     KS,
     cu_seqlens_k,
+    rows_k,
     k_gs,
     v_gs,
     k_inv,
@@ -704,15 +748,15 @@ def kv_qdq_kernel(
     to KS ``[Tk, Hkv]`` when dynamic, and the factored V (along the tokens, blocks
     from the sequence start) to VQ. Grid: token tiles x KV heads x sequences; a
     program takes the tiles ``pid, pid + num_programs, ...`` of ``BLOCK_T`` tokens,
-    so every token is covered whatever the grid's first dimension. ``K_FAST`` /
+    so every token is covered whatever the grid's first dimension, and none outside
+    K's ``rows_k`` rows (``seq_span``). ``K_FAST`` /
     ``V_FAST``: 16-bit input and a static power-of-two global scale, where the
     reciprocal path (``k_inv``, ``v_inv``) is bit-exact and cheaper.
     """
     pid_t = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
-    k_start = tl.load(cu_seqlens_k + seq)
-    seq_len = tl.load(cu_seqlens_k + seq + 1) - k_start
+    k_start, seq_len, _ = seq_span(cu_seqlens_k, seq, rows_k)
     for t0 in range(pid_t * BLOCK_T, seq_len, tl.num_programs(0) * BLOCK_T):
         _kv_qdq_tile(
             K, V, KQ, VQ, KS, k_start, seq_len, t0, kv_head, k_gs, v_gs, k_inv, v_inv,
