@@ -33,8 +33,10 @@ import mla_triton.ops.decode as decode_mod
 import mla_triton.ops.shadow as shadow_mod
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton import tuning
+from mla_triton.ops.decode import dispatch
 from mla_triton.ops.decode import gluon as gd
 from mla_triton.ops.decode import gluon_ws as ws
+from mla_triton.ops.shadow import AUTO_GLUON_SHADOWS
 
 EXPECTED = Path(__file__).with_name("dispatch_expected.json")
 
@@ -287,6 +289,52 @@ def test_decisions_match_the_recorded_ones() -> None:
     assert got.keys() == want.keys()
     differ = [(k, want[k], got[k]) for k in want if want[k] != got[k]]
     assert not differ, (len(differ), differ[:5])
+
+
+def test_rows_are_consistent() -> None:
+    """Each row: its op, an implementation of the op, a config of that implementation,
+    a head floor, a recipe set; no recipe kind is in two rows of one op and
+    implementation; a shadow row of the warp-specialized kernel names a shadow it reads,
+    with the tiles ``ws_shadow_default`` gives it; ``AUTO_GLUON_SHADOWS`` is the shadow
+    rows' recipes."""
+    configs = {"gluon": gd.GluonDecodeConfig, "gluon_ws": ws.WsConfig}
+    seen: set[tuple[str, str, gd.GluonRecipe | None]] = set()
+    for row in dispatch.TABLE:
+        assert row.op in ("decode", "decode_shadow") and row.min_heads >= 1 and row.why
+        assert isinstance(row.config, configs[row.impl]), row
+        for kind in row.recipes if row.recipes is not None else (None,):
+            assert (row.op, row.impl, kind) not in seen, row
+            seen.add((row.op, row.impl, kind))
+            assert kind is None or gd.recipe_kind(kind) == kind
+            if row.op == "decode_shadow" and row.impl == "gluon_ws":
+                assert kind is not None and ws.ws_shadow_dispatched(kind)
+                assert ws.ws_shadow_default(kind) == row.config
+    shadows = {k for r in dispatch.TABLE if r.op == "decode_shadow" for k in r.recipes or ()}
+    assert shadows == AUTO_GLUON_SHADOWS
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_lookup_by_heads(heads: int) -> None:
+    """The rows ``"auto"`` reaches at each head count: recipe none and the shadows the
+    warp-specialized kernel reads at any, the Gluon split kernel above 32 heads only."""
+    fp8 = gd.gluon_recipe(AttentionQuant.uniform("fp8"))
+    nv = gd.gluon_recipe(AttentionQuant.uniform("nvfp4"))
+    assert isinstance(fp8, gd.GluonRecipe) and isinstance(nv, gd.GluonRecipe)
+    want = {
+        ("decode", gd.UNQUANTIZED): ("gluon_ws", ws.DEFAULT_CONFIG),
+        ("decode", gd.recipe_kind(fp8)): ("gluon", gd.VARIANTS[0]) if heads > 32 else None,
+        ("decode", gd.recipe_kind(nv)): ("gluon", gd.ON_READ_BLOCKS_CONFIG) if heads > 32 else None,
+        ("decode_shadow", ws.FP8_SHADOW): ("gluon_ws", ws.DEFAULT_CONFIG),
+        ("decode_shadow", ws.NVFP4_SHADOW): ("gluon_ws", ws.NVFP4_CONFIG),
+        ("decode_shadow", ws.NVFP4_PACKED): ("gluon_ws", ws.NVFP4_PACKED_CONFIG),
+        ("decode_shadow", dispatch.KDYN_SECTION): ("gluon", gd.SEPARATE_V_CONFIG)
+        if heads > 32
+        else None,
+        ("decode_shadow", gd.UNQUANTIZED): None,
+    }
+    for (op, kind), expected in want.items():
+        row = dispatch.lookup(op, kind, heads)
+        assert (None if row is None else (row.impl, row.config)) == expected, (op, kind)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
