@@ -40,6 +40,7 @@ from mla_formats import AttentionQuant, OperandQuant
 from mla_triton import tuning
 from mla_triton.common import device
 from mla_triton.common.splitk import DecodeConfig, operand
+from mla_triton.ops.decode import dispatch
 from mla_triton.ops.decode.gluon import (
     ON_READ_BLOCKS_CONFIG,
     SEPARATE_V_CONFIG,
@@ -48,13 +49,38 @@ from mla_triton.ops.decode.gluon import (
     GluonDecodeConfig,
     GluonFacts,
     GluonRecipe,
-    choose_impl,
+    Unsupported,
     compile_variant,
-    gluon_decode_preferred,
     gluon_recipe,
-    gluon_unsupported,
+    gluon_taken,
     max_shared_bytes,
+    recipe_kind,
 )
+
+
+def gluon_unsupported(
+    facts: GluonFacts, *, forced: bool = False, rule: Any = gluon_taken, op: str = "decode"
+) -> Unsupported | None:
+    """Why a Gluon kernel does not run ``facts``: forced, the preconditions (``rule``);
+    ``"auto"``, also no row of ``dispatch.TABLE`` (``op``'s) for the recipe and heads."""
+    taken = rule(facts)
+    if isinstance(taken, Unsupported) or forced:
+        return taken if isinstance(taken, Unsupported) else None
+    if dispatch.lookup(op, recipe_kind(taken), facts.heads) is not None:
+        return None
+    if dispatch.lookup(op, recipe_kind(taken)) is None:
+        return Unsupported("this shadow recipe is not verified on a GPU yet", False)
+    return Unsupported(f"{facts.heads} heads: the Triton kernel is faster up to 32", False)
+
+
+def choose_impl(impl: str, facts: GluonFacts, rule: Any = gluon_taken, op: str = "decode") -> str:
+    """``"gluon"`` where ``dispatch.choose`` runs a Gluon kernel for ``facts`` (``"auto"``)
+    or can (``"gluon"``: else its ValueError), else ``"triton"``."""
+    if impl == "gluon":
+        dispatch.forced_taken(facts, rule)
+        return "gluon"
+    return "triton" if impl == "triton" or dispatch.auto(op, facts, rule) is None else "gluon"
+
 
 SCALE = 576**-0.5
 
@@ -198,8 +224,8 @@ def test_dispatch_takes_the_covered_calls() -> None:
         ({"quant": AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="fp8")}, "dynamic", False),
         ({"quant": AttentionQuant(k=OperandQuant("nvfp4", "dynamic"), v="nvfp4")}, "dynamic",
          False),
-        ({"heads": 32}, "32 heads", False),
-        ({"heads": 16}, "16 heads", False),
+        ({"heads": 32, "quant": AttentionQuant.uniform("fp8")}, "32 heads", False),
+        ({"heads": 16, "quant": AttentionQuant.uniform("fp8")}, "16 heads", False),
     ],
 )  # fmt: skip
 def test_dispatch_refusals(change: dict[str, Any], needle: str, covered: bool) -> None:
@@ -250,14 +276,12 @@ def test_fallback_logged_once_per_reason(
 ) -> None:
     """On sm90, a platform or tensor reason is logged once; the recipe, the head count
     and another GPU are not logged."""
-    import mla_triton.ops.decode.gluon as gd
-
-    monkeypatch.setattr(gd, "_logged", set())
+    monkeypatch.setattr(dispatch, "_logged", set())
     caplog.set_level(logging.INFO, logger="mla_triton")
     for _ in range(3):
         choose_impl("auto", replace(SM90, kv_aligned=False))
         choose_impl("auto", replace(SM90, api_missing="no Gluon here"))
-        choose_impl("auto", replace(SM90, heads=16))
+        choose_impl("auto", replace(SM90, heads=16, quant=AttentionQuant.uniform("fp8")))
         choose_impl("auto", replace(SM90, quant=AttentionQuant.uniform("nvfp4")))
         choose_impl("auto", replace(SM90, capability=(8, 0)))
     logged = [r.getMessage() for r in caplog.records if r.name == "mla_triton"]
@@ -436,7 +460,6 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     ``SEPARATE_V_CONFIG`` and the other schedules differ from it in ``V_OWN`` only; V
     alone nvfp4 keeps ``SEPARATE_V_CONFIG`` (``V_OWN`` True); another Gluon tiling is a
     ValueError before any launch."""
-    import mla_triton.ops.decode.gluon as gd
     from mla_triton.precompile import record_keys
 
     q, cache, table, seq = _cpu_case(128)
@@ -450,7 +473,7 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     seen = _launched(call("gluon"))
     assert [n for n, _, _ in seen][1] == "gluon_decode_split_kernel"
     a = seen[1][1]
-    assert gd.gluon_decode_config(128, nv) == ON_READ_BLOCKS_CONFIG
+    assert _gluon_default(nv) == ON_READ_BLOCKS_CONFIG
     assert (a["V_OWN"], a["V_SEP"], a["KV_FP8"], a["OVERLAP"]) == (2, False, False, False)
     assert a["SHAPE"][4] == 32 and a["STAGES"] == 2 and (a["K_FMT"], a["V_FMT"]) == (2, 2)
     assert not a["K_EXACT"] and a["V_EXACT"]  # the default K scale is 2^k, V's 3 / 2688 not
@@ -464,7 +487,7 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
     same = _launched(call("gluon", SEPARATE_V_CONFIG))[1][1]
     assert same["V_OWN"] is True and _plain(same | {"V_OWN": 2}) == _plain(a)
     v_only = AttentionQuant(v="nvfp4", p="fp8")
-    assert gd.gluon_decode_config(128, v_only) == VARIANTS[0]
+    assert _gluon_default(v_only) == VARIANTS[0]
     own = _launched(lambda: decode(q, cache, table, seq, softmax_scale=SCALE, quant=v_only,
                                    num_splits=2, impl="gluon"))[-2][1]  # fmt: skip
     assert own["V_OWN"] is True and own["SHAPE"][4] == 32
@@ -476,6 +499,14 @@ def test_on_read_nvfp4_launches(as_sm90: None) -> None:
         decode(q, cache, table, seq, softmax_scale=SCALE, impl="gluon",
                config=ON_READ_BLOCKS_CONFIG)  # fmt: skip
     assert not keys
+
+
+def _gluon_default(quant: AttentionQuant) -> Any:
+    """The tiles ``decode`` runs the Gluon split kernel with for ``quant``, given none."""
+    taken = gluon_recipe(quant)
+    assert isinstance(taken, GluonRecipe)
+    row = dispatch.lookup("decode", recipe_kind(taken), impl="gluon")
+    return row.config if row is not None else VARIANTS[0]
 
 
 SHADOW_TAKEN = {
@@ -526,20 +557,21 @@ def test_shadow_dispatch_takes() -> None:
     for name, (quant, storage, dtype) in SHADOW_TAKEN.items():
         lay = sh.shadow_layout(quant, storage=storage)
         f = replace(SM90, quant=quant, dtype=dtype)
-        assert sh.gluon_shadow_unsupported(f, layout=lay, forced=True) is None, name
-        why = sh.gluon_shadow_unsupported(f, layout=lay)
-        rule = partial(sh.gluon_shadow_unsupported, layout=lay)
-        assert choose_impl("gluon", f, rule) == "gluon"
+        rule = partial(sh.gluon_shadow_taken, layout=lay)
+        op = "decode_shadow"
+        assert gluon_unsupported(f, forced=True, rule=rule, op=op) is None, name
+        why = gluon_unsupported(f, rule=rule, op=op)
+        assert choose_impl("gluon", f, rule, op) == "gluon"
         if name in SHADOW_VERIFIED:
-            assert why is None and choose_impl("auto", f, rule) == "gluon", (name, why)
-            why16 = sh.gluon_shadow_unsupported(replace(f, heads=16), layout=lay)
+            assert why is None and choose_impl("auto", f, rule, op) == "gluon", (name, why)
+            why16 = gluon_unsupported(replace(f, heads=16), rule=rule, op=op)
             if name in WS_AT_16:  # the ws kernel: faster at 16 heads too
                 assert why16 is None, why16
             else:
                 assert why16 is not None and "16 heads" in why16.reason, name
         else:
             assert why is not None and "not verified on a GPU" in why.reason, (name, why)
-            assert not why.covered and choose_impl("auto", f, rule) == "triton", name
+            assert not why.covered and choose_impl("auto", f, rule, op) == "triton", name
     fp8 = AttentionQuant.uniform("fp8")
     assert sh.gluon_shadow_recipe(fp8, sh.shadow_layout(fp8), torch.bfloat16) == SHADOW_FP8
     scaled, lay3 = SHADOW_TAKEN["fp8-scale-3"][0], sh.shadow_layout(SHADOW_TAKEN["fp8-scale-3"][0])
@@ -592,17 +624,17 @@ def test_shadow_dispatch_refusals(
     a ValueError naming ``impl``, ``"auto"`` the Triton kernel for the same reason."""
     from functools import partial
 
-    from mla_triton.ops.shadow import gluon_shadow_unsupported, shadow_layout
+    from mla_triton.ops.shadow import gluon_shadow_taken, shadow_layout
 
     lay = shadow_layout(quant, storage=storage)
     facts = replace(SM90, quant=quant, **change)
-    why = gluon_shadow_unsupported(facts, layout=lay, forced=True)
+    rule = partial(gluon_shadow_taken, layout=lay)
+    why = gluon_unsupported(facts, forced=True, rule=rule, op="decode_shadow")
     assert why is not None and needle in why.reason, why
-    rule = partial(gluon_shadow_unsupported, layout=lay)
-    assert choose_impl("auto", facts, rule) == "triton"
+    assert choose_impl("auto", facts, rule, "decode_shadow") == "triton"
     with pytest.raises(ValueError, match=rf"^impl: .*{re.escape(needle)}"):
-        choose_impl("gluon", facts, rule)
-    auto = gluon_shadow_unsupported(facts, layout=lay)
+        choose_impl("gluon", facts, rule, "decode_shadow")
+    auto = gluon_unsupported(facts, rule=rule, op="decode_shadow")
     assert auto is not None and needle in auto.reason, auto
 
 
@@ -717,9 +749,16 @@ def test_warmup_covers_the_gluon_keys(as_sm90: None) -> None:
 
 
 def test_preferred() -> None:
-    """The Triton kernel up to 32 heads (measured faster at 16), the Gluon one above."""
-    assert not gluon_decode_preferred(16) and not gluon_decode_preferred(32)
-    assert gluon_decode_preferred(33) and gluon_decode_preferred(128)
+    """The Triton kernel up to 32 heads for a quantized recipe (the split kernel measured
+    slower at 16), the Gluon one above; recipe none the warp-specialized one at any."""
+    fp8 = recipe_kind(FP8)
+    assert dispatch.lookup("decode", fp8, 16) is None and dispatch.lookup("decode", fp8, 32) is None
+    for heads in (33, 128):
+        row = dispatch.lookup("decode", fp8, heads)
+        assert row is not None and row.impl == "gluon"
+    for heads in (1, 16, 128):
+        row = dispatch.lookup("decode", UNQUANTIZED, heads)
+        assert row is not None and row.impl == "gluon_ws"
 
 
 def test_config_checks() -> None:

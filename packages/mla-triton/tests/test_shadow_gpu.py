@@ -15,7 +15,7 @@ same tiles and split count (1, 4 and the default policy) within the bounds of
 compiled float32 arithmetic (``_compare``); the share of bit-identical rows is
 printed.
 
-Forced to ``"gluon"`` (sm90 only; the shadows ``gluon_shadow_unsupported`` takes: fp16
+Forced to ``"gluon"`` (sm90 only; the shadows ``gluon_shadow_taken`` takes: fp16
 storage with V̂ = K̂, or a V̂ section: nvfp4 with its open block quantized in the kernel,
 dynamic K, K and V of different recipes) and to ``"gluon_ws"`` (the shadows the
 warp-specialized kernel reads, the packed nvfp4 one among them): ``decode_shadow``
@@ -44,7 +44,7 @@ from mla_triton.ops.decode.triton import default_config as decode_config
 from mla_triton.ops.shadow import (
     _gluon_tiles,
     gluon_shadow_recipe,
-    gluon_shadow_unsupported,
+    gluon_shadow_taken,
     shadow_decode_config,
     shadow_layout,
 )
@@ -230,7 +230,7 @@ def test_gluon_shadow_bf16(case: str, impl: str, heads: int) -> None:
     # the facts' tensor, as decode_shadow takes it: K̂, or the raw rows (K none, packed)
     tiles = _gluon_tiles(pool.quant, lay, q.dtype, pool.cache, lay.views(pool.shadow), None)[0]
     facts = gluon_facts(q[..., :512], tiles, pool.quant, 512)
-    assert gluon_shadow_unsupported(facts, layout=lay, forced=True) is None
+    assert isinstance(gluon_shadow_taken(facts, layout=lay), GluonRecipe)
     default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
     same = rows = 0
     for step in range(STEPS):

@@ -1,11 +1,12 @@
 """Decode, the Gluon split implementation for sm90 (``gluon_kernels``): dispatch facts, family,
 CPU compile.
 
-The dispatch (``dispatch.choose``) runs this kernel where ``gluon_unsupported`` is None (an
-sm90 GPU, the Triton release of ``common.device.GLUON_TRITON``, a recipe of
-``gluon_recipe``, more than 32 heads, 16-bit inputs of widths 512 + 64, 16-byte aligned
-cache rows), through the split-K core (``common.splitk.run_decode``) with
-``gluon_family``: only the split kernel differs from the Triton path.
+The dispatch (``dispatch.choose``) can run this kernel where ``gluon_taken`` gives a
+recipe (an sm90 GPU, the Triton release of ``common.device.GLUON_TRITON``, a recipe of
+``gluon_recipe``, 16-bit inputs of widths 512 + 64, 16-byte aligned cache rows) and runs
+it where ``dispatch.TABLE`` says so, through the split-K core
+(``common.splitk.run_decode``) with ``gluon_family``: only the split kernel differs from
+the Triton path.
 ``compile_variant`` compiles one kernel variant for sm_90a without a GPU (Gluon has no
 interpreter): the CPU tests use it.
 """
@@ -13,6 +14,7 @@ interpreter): the CPU tests use it.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import subprocess
@@ -36,22 +38,21 @@ from mla_triton.ops.decode.triton import OnRead
 
 __all__ = [
     "ON_READ_BLOCKS_CONFIG",
+    "ON_READ_NVFP4_KINDS",
     "SEPARATE_V_CONFIG",
     "UNQUANTIZED",
     "GluonDecodeConfig",
     "GluonFacts",
     "GluonRecipe",
+    "Rule",
     "Unsupported",
-    "choose_impl",
     "compile_split_sm90",
     "compile_variant",
-    "gluon_decode_config",
-    "gluon_decode_preferred",
     "gluon_facts",
     "gluon_family",
     "gluon_recipe",
-    "gluon_unsupported",
-    "on_read_blocks_taken",
+    "gluon_taken",
+    "recipe_kind",
 ]
 
 LOG2E = math.log2(math.e)
@@ -118,29 +119,8 @@ third stage exceed the 227 KiB of a CTA."""
 
 ON_READ_BLOCKS_CONFIG = GluonDecodeConfig(block_n=32, stages=2, on_read=2)
 """``SEPARATE_V_CONFIG`` with the on-read QDQ in whole-block layouts (``V_OWN == 2``):
-for a V̂-of-its-own recipe (nvfp4 on read);
-what ``gluon_decode_config`` gives nvfp4 Q/K/P/V (``on_read_blocks_taken``)."""
-
-
-def on_read_blocks_taken(quant: AttentionQuant | None) -> bool:
-    """Whether ``decode`` without a config runs ``quant`` on read with
-    ``ON_READ_BLOCKS_CONFIG``: nvfp4 Q, K, P and V (any static scales), the recipe its H200
-    check ran bit for bit against ``SEPARATE_V_CONFIG`` (ragged and empty lengths, splits 1 / 3 / 2
-    / the policy, pages 16 and 64, 20 / 64 / 128 heads, K and V scales 1 and 3), 1.30x / 1.37x its
-    speed at b128 h128 L8192 / b32
-    h128 L32768. Other V-of-its-own recipes keep ``SEPARATE_V_CONFIG``."""
-    taken = gluon_recipe(quant)
-    return isinstance(taken, GluonRecipe) and taken.v_own and (
-        taken.q_fmt, taken.k_fmt, taken.v_fmt, taken.p_fmt) == (2, 2, 2, 2)  # fmt: skip
-
-
-def gluon_decode_config(num_heads: int, quant: AttentionQuant | None = None) -> GluonDecodeConfig:
-    """The configuration ``decode`` runs the Gluon kernel with, given no config: 64-token
-    tiles, double-buffered (a V-of-its-own recipe: ``SEPARATE_V_CONFIG``'s tiles), and for
-    nvfp4 on read ``ON_READ_BLOCKS_CONFIG`` (``on_read_blocks_taken``). ``quant``: None
-    for ``decode_shadow`` (its recipe reads the shadow, not on read)."""
-    del num_heads
-    return ON_READ_BLOCKS_CONFIG if on_read_blocks_taken(quant) else VARIANTS[0]
+for a V-of-its-own recipe (nvfp4 on read); ``dispatch.TABLE`` runs nvfp4 Q, K, P and V
+on read with it."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +187,20 @@ class GluonRecipe:
 
 UNQUANTIZED = GluonRecipe()
 
+ON_READ_NVFP4_KINDS = frozenset(
+    GluonRecipe(q_scaled=True, p_fmt=2, k_fmt=2, v_own=True, q_fmt=2, v_fmt=2, k_exact=k,
+                v_exact=v)
+    for k, v in itertools.product((False, True), repeat=2)
+)  # fmt: skip
+"""The kinds (``recipe_kind``) of nvfp4 Q, K, P and V on read: static K and V scales, a
+power of two or not."""
+
+
+def recipe_kind(taken: GluonRecipe) -> GluonRecipe:
+    """``taken`` without its global scales: the kernel variant it compiles to, what the
+    rows of ``dispatch.TABLE`` name."""
+    return replace(taken, k_gs=1.0, v_gs=1.0, p_gs=1.0)
+
 
 @functools.lru_cache(maxsize=256)
 def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
@@ -236,23 +230,7 @@ def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
     return replace(base, v_own=True)
 
 
-def gluon_decode_preferred(num_heads: int) -> bool:
-    """Whether the Gluon kernel is the faster choice for ``num_heads`` query heads.
-
-    Measured on an H200 (docs/design/decode.md, quant none): with 128 heads the Gluon kernel
-    ran 1.5x the Triton one; with 16 it ran 0.85x to 0.93x (48 of its 64 wgmma rows
-    are padding, and one CTA fills an SM's shared memory, where the Triton kernel runs
-    16 heads a program, several programs an SM). Up to 32 heads: the Triton kernel.
-    This rule is this kernel's: recipe none runs the warp-specialized kernel at any head
-    count (``gluon_ws.decode_unsupported``).
-    """
-    return num_heads > 32
-
-
 # ---------------------------------------------------------------------- dispatch
-
-_log = dev.log
-_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -286,34 +264,31 @@ class GluonFacts:
 
 @dataclass(frozen=True)
 class Unsupported:
-    """Why the Gluon kernel does not take a call; ``covered`` False for the recipe or
-    the head count (what the Gluon kernel does not implement or is not faster at, not
-    logged), True for the platform or the tensors (logged once when auto falls back)."""
+    """Why the Gluon kernels do not take a call; ``covered`` False for the recipe or
+    another GPU (not logged), True for the platform or the tensors (logged once when
+    auto falls back)."""
 
     reason: str
     covered: bool
 
 
-Rule = Callable[..., "Unsupported | None"]
-"""A dispatch rule: ``rule(facts, forced=...)``, as ``gluon_unsupported``."""
+Rule = Callable[[GluonFacts], "GluonRecipe | Unsupported"]
+"""An op's preconditions of the Gluon kernels: ``gluon_taken``, or ``decode_shadow``'s."""
 
 
-def gluon_unsupported(
+def gluon_taken(
     f: GluonFacts,
     *,
-    forced: bool = False,
     recipe: Callable[[AttentionQuant | None], GluonRecipe | str] = gluon_recipe,
     stride_align: int = 16,
-    any_heads: bool = False,
-) -> Unsupported | None:
-    """None when the dispatch (``forced``: a forced ``"gluon"``) runs the call through the
-    Gluon kernel, else why not. A pure function of ``f`` (testable without a GPU);
+) -> GluonRecipe | Unsupported:
+    """The recipe the Gluon kernels run ``f`` with, or why they cannot run it (the
+    platform, the tensors, the recipe): preconditions, not preferences (those are
+    ``dispatch.TABLE``'s). A pure function of ``f`` (testable without a GPU);
     ``recipe``: the recipe rule (``gluon_recipe``; ``decode_shadow``: the shadow's);
     ``stride_align``: the multiple of elements the tiles' page and row strides must be
     (16: ``decode``'s rule; the kernel needs 8 elements, 16-byte rows, which
-    ``decode_shadow`` takes for its shadow sections); ``any_heads``: ``"auto"`` takes the
-    Gluon kernel at any head count (``decode_shadow``'s nvfp4 V̂ section, which the
-    warp-specialized kernel runs faster than the Triton one at 16 heads too)."""
+    ``decode_shadow`` takes for its shadow sections)."""
     if f.device_type != "cuda":
         return Unsupported(f"tensors on {f.device_type}, not CUDA", False)
     if f.capability != (9, 0):
@@ -334,11 +309,7 @@ def gluon_unsupported(
             True,
         )
     taken = recipe(f.quant)
-    if isinstance(taken, str):
-        return Unsupported(taken, False)
-    if not forced and not any_heads and not gluon_decode_preferred(f.heads):
-        return Unsupported(f"{f.heads} heads: the Triton kernel is faster up to 32", False)
-    return None
+    return Unsupported(taken, False) if isinstance(taken, str) else taken
 
 
 def gluon_facts(
@@ -361,28 +332,6 @@ def gluon_facts(
         kv_strides=(kv_cache.stride(0), kv_cache.stride(1)),
         kv_aligned=kv_cache.data_ptr() % 16 == 0,
     )
-
-
-def choose_impl(impl: str, facts: GluonFacts, rule: Rule = gluon_unsupported) -> str:
-    """``"gluon"`` or ``"triton"`` for a checked call (``impl``: ``"auto"`` or ``"gluon"``;
-    ``rule``: ``gluon_unsupported``, or ``decode_shadow``'s).
-
-    ``"triton"`` always; ``"gluon"`` where ``gluon_unsupported(forced=True)`` is None,
-    else a ValueError naming ``impl`` with the reason; ``"auto"`` the Gluon kernel where
-    ``gluon_unsupported`` is None, else the Triton one, logging the reason once (on an
-    sm90 GPU, for reasons other than the recipe or the head count).
-    """
-    if impl == "triton":
-        return "triton"
-    why = rule(facts, forced=impl == "gluon")
-    if why is None:
-        return "gluon"
-    if impl == "gluon":
-        raise ValueError(f"impl: the Gluon decode does not take this call: {why.reason}")
-    if why.covered and why.reason not in _logged:
-        _logged.add(why.reason)
-        _log.warning("mla_triton.decode: the Triton kernel on this sm90 GPU: %s", why.reason)
-    return "triton"
 
 
 class _ByName:

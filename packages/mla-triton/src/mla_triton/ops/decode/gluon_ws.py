@@ -4,9 +4,9 @@ A producer warpgroup copies the cache tiles (``cp.async`` or TMA; for the packed
 shadow it decodes E2M1 codes and E4M3 block scales into float16 tiles) while two math
 warpgroups compute ``S``, the softmax and ``P V`` (docs/design/decode.md). It runs through
 the split-K core (``common.splitk.run_decode``): checks, split policy, workspace, q̂ and the
-merge are shared, only the split kernel differs. ``decode`` runs it for recipe none at any
-head count; ``decode_shadow`` for the shadows ``ws_shadow_kind`` takes (a float16 shadow
-with V̂ = K̂, an nvfp4 V̂ section, the packed nvfp4 shadow). ``compile_ws`` compiles it for
+merge are shared, only the split kernel differs. It reads recipe none on read and the
+shadows ``ws_shadow_kind`` takes (a float16 shadow with V̂ = K̂, an nvfp4 V̂ section, the
+packed nvfp4 shadow); ``dispatch.TABLE`` says which calls run it. ``compile_ws`` compiles it for
 sm_90a on any machine (Gluon has no interpreter).
 """
 
@@ -44,11 +44,9 @@ __all__ = [
     "WsRoute",
     "WsShadowFamily",
     "compile_ws",
-    "decode_unsupported",
     "tma_descriptor",
     "twin",
     "ws_config_family",
-    "ws_dispatched",
     "ws_family",
     "ws_shadow_config_family",
     "ws_shadow_default",
@@ -303,17 +301,17 @@ def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
 
 
 def ws_shadow_default(taken: GluonRecipe) -> WsConfig:
-    """The configuration the switch runs ``taken`` with: ``NVFP4_PACKED_CONFIG`` for the
-    packed nvfp4 shadow, ``NVFP4_CONFIG`` for another V̂ section, else ``DEFAULT_CONFIG``."""
+    """The configuration a shadow runs with: ``NVFP4_PACKED_CONFIG`` for the packed nvfp4
+    shadow, ``NVFP4_CONFIG`` for another V̂ section, else ``DEFAULT_CONFIG`` (the rows of
+    ``dispatch.TABLE`` name the same; a test checks)."""
     if taken.packed:
         return NVFP4_PACKED_CONFIG
     return NVFP4_CONFIG if taken.v_sep else DEFAULT_CONFIG
 
 
 def ws_shadow_dispatched(taken: GluonRecipe | str) -> bool:
-    """Whether ``decode_shadow``'s dispatch, having picked the Gluon kernel without a
-    config for a recipe (``taken``: ``shadow.gluon_shadow_recipe``'s), runs it through this
-    kernel: ``ws_shadow_kind`` takes the recipe."""
+    """Whether this kernel reads the shadow of ``taken`` (``shadow.gluon_shadow_recipe``'s):
+    ``ws_shadow_kind`` takes the recipe."""
     return not isinstance(ws_shadow_kind(taken), str)
 
 
@@ -359,26 +357,11 @@ def ws_shadow_config_family(
         )
     if kind.v_sep and sections is None:
         raise ValueError("quant: a V̂ section's recipe, but the shadow has no V̂ section")
-    why = gd.gluon_unsupported(facts, forced=True, recipe=lambda _: kind, stride_align=8)
-    if why is not None:
+    why = gd.gluon_taken(facts, recipe=lambda _: kind, stride_align=8)
+    if isinstance(why, gd.Unsupported):
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
                          f"{why.reason}")  # fmt: skip
     return ws_shadow_family(config, tiles, sections if kind.v_sep else None)
-
-
-def ws_dispatched(facts: gd.GluonFacts) -> bool:
-    """Whether ``decode``'s dispatch, having picked the Gluon kernel for a call (``facts``:
-    ``gluon.choose_impl`` said ``"gluon"``, no ``GluonDecodeConfig`` given), runs it
-    through this kernel: the recipe is none."""
-    return _recipe_none(facts.quant) == gd.UNQUANTIZED
-
-
-def decode_unsupported(facts: gd.GluonFacts, *, forced: bool = False) -> gd.Unsupported | None:
-    """``decode``'s dispatch rule: ``gluon.gluon_unsupported``, at any head count
-    where this kernel takes the call (``ws_dispatched``: recipe none). At b128
-    h16 L8192 it ran 1.07x FlashMLA, the Triton kernel 0.83x (one process,
-    Triton 3.8): ``gluon_decode_preferred``'s 32-head rule is ``gluon_decode``'s kernel's."""
-    return gd.gluon_unsupported(facts, forced=forced, any_heads=ws_dispatched(facts))
 
 
 def _recipe_none(quant: AttentionQuant | None) -> gd.GluonRecipe | str:
@@ -400,8 +383,8 @@ def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFam
     taken = _recipe_none(facts.quant)
     if isinstance(taken, str):
         raise ValueError(f"quant: {taken}")
-    why = gd.gluon_unsupported(facts, forced=True, recipe=_recipe_none)
-    if why is not None:
+    why = gd.gluon_taken(facts, recipe=_recipe_none)
+    if isinstance(why, gd.Unsupported):
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
                          f"{why.reason}")  # fmt: skip
     return ws_family(config)
@@ -409,26 +392,28 @@ def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFam
 
 @dataclass(frozen=True)
 class WsRoute:
-    """How a decode op reaches this kernel through ``decode._dispatch``.
+    """How a decode op reaches this kernel through ``dispatch.choose``.
 
     Attributes:
         configured: the family for a given ``WsConfig`` (``config, facts, impl``), or a
             ValueError before any launch.
-        default: where the dispatch picked the Gluon kernel without a config (``facts``),
-            this kernel's family where it takes the recipe, else None (the Gluon split
-            kernel's).
+        family: the family of a config the dispatch picked (a row of ``dispatch.TABLE``).
+        forced: the config of ``tuning.use("gluon_ws")`` for a recipe no row of the
+            table runs through this kernel (None: the kernel does not read it).
     """
 
     configured: Callable[[WsConfig, gd.GluonFacts, str], WsFamily]
-    default: Callable[[gd.GluonFacts], WsFamily | None]
+    family: Callable[[WsConfig], WsFamily]
+    forced: Callable[[GluonRecipe], WsConfig | None]
 
 
-def _decode_default(facts: gd.GluonFacts) -> WsFamily | None:
-    return ws_family(DEFAULT_CONFIG) if ws_dispatched(facts) else None
+def _reads_none(taken: GluonRecipe) -> WsConfig | None:
+    del taken  # on read: recipe none only, a row of the table
+    return None
 
 
-DECODE_ROUTE = WsRoute(ws_config_family, _decode_default)
-"""``decode``'s route: recipe none."""
+DECODE_ROUTE = WsRoute(ws_config_family, ws_family, _reads_none)
+"""``decode``'s route (recipe none on read)."""
 
 
 def ws_shadow_route(
@@ -436,18 +421,19 @@ def ws_shadow_route(
 ) -> WsRoute:
     """``decode_shadow``'s route for one call (``taken``: ``shadow.gluon_shadow_recipe``'s,
     ``tiles`` the K̂ tiles, ``sections`` a V̂ section's pointers and strides or None):
-    ``ws_shadow_config_family``, and ``ws_shadow_dispatched``."""
+    ``ws_shadow_config_family``, ``ws_shadow_family`` and, forced, ``ws_shadow_default``
+    where ``ws_shadow_dispatched``."""
 
     def configured(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFamily:
         return ws_shadow_config_family(config, facts, impl, taken, tiles, sections)
 
-    def default(facts: gd.GluonFacts) -> WsFamily | None:
-        del facts  # the shadow's recipe decides (taken)
-        if isinstance(taken, GluonRecipe) and ws_shadow_dispatched(taken):
-            return ws_shadow_family(ws_shadow_default(taken), tiles, sections)
-        return None
+    def family(config: WsConfig) -> WsFamily:
+        return ws_shadow_family(config, tiles, sections)
 
-    return WsRoute(configured, default)
+    def forced(recipe: GluonRecipe) -> WsConfig | None:
+        return ws_shadow_default(recipe) if ws_shadow_dispatched(recipe) else None
+
+    return WsRoute(configured, family, forced)
 
 
 def compile_ws(

@@ -54,7 +54,7 @@ from mla_triton.common.splitk import (
     tensor_arg,
 )
 from mla_triton.ops.decode import gluon_ws as ws
-from mla_triton.ops.decode.dispatch import choose
+from mla_triton.ops.decode.dispatch import TABLE, Route, choose
 from mla_triton.ops.decode.gluon import (
     SEPARATE_V_CONFIG,
     GluonDecodeConfig,
@@ -63,7 +63,7 @@ from mla_triton.ops.decode.gluon import (
     Unsupported,
     _GluonFamily,
     gluon_recipe,
-    gluon_unsupported,
+    gluon_taken,
 )
 from mla_triton.ops.shadow.kernels import (
     shadow_decode_split_kernel,
@@ -77,8 +77,7 @@ __all__ = [
     "allocate_shadow",
     "decode_shadow",
     "gluon_shadow_recipe",
-    "gluon_shadow_unsupported",
-    "gluon_shadow_verified",
+    "gluon_shadow_taken",
     "shadow_decode_config",
     "shadow_layout",
     "update_cache",
@@ -668,11 +667,11 @@ def decode_shadow(
     different ones, equal up to float32 summation order (docs/numerics.md "Softmax, P and schedule
     invariance").
 
-    Implementations (``dispatch.choose`` with ``gluon_shadow_unsupported``): the
-    warp-specialized Gluon kernel on an sm90 GPU for the shadows it reads (a float16 shadow
-    with V̂ = K̂, an nvfp4 V̂ section, the packed nvfp4 shadow), at any head count; the
-    Gluon split kernel above 32 heads for the other recipes of ``AUTO_GLUON_SHADOWS``;
-    the Triton kernel otherwise. ``mla_triton.tuning.use`` forces one.
+    Implementations (``dispatch.choose`` with ``gluon_shadow_taken``): on an sm90 GPU the
+    rows of ``dispatch.TABLE`` for ``decode_shadow`` (the warp-specialized Gluon kernel for
+    the shadows it reads at any head count, the Gluon split kernel above 32 heads for a
+    dynamic nvfp4 K with fp8 V); the Triton kernel otherwise. ``mla_triton.tuning.use``
+    forces one.
     """
     impl, config = forced("decode")
     qq = _check_quant(quant)
@@ -684,10 +683,10 @@ def decode_shadow(
     tiles, gluon = _gluon_tiles(qq, lay, c.q_nope.dtype, cache, (kh, ks, vh), config)
     k_src = kh if lay.storage == "packed" and kh is not None else tiles  # packed: its bytes
     sections = _v_sections(k_src, cache, (kh, ks, vh)) if vh is not None else None
-    route = ws.ws_shadow_route(gluon_shadow_recipe(qq, lay, c.q_nope.dtype), tiles, sections)
-    families = (_ShadowFamily(lay, (kh, ks, vh)), gluon, route)
-    rule = partial(gluon_shadow_unsupported, layout=lay)
-    family, cfg = choose(c, tiles, qq, kv_lora_rank, (impl, config), families, rule, on_read=False)
+    ws_route = ws.ws_shadow_route(gluon_shadow_recipe(qq, lay, c.q_nope.dtype), tiles, sections)
+    rule = partial(gluon_shadow_taken, layout=lay)
+    route = Route("decode_shadow", _ShadowFamily(lay, (kh, ks, vh)), gluon, ws_route, rule)
+    family, cfg = choose(c, tiles, qq, kv_lora_rank, (impl, config), route)
     return run_decode(
         c, cache, block_table, seq_lens, qq, family, out=out, lse=lse, num_splits=num_splits,
         workspace=workspace, max_seq_len=max_seq_len, check_values=check_values, config=cfg,
@@ -695,35 +694,11 @@ def decode_shadow(
     )  # fmt: skip
 
 
-def _verified_kind(recipe: GluonRecipe) -> GluonRecipe:
-    """``recipe`` without its global scales (the kernel variant it compiles to)."""
-    return replace(recipe, k_gs=1.0, v_gs=1.0, p_gs=1.0)
-
-
 AUTO_GLUON_SHADOWS = frozenset(
-    {
-        # V̂ = K̂: fp8 Q/K/P/V under one static scale (any: scale 1 and 3 ran)
-        ws.FP8_SHADOW,
-        # a V̂ section: nvfp4 Q/K/P/V, power-of-two static scales, the open V block
-        ws.NVFP4_SHADOW,
-        # a V̂ section: fp8 q, each token's dynamic nvfp4 K scale, fp8 V̂ (no open block),
-        # nvfp4 P (at 16 and 128 heads)
-        replace(ws.NVFP4_SHADOW, v_tail=False, k_dyn=True, q_fmt=1, v_fmt=1),
-        # the packed nvfp4 shadow (the ws producer decodes it): bit for bit the fp16
-        # shadow's outputs on an H200 (7 cases and 4 shapes)
-        ws.NVFP4_PACKED,
-    }
+    kind for row in TABLE if row.op == "decode_shadow" for kind in row.recipes or ()
 )
-"""The Gluon shadow variants (recipes without global scales) that passed on an H200."""
-
-
-def gluon_shadow_verified(recipe: GluonRecipe) -> bool:
-    """Whether the dispatch runs ``recipe`` through the Gluon kernel unforced: its variant is
-    in ``AUTO_GLUON_SHADOWS`` (fp8 with V̂ = K̂, nvfp4 Q/K/P/V, dynamic nvfp4 K with fp8 V,
-    the packed nvfp4 shadow: the variants whose GPU suite passes). The other recipes
-    ``gluon_shadow_recipe`` takes (an exact V scale, K none with V quantized, q not
-    quantized) run there only under ``tuning.use("gluon")``."""
-    return _verified_kind(recipe) in AUTO_GLUON_SHADOWS
+"""The Gluon shadow variants (recipes without global scales) ``"auto"`` runs through a Gluon
+kernel: those of ``dispatch.TABLE``'s rows."""
 
 
 @lru_cache(maxsize=256)
@@ -777,27 +752,15 @@ def gluon_shadow_recipe(
     )  # fmt: skip
 
 
-def gluon_shadow_unsupported(
-    f: GluonFacts, *, layout: ShadowLayout, forced: bool = False
-) -> Unsupported | None:
-    """``gluon_unsupported`` for ``decode_shadow`` (``f`` of the K tiles the Gluon kernel
-    reads; page and row strides multiples of 8 elements, the 16-byte rows of every
-    shadow) with the shadow's recipe rule (``gluon_shadow_recipe``); ``"auto"`` (not
-    ``forced``). A pure function of its arguments."""
+def gluon_shadow_taken(f: GluonFacts, *, layout: ShadowLayout) -> GluonRecipe | Unsupported:
+    """``gluon_taken`` for ``decode_shadow`` (``f`` of the K tiles the Gluon kernel reads;
+    page and row strides multiples of 8 elements, the 16-byte rows of every shadow) with
+    the shadow's recipe rule (``gluon_shadow_recipe``). A pure function of its arguments."""
 
     def recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
-        taken = gluon_shadow_recipe(quant, layout, f.dtype)
-        if forced or isinstance(taken, str) or gluon_shadow_verified(taken):
-            return taken
-        return "this shadow recipe is not verified on a GPU yet in the Gluon kernel"
+        return gluon_shadow_recipe(quant, layout, f.dtype)
 
-    taken = gluon_shadow_recipe(f.quant, layout, f.dtype)
-    # a shadow the warp-specialized kernel reads runs it at any head count: at b128 h16
-    # L8192 the nvfp4 V̂ section 0.546 ms against the Triton kernel's 0.866, the packed shadow
-    # 2.30 against 2.79, the fp8 shadow (V̂ = K̂) 0.307 against 0.399
-    any_heads = isinstance(taken, GluonRecipe) and ws.ws_shadow_dispatched(taken)
-    return gluon_unsupported(f, forced=forced, recipe=recipe, stride_align=8,
-                             any_heads=any_heads)  # fmt: skip
+    return gluon_taken(f, recipe=recipe, stride_align=8)
 
 
 def _gluon_tiles(
