@@ -54,6 +54,7 @@ def test_reference_lists_every_key_of_the_schema() -> None:
         | config._SPARSITY_KEYS
         | config._OBSERVE_KEYS
         | config._LAYER_KEYS
+        | config._SOURCE_KEYS
     )
     documented = set(_table_keys())
     assert documented - schema == set(), "keys in docs/vllm.md the schema does not know"

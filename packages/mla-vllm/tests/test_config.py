@@ -81,7 +81,21 @@ def test_calibration_file_gives_static_amax(tmp_path: Path) -> None:
     assert r.prefill.q.static_amax() == 9.0 and r.decode.q.static_amax() == 40.0
     assert r.prefill.k.static_amax() == 7.0 and r.decode.k.static_amax() == 2.5
     assert r.prefill.v.static_amax() == 1.5  # explicit amax wins over calibration
-    other = config.recipe_for("model.layers.9.self_attn.attn")  # not calibrated: defaults
+    with pytest.raises(
+        MLAQuantConfigError,
+        match=r"^mla_quant\.calibration: 1 MLA layer\(s\) take static amaxes from the source "
+        r".*'model\.layers\.9\.self_attn\.attn' \(closest source entry: "
+        r"'model\.layers\.0\.self_attn\.attn'\).*\"partial\": true",
+    ):
+        config.recipe_for("model.layers.9.self_attn.attn")  # not calibrated: no fallback
+    partial = load_config(
+        {
+            "recipe": "nvfp4",
+            "calibration": {"from": "calibrate", "path": str(path), "partial": True},
+        }
+    )
+    assert partial.recipe_for("model.layers.0.self_attn.attn").prefill.q.static_amax() == 9.0
+    other = partial.recipe_for("model.layers.9.self_attn.attn")  # partial: defaults
     assert other.prefill.q.is_dynamic
 
 
@@ -169,9 +183,9 @@ def test_unmatched_pattern_is_named() -> None:
             ]
         }
     )
-    config.check_patterns(["model.layers.0.self_attn.attn", "decoder.attn"], where="x")
+    config.check_layer_names(["model.layers.0.self_attn.attn", "decoder.attn"], where="x")
     with pytest.raises(ValueError, match=r"^x\.layers\[1\]\.pattern: 'decoder\.\*' matches no"):
-        config.check_patterns(["model.layers.0.self_attn.attn"], where="x")
+        config.check_layer_names(["model.layers.0.self_attn.attn"], where="x")
 
 
 def test_static_p_amax_below_one_is_refused_naming_the_key_and_layer() -> None:

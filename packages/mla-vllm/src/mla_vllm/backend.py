@@ -310,9 +310,10 @@ def mla_layers(context: Mapping[str, Any], names: Iterable[str] | None = None) -
 def bind_layers(
     layers: Mapping[str, Any], config: MLAQuantConfig, vllm_config: VllmConfig | None
 ) -> None:
-    """Gate every layer, check the patterns, then bind each quantized impl's recipe."""
+    """Gate every layer, check the configuration against the layer names (patterns,
+    calibration source), then bind each quantized impl's recipe."""
     check_layers(layers)
-    config.check_patterns(layers, where="additional_config.mla_quant")
+    config.check_layer_names(layers, where="additional_config.mla_quant")
     for name, layer in layers.items():
         impl = layer.impl
         if isinstance(impl, MLAQuantImpl):
@@ -396,12 +397,16 @@ class MLAQuantBackend(TritonMLABackend):
         if vllm_config is None:
             return spec
         context = vllm_config.compilation_config.static_forward_context
+        config = config_from_vllm(vllm_config)
+        # the first point where every layer name is known, before any kernel runs (vLLM's
+        # memory profile follows): a calibration source for other names fails here
+        config.check_layer_names(mla_layers(context), where="additional_config.mla_quant")
         layers = {
             name: layer
             for name, layer in mla_layers(context).items()
             if isinstance(layer.impl, MLAQuantImpl)
         }
-        spec = shadow_spec(spec, config_from_vllm(vllm_config), layers)
+        spec = shadow_spec(spec, config, layers)
         start_early(vllm_config, layers)
         return spec
 

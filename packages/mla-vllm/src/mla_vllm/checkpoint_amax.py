@@ -30,6 +30,10 @@ What no ModelOpt quantizer sees is not made up: decode Q (``q_nope @ W_UK`` abso
 latent, whose amax bounds theirs only through ``kv_b_proj``), and decode anything
 from Hugging Face attention keep the recipe's own amax (or the role's default).
 P is not read: softmax probabilities have amax 1 by construction.
+
+Each source returns an ``AmaxSource``: the amaxes per layer, plus the source keys each
+layer's amaxes came from, so that ``mla_vllm.config`` can name both sides when the
+source's layers and the model's do not match.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAXBOUNDS", "SOURCES", "AmaxSourceError", "load_amax_source"]
+__all__ = ["MAXBOUNDS", "SOURCES", "AmaxSource", "AmaxSourceError", "load_amax_source"]
 
 SOURCES = ("checkpoint", "modelopt")
 MAXBOUNDS = {"FP8": 448.0}
@@ -55,6 +60,40 @@ _KV_SCALE = re.compile(r"^.+\.self_attn\.(?:[kv]_proj\.)?kv_scale$")
 _AMAX = re.compile(r"^(?P<m>.+)\.(?P<q>q|k|v|kv_c|k_pe|kv|pe)_bmm_quantizer\._amax$")
 
 Calibration = dict[str, dict[str, dict[str, float]]]
+
+
+@dataclass(frozen=True, eq=False)
+class AmaxSource(Mapping[str, Mapping[str, Mapping[str, float]]]):
+    """Static amaxes per layer from one source: ``{layer: {path: {role: amax}}}``.
+
+    A read-only mapping of ``layers`` (it compares equal to the plain dict), plus what
+    the configuration's checks need to name both sides of a mismatch.
+    """
+
+    layers: Calibration
+    origins: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """``{layer: the source's keys it came from}`` (a tensor name, a calibration entry)."""
+    files: tuple[str, ...] = ()
+    """The files read (empty for a calibration document given inline)."""
+    partial: bool = False
+    """The configuration says the source covers only some of the model's layers."""
+    kind: str = ""
+    """Its ``"from"``: ``"calibrate"``, ``"checkpoint"`` or ``"modelopt"``."""
+
+    def __getitem__(self, layer: str) -> Mapping[str, Mapping[str, float]]:
+        return self.layers[layer]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def origin(self, layer: str) -> str:
+        """The source's key(s) that gave ``layer``'s amaxes, for a message."""
+        keys = self.origins.get(layer, (layer,))
+        more = f" (+{len(keys) - 1} more)" if len(keys) > 1 else ""
+        return f"{keys[0]!r}{more}"
 
 
 class AmaxSourceError(ValueError):
@@ -95,6 +134,21 @@ def _scalar(value: Any, key: str, where: str) -> float:
 def _merge(out: Calibration, layer: str, path: str, role: str, value: float) -> None:
     slot = out.setdefault(layer, {}).setdefault(path, {})
     slot[role] = max(value, slot.get(role, 0.0))
+
+
+def _note(origins: dict[str, tuple[str, ...]], layer: str, *keys: str) -> None:
+    """Record that ``keys`` of the source gave ``layer`` an amax."""
+    known = origins.get(layer, ())
+    origins[layer] = known + tuple(k for k in keys if k not in known)
+
+
+def _unreadable(file: Path, where: str, exc: Exception) -> AmaxSourceError:
+    """A safetensors file that cannot be read (truncated, corrupt, not safetensors)."""
+    return _fail(
+        where,
+        f"cannot read {str(file)!r} as safetensors ({type(exc).__name__}: {exc}); the file "
+        "is truncated or corrupt: copy or download it again",
+    )
 
 
 # ---------------------------------------------------------------- exported checkpoint
@@ -138,7 +192,7 @@ def _scale_files(files: list[Path]) -> list[Path]:
     return chosen or files
 
 
-def _from_checkpoint(spec: Mapping[str, Any], where: str, model_path: str | None) -> Calibration:
+def _from_checkpoint(spec: Mapping[str, Any], where: str, model_path: str | None) -> AmaxSource:
     raw_path = spec.get("path", model_path)
     if raw_path is None:
         raise _fail(
@@ -171,45 +225,70 @@ def _from_checkpoint(spec: Mapping[str, Any], where: str, model_path: str | None
         maxbound = MAXBOUNDS[algo]
     if isinstance(maxbound, bool) or not isinstance(maxbound, (int, float)) or maxbound <= 0:
         raise _fail(f"{where}.maxbound", f"expected a positive number, got {maxbound!r}")
-    from safetensors import safe_open
-
     out: Calibration = {}
-    floor: list[str] = []
+    origins: dict[str, tuple[str, ...]] = {}
+    floor: list[tuple[str, float]] = []
     found: list[str] = []
-    for file in _scale_files(files):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if _KV_SCALE.match(key):
-                    raise _fail(
-                        where,
-                        f"{key!r} is one scale for both K and V (the deprecated kv_scale); "
-                        "MLA_QUANT needs K's and V's own (k_proj.k_scale, v_proj.v_scale)",
-                    )
-                match = _SCALE.match(key)
-                if match is None:
-                    continue
-                found.append(key)
-                scale = _scalar(handle.get_tensor(key), key, where)
-                if algo == "FP8" and scale <= 1.0:
-                    floor.append(key)
-                    continue
-                layer = f"{match['p']}.self_attn.attn"
-                _merge(out, layer, "prefill", match["r"], scale * float(maxbound))
+    path_key = f"{where}.path" if "path" in spec else where
+    chosen = _scale_files(files)
+    for file in chosen:
+        for key, tensor in _scale_tensors(file, path_key):
+            if _KV_SCALE.match(key):
+                raise _fail(
+                    where,
+                    f"{key!r} is one scale for both K and V (the deprecated kv_scale); "
+                    "MLA_QUANT needs K's and V's own (k_proj.k_scale, v_proj.v_scale)",
+                )
+            match = _SCALE.match(key)
+            if match is None:
+                continue
+            found.append(key)
+            scale = _scalar(tensor, key, where)
+            if algo == "FP8" and scale <= 1.0:
+                floor.append((key, scale))
+                continue
+            layer = f"{match['p']}.self_attn.attn"
+            _merge(out, layer, "prefill", match["r"], scale * float(maxbound))
+            _note(origins, layer, key)
     if floor:
-        shown = ", ".join(floor[:3]) + (", ..." if len(floor) > 3 else "")
-        raise _fail(
-            where,
-            f"{len(floor)} FP8 scale(s) at ModelOpt's floor 1.0 ({shown}): its export "
-            "clamps amax / 448 to at least 1, so these carry no amax; load the ModelOpt "
-            'amax state instead ({"from": "modelopt", "path": ...})',
-        )
+        raise _fail(where, _floor_message(floor))
     if not found:
         raise _fail(
             where,
             f"no ModelOpt KV scale (*.self_attn.k_proj.k_scale, *.self_attn.v_proj.v_scale) "
             f"in {[f.name for f in files][:4]}",
         )
-    return out
+    return AmaxSource(out, origins, tuple(str(f) for f in chosen), kind="checkpoint")
+
+
+def _scale_tensors(file: Path, where: str) -> list[tuple[str, Any]]:
+    """The KV-scale tensors of one safetensors file (``where``: its configuration key)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return [
+                (key, handle.get_tensor(key))
+                for key in handle.keys()  # noqa: SIM118 (safe_open has no __iter__)
+                if _SCALE.match(key) or _KV_SCALE.match(key)
+            ]
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise _unreadable(file, where, exc) from None
+
+
+def _floor_message(floor: list[tuple[str, float]]) -> str:
+    """Why FP8 scales of 1.0 or less carry no amax, and what to use instead."""
+    shown = ", ".join(f"{key!r} = {scale:g}" for key, scale in floor[:3])
+    shown += ", ..." if len(floor) > 3 else ""
+    return (
+        f"{len(floor)} FP8 KV scale(s) of 1.0 or less ({shown}). ModelOpt's FP8 export "
+        "writes each scale as max(amax / 448, 1.0): it never scales values up into FP8's "
+        "range, so every amax up to 448 is stored as the floor 1.0 and the calibrated "
+        "amax is lost (a scale below 1.0 is not what that export writes). Such a scale "
+        "gives no amax to quantize with. Instead: load the amax state ModelOpt calibrated "
+        '({"from": "modelopt", "path": "amax_dict_rank0.pt"}), run mla_vllm.calibrate(), '
+        'or give k and v an explicit "amax"'
+    )
 
 
 # ---------------------------------------------------------------- ModelOpt amax state
@@ -217,9 +296,13 @@ def _from_checkpoint(spec: Mapping[str, Any], where: str, model_path: str | None
 
 def _load_state(file: Path, where: str) -> Mapping[str, Any]:
     if file.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(file))
+        try:
+            return load_file(str(file))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise _unreadable(file, where, exc) from None
     import torch
 
     try:
@@ -231,20 +314,21 @@ def _load_state(file: Path, where: str) -> Mapping[str, Any]:
     return state
 
 
-def _from_modelopt(spec: Mapping[str, Any], where: str) -> Calibration:
+def _from_modelopt(spec: Mapping[str, Any], where: str) -> AmaxSource:
     raw = spec.get("path")
     paths: Iterable[object] = raw if isinstance(raw, list) else [raw]
-    files: list[Path] = []
+    files: list[tuple[Path, str]] = []
     for i, item in enumerate(paths):
         at = f"{where}.path" + (f"[{i}]" if isinstance(raw, list) else "")
         if not isinstance(item, (str, Path)) or not str(item):
             raise _fail(at, f"expected a file path, got {item!r}")
-        files += _files(Path(item), at, suffixes=(".pt", ".pth", ".safetensors"))
+        files += [(f, at) for f in _files(Path(item), at, suffixes=(".pt", ".pth", ".safetensors"))]
     if not files:
         raise _fail(f"{where}.path", "expected at least one file")
     amaxes: dict[tuple[str, str], float] = {}
-    for file in files:  # several files: tensor-parallel ranks, merged by max
-        for key, value in _load_state(file, f"{where}.path").items():
+    keys: dict[tuple[str, str], tuple[str, ...]] = {}
+    for file, at in files:  # several files: tensor-parallel ranks, merged by max
+        for key, value in _load_state(file, at).items():
             match = _AMAX.match(str(key))
             if match is None:
                 continue
@@ -258,20 +342,24 @@ def _from_modelopt(spec: Mapping[str, Any], where: str) -> Calibration:
                 )
             slot = (match["m"], match["q"])
             amaxes[slot] = max(_scalar(value, str(key), where), amaxes.get(slot, 0.0))
+            if str(key) not in keys.setdefault(slot, ()):
+                keys[slot] += (str(key),)
     if not amaxes:
         raise _fail(
             where,
             f"no attention quantizer amax (*.q/k/v/kv_c/k_pe_bmm_quantizer._amax) in "
-            f"{[f.name for f in files][:4]}",
+            f"{[f.name for f, _ in files][:4]}",
         )
     modules: dict[str, dict[str, float]] = {}
     for (module, quantizer), value in amaxes.items():
         modules.setdefault(module, {})[quantizer] = value
     out: Calibration = {}
+    origins: dict[str, tuple[str, ...]] = {}
     for module, q in sorted(modules.items()):
         if "kv_c" in q or "k_pe" in q:  # vLLM's MLAAttention (ModelOpt's vLLM plugin)
             if "k" in q or "v" in q:
                 raise _fail(where, f"{module!r} has both vLLM-plugin and Hugging Face quantizers")
+            layer = module
             if "q" in q:
                 _merge(out, module, "prefill", "q", q["q"])
             decode_k = max(q.get("kv_c", 0.0), q.get("k_pe", 0.0))
@@ -285,12 +373,14 @@ def _from_modelopt(spec: Mapping[str, Any], where: str) -> Calibration:
             for role in ("q", "k", "v"):
                 if role in q:
                     _merge(out, layer, "prefill", role, q[role])
-    return out
+        for quantizer in sorted(q):
+            _note(origins, layer, *keys[module, quantizer])
+    return AmaxSource(out, origins, tuple(str(f) for f, _ in files), kind="modelopt")
 
 
 # ---------------------------------------------------------------- entry point
 
-_CACHE: dict[tuple[object, ...], Calibration] = {}
+_CACHE: dict[tuple[object, ...], AmaxSource] = {}
 
 
 def _cache_key(spec: Mapping[str, Any], model_path: str | None) -> tuple[object, ...]:
@@ -312,7 +402,7 @@ def _cache_key(spec: Mapping[str, Any], model_path: str | None) -> tuple[object,
 
 def load_amax_source(
     spec: Mapping[str, Any], where: str = "calibration", model_path: str | None = None
-) -> Calibration:
+) -> AmaxSource:
     """``{layer: {"prefill"|"decode": {"q"|"k"|"v": amax}}}`` from a ModelOpt source.
 
     ``spec`` is ``{"from": "checkpoint" | "modelopt", "path": ..., "maxbound": ...}``;

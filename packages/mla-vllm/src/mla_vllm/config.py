@@ -12,7 +12,8 @@ engine starts. The configuration is a JSON object, given in vLLM's
       "v": {"format": "fp8", "amax": {"prefill": 3.0, "decode": 9.0}},
       "p": "nvfp4",
       "calibration": "/path/calibration.json", # static amax per layer (calibrate()), or
-                                               # {"from": "checkpoint"|"modelopt", ...}
+                                               # {"from": "calibrate"|"checkpoint"|"modelopt",
+                                               #  "path": ..., "partial": false}
       "sparsity": {"n": 2, "m": 4, "dense_sink_tokens": 16, "dense_recent_tokens": 64},
       "layers": [                              # later entries win
         {"pattern": "model.layers.0.*", "recipe": "none"},
@@ -25,6 +26,11 @@ engine starts. The configuration is a JSON object, given in vLLM's
 
 Every error is a ``MLAQuantConfigError`` (a ``ValueError``) whose message starts
 with the dotted path of the bad field, e.g. ``mla_quant.layers[1].q.amax: ...``.
+
+A calibration source must match the model's MLA layers (``check_layer_names``, run
+where the layer names are first known, before any kernel): an entry for no layer, or
+a layer that reads static amaxes and finds none, is an error naming both sides,
+unless the source says ``"partial": true``.
 """
 
 from __future__ import annotations
@@ -32,20 +38,22 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, TypeVar
 
 from mla_formats import FORMATS, AttentionQuant, NMSparsity, OperandQuant
 from mla_formats.formats import check_scale
-from mla_vllm.checkpoint_amax import AmaxSourceError, load_amax_source
+from mla_vllm.checkpoint_amax import SOURCES, AmaxSource, AmaxSourceError, load_amax_source
 
 __all__ = [
     "CALIBRATION_FORMAT",
     "KV_PATHS",
     "ROLES",
     "SHADOW_STORAGES",
+    "AmaxSource",
     "LayerRecipe",
     "MLAQuantConfig",
     "MLAQuantConfigError",
@@ -63,6 +71,8 @@ _OPERAND_KEYS = frozenset({"format", "amax"})
 _SPARSITY_KEYS = frozenset({"n", "m", "dense_sink_tokens", "dense_recent_tokens"})
 _OBSERVE_KEYS = frozenset({"enabled", "interval", "max_rows"})
 _LAYER_KEYS = frozenset({"pattern", "recipe", *ROLES, "sparsity"})
+_SOURCE_KEYS = frozenset({"from", "path", "maxbound", "partial"})
+CALIBRATE = "calibrate"  # {"from": "calibrate", "path": ...}: a file calibrate() wrote
 _TOP_KEYS = frozenset(
     {"recipe", *ROLES, "sparsity", "calibration", "layers", "observe", "kv_path", "shadow_storage"}
 )
@@ -269,24 +279,54 @@ class LayerRecipe:
         return self.prefill.is_identity and self.decode.is_identity and self.sparsity is None
 
 
-Calibration = Mapping[str, Mapping[str, Mapping[str, float]]]
-
-
 def load_calibration(
     obj: object, where: str = "calibration", *, model_path: str | None = None
-) -> Calibration:
-    """Validate a calibration document (a path or the parsed JSON object).
+) -> AmaxSource:
+    """Validate a calibration source: a ``calibrate()`` document (its path or the parsed
+    JSON object), or an object with a ``"from"`` key.
 
-    Returns ``{layer: {"prefill"|"decode": {"q"|"k"|"v": amax}}}``. An object with a
-    ``"from"`` key is a ModelOpt source instead (``mla_vllm.checkpoint_amax``;
-    ``model_path``, the served model's directory, is its default checkpoint).
+    Returns the mapping ``{layer: {"prefill"|"decode": {"q"|"k"|"v": amax}}}`` (an
+    ``AmaxSource``). ``{"from": "calibrate", "path": ...}`` is a ``calibrate()`` file;
+    ``{"from": "checkpoint"|"modelopt", ...}`` a ModelOpt source
+    (``mla_vllm.checkpoint_amax``; ``model_path``, the served model's directory, is its
+    default checkpoint). ``"partial": true`` on such an object says the source covers
+    only some of the model's layers (``MLAQuantConfig.check_layer_names``).
     """
     if isinstance(obj, Mapping) and "from" in obj:
+        return _amax_source(obj, where, model_path)
+    if isinstance(obj, (str, Path)):
+        return _document(_read_json(Path(obj), where), where, (str(obj),))
+    return _document(obj, where, ())
+
+
+def _amax_source(obj: Mapping[str, Any], where: str, model_path: str | None) -> AmaxSource:
+    spec = _mapping(obj, where)
+    _check_keys(spec, _SOURCE_KEYS, where)
+    kind = spec["from"]
+    if kind not in (CALIBRATE, *SOURCES):
+        raise _fail(f"{where}.from", f"expected one of {[CALIBRATE, *SOURCES]}, got {kind!r}")
+    partial = spec.get("partial", False)
+    if not isinstance(partial, bool):
+        raise _fail(f"{where}.partial", f"expected true or false, got {partial!r}")
+    if kind == CALIBRATE:
+        if "maxbound" in spec:
+            raise _fail(f"{where}.maxbound", "only for 'checkpoint' (a file holds amax itself)")
+        path = spec.get("path")
+        if not isinstance(path, (str, Path)) or not str(path):
+            raise _fail(f"{where}.path", f"expected the path of a calibrate() file, got {path!r}")
+        source = _document(_read_json(Path(path), f"{where}.path"), where, (str(path),))
+    else:
         try:
-            return load_amax_source(obj, where, model_path)
+            source = load_amax_source(
+                {k: v for k, v in spec.items() if k != "partial"}, where, model_path
+            )
         except AmaxSourceError as exc:
             raise MLAQuantConfigError(str(exc)) from None
-    doc = _read_json(Path(obj), where) if isinstance(obj, (str, Path)) else obj
+    return replace(source, partial=partial, kind=kind)
+
+
+def _document(doc: object, where: str, files: tuple[str, ...]) -> AmaxSource:
+    """A ``calibrate()`` document, validated."""
     top = _mapping(doc, where)
     _check_keys(top, frozenset({"format", "version", "layers", "meta"}), where)
     if top.get("format") != CALIBRATION_FORMAT:
@@ -308,7 +348,7 @@ def load_calibration(
             result[name][path] = {
                 role: _positive(value, f"{at}.{path}.{role}") for role, value in ops.items()
             }
-    return result
+    return AmaxSource(result, files=files, kind=CALIBRATE)
 
 
 def _read_json(path: Path, where: str) -> object:
@@ -328,7 +368,8 @@ class MLAQuantConfig:
 
     base: _Settings
     overrides: tuple[_Override, ...]
-    calibration: Calibration
+    calibration: AmaxSource | None
+    """The static amaxes of the ``calibration`` key, if given."""
     observe: ObserveConfig
     source: str = "<inline>"
     kv_path: str = "on_read"
@@ -380,7 +421,7 @@ class MLAQuantConfig:
             if not isinstance(pattern, str) or not pattern:
                 raise _fail(f"{at}.pattern", f"expected a non-empty glob string, got {pattern!r}")
             overrides.append(_Override(pattern, _settings(item, at)))
-        calibration: Calibration = {}
+        calibration: AmaxSource | None = None
         if spec.get("calibration") is not None:
             calibration = load_calibration(
                 spec["calibration"], f"{where}.calibration", model_path=model_path
@@ -391,8 +432,14 @@ class MLAQuantConfig:
         config.recipe_for("")  # resolve once: format/amax combinations are checked here
         return config
 
-    def check_patterns(self, layer_names: Iterable[str], where: str = "mla_quant") -> None:
-        """Raise when a ``layers[i].pattern`` matches none of ``layer_names``."""
+    def check_layer_names(self, layer_names: Iterable[str], where: str = "mla_quant") -> None:
+        """Check the configuration against the model's MLA layers, before any kernel runs.
+
+        Raises when a ``layers[i].pattern`` matches none of ``layer_names``, or when the
+        ``calibration`` source and the layers do not match: an entry of the source for
+        no layer, or a layer that reads static amaxes from the source and finds none
+        (both allowed by ``"partial": true``, as long as one entry matches a layer).
+        """
         names = list(layer_names)
         for i, override in enumerate(self.overrides):
             if not any(fnmatch.fnmatchcase(name, override.pattern) for name in names):
@@ -401,9 +448,42 @@ class MLAQuantConfig:
                     f"{where}.layers[{i}].pattern",
                     f"{override.pattern!r} matches no MLA layer (layers: {shown})",
                 )
+        source = self.calibration
+        if source is None or not names:
+            return
+        known = set(names)
+        stray = [layer for layer in source if layer not in known]
+        missing = [name for name in names if name not in source and self._reads_source(name)]
+        matched = len(source) > len(stray)
+        if matched and (source.partial or not (stray or missing)):
+            return
+        problems: list[str] = []
+        if not source:
+            problems.append("the source has no layer entries")
+        elif not matched:  # every layer that reads it is missing too: the source's side says it
+            entries = (
+                "its entry is" if len(source) == 1 else f"none of its {len(source)} entries is"
+            )
+            problems.append(
+                f"{entries} for an MLA layer of the model (another model's source, or names "
+                f"with another prefix?): {_stray(source, stray, names)}"
+            )
+        else:
+            if stray:
+                problems.append(
+                    f"{len(stray)} of its {len(source)} entries are for no MLA layer of the "
+                    f"model: {_stray(source, stray, names)}"
+                )
+            if missing:
+                problems.append(_missing(source, missing))
+        if matched:
+            problems.append(_partial_hint(source, f"{where}.calibration"))
+        elif source.partial:
+            problems.append('"partial": true allows some layers unmatched, not all')
+        raise _fail(f"{where}.calibration", "; ".join(problems))
 
-    def recipe_for(self, layer_name: str) -> LayerRecipe:
-        """The recipe of the layer named ``layer_name`` (vLLM's layer prefix)."""
+    def _operands(self, layer_name: str) -> tuple[dict[str, OperandSpec], NMSparsity | None]:
+        """The operand specs and sparsity of ``layer_name`` (before calibration)."""
         operands: dict[str, OperandSpec] = {role: OperandSpec("none") for role in ROLES}
         operands.update(self.base.operands)
         sparsity = self.base.sparsity
@@ -412,7 +492,36 @@ class MLAQuantConfig:
                 operands.update(override.settings.operands)
                 if override.settings.has_sparsity:
                     sparsity = override.settings.sparsity
-        calibrated = self.calibration.get(layer_name, {})
+        return operands, sparsity
+
+    def _reads_source(self, layer_name: str) -> bool:
+        """True when some q, k or v of the layer takes its amax from the calibration."""
+        operands, _ = self._operands(layer_name)
+        return any(
+            operands[role].format != "none" and operands[role].amax.get(path) is None
+            for role in ("q", "k", "v")
+            for path in PATHS
+        )
+
+    def recipe_for(self, layer_name: str) -> LayerRecipe:
+        """The recipe of the layer named ``layer_name`` (vLLM's layer prefix).
+
+        A layer that reads static amaxes from a ``calibration`` source without
+        ``"partial": true`` and finds none there is refused (``check_layer_names``
+        checks every layer, and the source's side, at once).
+        """
+        operands, sparsity = self._operands(layer_name)
+        source = self.calibration
+        calibrated: Mapping[str, Mapping[str, float]] = {}
+        if source is not None:
+            calibrated = source.get(layer_name, {})
+            uncovered = layer_name and not calibrated and not source.partial
+            if uncovered and self._reads_source(layer_name):
+                raise _fail(
+                    f"{self.where}.calibration",
+                    f"{_missing(source, [layer_name])}; "
+                    + _partial_hint(source, f"{self.where}.calibration"),
+                )
         paths: dict[str, AttentionQuant] = {}
         for path in PATHS:
             resolved: dict[str, OperandQuant | str] = {}
@@ -481,6 +590,55 @@ def _from_formats(
         else:
             key, message = where, str(exc)
         raise _fail(key, _layer(layer_name) + message) from None
+
+
+def _shown(names: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _closest(name: str, candidates: Iterable[str]) -> str | None:
+    found = get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _entry(source: AmaxSource, layer: str) -> str:
+    """A source entry as a message names it: its key in the source, and its layer."""
+    if layer in source.origins:
+        return f"{source.origin(layer)} for layer {layer!r}"
+    return repr(layer)
+
+
+def _stray(source: AmaxSource, stray: Sequence[str], names: Sequence[str]) -> str:
+    """The source's entries for no MLA layer, each with the closest MLA layer's name."""
+    shown = []
+    for layer in stray[:3]:
+        close = _closest(layer, names)
+        shown.append(_entry(source, layer) + (f" (closest MLA layer {close!r})" if close else ""))
+    return ", ".join(shown) + (f", and {len(stray) - 3} more" if len(stray) > 3 else "")
+
+
+def _missing(source: AmaxSource, missing: Sequence[str]) -> str:
+    """Layers that read static amaxes and get none, each with the closest source entry."""
+    shown = []
+    for layer in missing[:3]:
+        close = _closest(layer, source)
+        hint = f" (closest source entry: {_entry(source, close)})" if close else ""
+        shown.append(f"{layer!r}{hint}")
+    more = f", and {len(missing) - 3} more" if len(missing) > 3 else ""
+    files = f" ({_shown(source.files, 2)})" if source.files else ""
+    return (
+        f"{len(missing)} MLA layer(s) take static amaxes from the source{files}, which has "
+        "none for them: " + ", ".join(shown) + more
+    )
+
+
+def _partial_hint(source: AmaxSource, where: str) -> str:
+    if source.kind == CALIBRATE and source.files:
+        form = f'{{"from": "calibrate", "path": {json.dumps(source.files[0])}, "partial": true}}'
+    else:
+        form = f'"partial": true beside "from" in {where}'
+    return f"if the source is meant to cover only some layers, say so: {form}"
 
 
 def _layer(name: str) -> str:

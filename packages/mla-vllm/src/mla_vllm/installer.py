@@ -104,7 +104,7 @@ def install_model(model: torch.nn.Module, config: object) -> list[str]:
             "raw cache: use kv_path 'on_read', or serve with --attention-backend MLA_QUANT"
         )
     layers = model_layers(model)
-    cfg.check_patterns(layers)
+    cfg.check_layer_names(layers)
     check_layers(layers, in_place=True)
     problem = _cudagraph_problem(layers)
     if problem is not None:

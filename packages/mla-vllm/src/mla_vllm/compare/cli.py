@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mla_vllm.compare.inputs import (
+    check_layer_names,
     check_lengths,
     check_model,
     check_out_dir,
-    check_patterns,
     load_prompts,
     model_max_len,
     parse_recipes,
@@ -272,7 +272,7 @@ def run(
     recipes = parse_recipes(args.recipe, args.model)
     if NATIVE in {r.name for r in recipes}:
         raise ValueError(f"--recipe: {NATIVE!r} names the native run; choose another name")
-    check_patterns(recipes, args.model, args.model)
+    check_layer_names(recipes, args.model, args.model)
     ids = [list(p.ids or ()) for p in prompts]
     specs = _specs(args, ids, recipes)
     out = Path(args.out)

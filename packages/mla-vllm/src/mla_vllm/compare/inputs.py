@@ -32,10 +32,10 @@ __all__ = [
     "TOKENIZER_FILES",
     "Prompt",
     "Recipe",
+    "check_layer_names",
     "check_lengths",
     "check_model",
     "check_out_dir",
-    "check_patterns",
     "layer_names",
     "load_prompts",
     "model_max_len",
@@ -119,8 +119,9 @@ def layer_names(model: str) -> list[str] | None:
     return [template.format(i) for i in range(layers)]
 
 
-def check_patterns(recipes: Sequence[Recipe], model: str, model_path: str | None) -> None:
-    """Every ``layers[i].pattern`` of every recipe matches one of the model's MLA layers.
+def check_layer_names(recipes: Sequence[Recipe], model: str, model_path: str | None) -> None:
+    """Every recipe against the model's MLA layers: each ``layers[i].pattern`` matches
+    one, and a ``calibration`` source matches them (``MLAQuantConfig.check_layer_names``).
 
     Checked where the model's layer names are known (``layer_names``); the engine checks
     them again when it binds the layers.
@@ -132,7 +133,7 @@ def check_patterns(recipes: Sequence[Recipe], model: str, model_path: str | None
         config = MLAQuantConfig.from_obj(
             recipe.config, where=f"--recipe {recipe.name}: mla_quant", model_path=model_path
         )
-        config.check_patterns(names, where=f"--recipe {recipe.name}: mla_quant")
+        config.check_layer_names(names, where=f"--recipe {recipe.name}: mla_quant")
 
 
 @dataclass(frozen=True)
