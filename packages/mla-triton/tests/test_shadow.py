@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 from calls import decode, decode_shadow  # the public calls, ``config`` forced (tuning.use)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import mla_reference
 import mla_triton.ops.shadow as shadow_module
 from mla_formats import AttentionQuant, OperandQuant, qdq_factored
 from mla_triton import (
@@ -759,3 +763,219 @@ def test_recipe_check_holds_through_views_of_one_allocation() -> None:
     write(buffer[4:], scaled)  # another layer's shadow in the same buffer
     with pytest.raises(ValueError, match=r"^quant: "):
         write(buffer[4:], fp8)
+
+
+# ------------------------------------------------------------------ write order
+
+# Small widths: these tests make many calls through the interpreter.
+OR, OROPE = 32, 16
+OD = OR + OROPE
+ORDER_QUANTS = {
+    "nvfp4": NVFP4,
+    "kdyn-fp8-vnvfp4": AttentionQuant(k=OperandQuant("fp8", "dynamic"), v="nvfp4", p="fp8"),
+}
+
+
+def _order_cache(
+    blocks: int, page: int, quant: AttentionQuant, storage: str = "fp16"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A raw cache of NaN rows (unwritten rows show if read) and its zeroed shadow."""
+    cache = torch.full((blocks, page, OD), float("nan"), dtype=torch.float16)
+    shadow = allocate_shadow(blocks, page, quant, kv_lora_rank=OR, rope_dim=OROPE, storage=storage)
+    return cache, shadow
+
+
+def _write(
+    cache: torch.Tensor, shadow: torch.Tensor, slots: list[int], quant: AttentionQuant, seed: int,
+    storage: str = "fp16", check_values: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One ``update_cache`` call of random rows to ``slots``; returns the rows ``[T, OD]``."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(len(slots), OD, generator=g).half()
+    update_cache(
+        rows[:, :OR], rows[:, OR:], cache, torch.tensor(slots, dtype=torch.int64), shadow,
+        quant=quant, storage=storage, check_values=check_values,
+    )  # fmt: skip
+    return rows
+
+
+def first_misorder(slots: list[int], page: int) -> str | None:
+    """What ``update_cache`` must refuse in one call's ``slot_mapping`` (None: nothing).
+
+    The rule, written as a loop: a slot given twice; else the first entry (``-1`` aside)
+    that is not one slot past the entry before it on its page."""
+    used = [s for s in slots if s >= 0]
+    twice = sorted({s for s in used if used.count(s) > 1})
+    if twice:
+        return f"slot {twice[0]} appears more than once"
+    last: dict[int, int] = {}
+    for i, s in enumerate(slots):
+        if s < 0:
+            continue
+        if s // page in last and s != last[s // page] + 1:
+            return f"entry {i} writes slot {s} (position {s % page} of page {s // page})"
+        last[s // page] = s
+    return None
+
+
+@st.composite
+def in_order_call(draw: st.DrawFn) -> tuple[int, int, list[int]]:
+    """``(page, blocks, slot_mapping)`` of one call that keeps the order: 1 to 3 requests
+    on pages of their own, each appending 3 to 40 tokens from a drawn position (crossing
+    16-token blocks and pages), requests in a drawn order, ``-1`` entries anywhere."""
+    page = draw(st.sampled_from([16, 32]))
+    n = draw(st.integers(1, 3))
+    per = -(-(2 * page + 40) // page)
+    blocks = n * per + 1
+    pages = draw(st.permutations(range(blocks)))
+    slots: list[int] = []
+    for r in draw(st.permutations(range(n))):
+        start = draw(st.integers(0, 2 * page))
+        for pos in range(start, start + draw(st.integers(3, 40))):
+            slots.append(pages[r * per + pos // page] * page + pos % page)
+    for _ in range(draw(st.integers(0, 2))):
+        slots.insert(draw(st.integers(0, len(slots))), -1)
+    return page, blocks, slots
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=in_order_call(), how=st.sampled_from(["swap", "gap", "behind", "rewrite"]),
+       data=st.data())  # fmt: skip
+def test_writes_out_of_position_order_are_refused(
+    call: tuple[int, int, list[int]], how: str, data: st.DataObject
+) -> None:
+    """One call's writes to a page out of position order (two entries swapped), with a gap
+    (an entry between two others dropped), behind a slot already written (an earlier slot
+    of a page, possibly of a block the call completed, after the call's last slot there),
+    or a rewrite of a slot the call wrote: ``ValueError`` naming ``slot_mapping`` and the
+    offending entry and slot, and the cache and shadow unchanged (checked by default on
+    the CPU)."""
+    page, blocks, slots = call
+    assert first_misorder(slots, page) is None
+    runs: dict[int, list[int]] = {}  # page -> the entries writing it, in call order
+    for i, s in enumerate(slots):
+        if s >= 0:
+            runs.setdefault(s // page, []).append(i)
+    fits = {
+        "swap": lambda run: len(run) >= 2,
+        "gap": lambda run: len(run) >= 3,
+        "behind": lambda run: slots[run[0]] % page > 0,
+        "rewrite": lambda run: True,
+    }[how]
+    candidates = [run for run in runs.values() if fits(run)]
+    if not candidates:
+        how, candidates = "rewrite", list(runs.values())
+    run = data.draw(st.sampled_from(candidates))
+    bad = list(slots)
+    if how == "swap":
+        i, j = sorted(data.draw(st.lists(st.sampled_from(run), min_size=2, max_size=2,
+                                         unique=True)))  # fmt: skip
+        bad[i], bad[j] = bad[j], bad[i]
+    elif how == "gap":
+        del bad[data.draw(st.sampled_from(run[1:-1]))]
+    elif how == "behind":
+        first = slots[run[0]]
+        earlier = data.draw(st.integers(first - first % page, first - 1))
+        bad.insert(data.draw(st.integers(run[-1] + 1, len(bad))), earlier)
+    else:
+        again = slots[data.draw(st.sampled_from(run))]
+        bad.insert(data.draw(st.integers(run[-1] + 1, len(bad))), again)
+    want = first_misorder(bad, page)
+    assert want is not None
+    cache, shadow = _order_cache(blocks, page, NVFP4)
+    shadow.random_(0, 256, generator=torch.Generator().manual_seed(len(bad)))
+    before = (cache.clone(), shadow.clone())
+    with pytest.raises(ValueError, match="^slot_mapping: " + re.escape(want)):
+        _write(cache, shadow, bad, NVFP4, seed=0)
+    assert torch.equal(cache.nan_to_num(7.0), before[0].nan_to_num(7.0)), "a refused call wrote"
+    assert torch.equal(shadow, before[1]), "a refused call wrote into the shadow"
+
+
+def test_unchecked_writes_are_not_looked_at() -> None:
+    """Unchecked, the order is not looked at: one call's tokens in another order (the rows
+    with them) write what the call in position order writes, bit for bit."""
+    slots = [*range(5, 37), -1, 40, 41]
+    order = torch.randperm(len(slots), generator=torch.Generator().manual_seed(3)).tolist()
+    assert first_misorder([slots[i] for i in order], 16) is not None
+    written = []
+    for perm in (list(range(len(slots))), order):
+        cache, shadow = _order_cache(4, 16, NVFP4)
+        rows = torch.randn(len(slots), OD, generator=torch.Generator().manual_seed(1)).half()
+        update_cache(
+            rows[perm, :OR], rows[perm, OR:], cache, torch.tensor([slots[i] for i in perm]),
+            shadow, quant=NVFP4, check_values=False,
+        )  # fmt: skip
+        written.append((cache.nan_to_num(7.0), shadow))
+    assert torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    page=st.sampled_from([16, 32]),
+    chunks=st.lists(st.lists(st.integers(0, 24), min_size=1, max_size=3), min_size=1, max_size=3),
+    rollback=st.integers(0, 5),
+    recipe=st.sampled_from(list(ORDER_QUANTS)),
+    storage=st.sampled_from(STORAGES),
+    seed=st.integers(0, 2**16),
+)
+def test_writes_in_position_order_match_the_reference(
+    page: int, chunks: list[list[int]], rollback: int, recipe: str, storage: str, seed: int
+) -> None:
+    """Requests appended in chunks (one call a round, requests in a shuffled order, chunks
+    crossing 16-token blocks and pages), then a speculative rollback of up to 5 tokens
+    rewritten with other rows in a later call: every call accepted (checked), every raw row
+    the last one written, K̂ and every complete block's V̂ the QDQ of the raw rows bitwise,
+    ``decode_shadow`` the reference's result."""
+    quant = ORDER_QUANTS[recipe]
+    g = torch.Generator().manual_seed(seed)
+    lens = [sum(c) for c in chunks]
+    per = max(1, -(-max(lens) // page))
+    blocks = len(chunks) * per + 1
+    table = torch.randperm(blocks, generator=g)[: len(chunks) * per].view(len(chunks), per)
+    cache, shadow = _order_cache(blocks, page, quant, storage)
+    done = [0] * len(chunks)
+    rounds = [[c[k] if k < len(c) else 0 for c in chunks] for k in range(3)]
+    back = [min(rollback, n) for n in lens]
+    rounds.append(back)  # the rewrite of the rolled back tokens
+    for k, counts in enumerate(rounds):
+        if k == 3:
+            done = [n - b for n, b in zip(lens, back, strict=True)]
+        slots: list[int] = []
+        for r in torch.randperm(len(chunks), generator=g).tolist():
+            for pos in range(done[r], done[r] + counts[r]):
+                slots.append(int(table[r, pos // page]) * page + pos % page)
+            done[r] += counts[r]
+        slots.insert(int(torch.randint(0, len(slots) + 1, (1,), generator=g)), -1)
+        rows = _write(cache, shadow, slots, quant, seed=seed + k, storage=storage)
+        keep = torch.tensor(slots) >= 0
+        assert torch.equal(cache.view(-1, OD)[torch.tensor(slots)[keep]], rows[keep])
+    assert done == lens
+    lay = shadow_layout(quant, kv_lora_rank=OR, rope_dim=OROPE, storage=storage)
+    kh, ks, vh = lay.views(shadow)
+    for r, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots_r = table[r, pos // page] * page + pos % page
+        latent = cache.view(-1, OD)[slots_r].float()
+        k_want, k_gs = qdq_factored(latent, quant.k, axis=1)
+        v_want, _ = qdq_factored(latent[:, :OR], quant.v, axis=0, pad=True)
+        full = n - n % 16
+        assert kh is not None and vh is not None
+        if storage == "fp16":
+            assert torch.equal(kh.reshape(-1, OD)[slots_r].float(), k_want), "K̂ differs"
+            v_got = vh.reshape(-1, OR)[slots_r[:full]].float()
+            assert torch.equal(v_got, v_want[:full]), "a complete block's V̂ is stale"
+        if ks is not None:
+            assert torch.equal(ks.reshape(-1)[slots_r], k_gs[:, 0]), "K scales differ"
+    q = (torch.randn(len(chunks), 2, OD, generator=g) * 0.7).half()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    table = table.to(torch.int32)
+    out, lse = decode_shadow(q, cache, shadow, table, seq, softmax_scale=0.2, quant=quant,
+                             storage=storage, kv_lora_rank=OR)  # fmt: skip
+    ref_out, ref_lse = mla_reference.decode(q, cache, table, seq, softmax_scale=0.2,
+                                            kv_lora_rank=OR, quant=quant)  # fmt: skip
+    empty = seq == 0
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    assert torch.isfinite(out).all()
+    if not bool(empty.all()):
+        assert float(row_errors(out[~empty], ref_out[~empty]).max()) < 5e-2
+    assert torch.allclose(lse[~empty], ref_lse[~empty].float(), atol=1e-3)

@@ -28,7 +28,8 @@ quantizes it on read from the raw rows, zeros past the sequence's end. The
 shadow's contents thus never depend on a sequence length; decode needs nothing
 but the raw cache, the shadow, the block table and ``seq_lens``. Requires pages
 of a multiple of 16 slots holding consecutive positions (slot ``i`` of a
-sequence's ``j``-th page is position ``j * page_size + i``), as paged engines do.
+sequence's ``j``-th page is position ``j * page_size + i``), as paged engines do,
+written in position order (docs/numerics.md "The shadow's write order").
 """
 
 from __future__ import annotations
@@ -455,15 +456,25 @@ def update_cache(
         quant: the recipe; only ``quant.k`` and ``quant.v`` are used, and they must
             be the ones decode passes.
         storage: ``"fp16"`` (16-bit factored values) or ``"packed"`` (4/8-bit codes).
-        check_values: check slot_mapping against the cache's capacity, and for
-            duplicates, on the host (a device sync). None: only when it is a CPU tensor.
+        check_values: check slot_mapping on the host (a device sync) against the
+            cache's capacity, for duplicates and for the write order below. None: only
+            when it is a CPU tensor.
 
     Writes, per token, the raw row, K̂ (and its dynamic scale) and fp8 V̂; then, in
     a second launch, the nvfp4 V̂ of every 16-token block whose last slot
-    (``slot % 16 == 15``) this call writes, from the block's 16 raw rows. Tokens
-    must reach a page in position order (an engine's append-only pages do: a
-    block's last slot is written after, or with, its other 15). Two launches, no
-    host sync, no allocation: CUDA-graph capturable.
+    (``slot % 16 == 15``) this call writes, from the block's 16 raw rows. Two
+    launches, no host sync, no allocation: CUDA-graph capturable.
+
+    Write order (docs/numerics.md "The shadow's write order"): tokens reach a page in
+    position order, as an engine's append-only pages do, so a block's last slot is
+    written after, or with, its other 15; a slot rewritten (a speculative rollback, a
+    page given to another request) is followed by its block's later slots before
+    decode counts the block as complete. Checked, one call's entries of
+    ``slot_mapping`` that write one page (``-1`` aside, in their order in
+    ``slot_mapping``) must be consecutive slots, increasing; the first entry that is not
+    raises ``ValueError`` naming ``slot_mapping``, the entry, its slot and position,
+    before anything is written. What earlier calls wrote is not checked: the shadow
+    keeps no record of it.
 
     Non-finite input is written as is; its K̂ and V̂ are NaN (with the token's nvfp4
     block, or its row for a dynamic K scale), never saturated (docs/numerics.md).
@@ -517,6 +528,7 @@ def update_cache(
                 f"slot_mapping: slot {twice} appears more than once (one call writes each "
                 "slot at most once)"
             )
+        _check_order(s, page_size)
     _stamp(written, lay, "quant")
     if n == 0:
         return
@@ -527,6 +539,30 @@ def update_cache(
         cache.copy_(wide)  # every value came from a bf16 rounding: exact
         return
     _write_cache(x1, x2, cache, slots, kh, ks, vh, q, lay, n)
+
+
+def _check_order(slots: torch.Tensor, page_size: int) -> None:
+    """Refuse a call whose tokens do not reach a page in position order (host, int64 CPU
+    ``slots`` within the cache, no duplicates): the entries writing one page, in their
+    order in ``slot_mapping`` (``-1`` aside), must be consecutive slots, increasing. The
+    first entry that is not names itself, its slot and page position, and the entry before
+    it on that page."""
+    entry = (slots >= 0).nonzero()[:, 0]
+    written = slots[entry]
+    pages, order = (written // page_size).sort(stable=True)  # each page's entries in call order
+    at, entry = written[order], entry[order]
+    broken = (pages[1:] == pages[:-1]) & (at[1:] != at[:-1] + 1)
+    if not bool(broken.any()):
+        return
+    k = int(entry[1:][broken].argmin())  # the first broken entry in call order
+    k = int(broken.nonzero()[k, 0]) + 1
+    slot, prev = int(at[k]), int(at[k - 1])
+    raise ValueError(
+        f"slot_mapping: entry {int(entry[k])} writes slot {slot} (position {slot % page_size} "
+        f"of page {slot // page_size}) after entry {int(entry[k - 1])} wrote slot {prev} "
+        f"(position {prev % page_size}); tokens reach a page in position order: the entries "
+        "of one call that write a page are consecutive slots, increasing"
+    )
 
 
 def _write_cache(
