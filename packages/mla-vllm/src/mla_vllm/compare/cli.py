@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="--generate: go on past the end-of-sequence token, so every prompt gives N tokens",
+        help="--generate: go on past the end-of-sequence token, so every prompt gives N tokens "
+        "(default: stop there)",
     )
     p.add_argument(
         "--bootstrap",
