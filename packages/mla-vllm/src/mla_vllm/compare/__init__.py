@@ -5,9 +5,14 @@ mla_vllm.compare``) serves the model natively and once per recipe, each engine i
 own process, teacher-forced on the same tokens, and reports per recipe the KL of the
 next-token distributions (from top-k logprobs, ``metrics``), top-1 agreement,
 perplexity and its change, greedy agreement and the per-layer attention error of
-``observe``. Modules: ``metrics`` (the maths), ``inputs`` (prompts and recipes),
-``launch`` (one process per engine), ``engine`` (that process: vLLM), ``report`` (JSON,
-table, PNG), ``cli``. Everything but ``engine.run_spec`` runs without a GPU.
+``observe``. With ``--generate N`` each recipe's engine also generates N tokens per
+prompt and the native engine scores them (``generation``: KL, top-1, ΔNLL and expected
+acceptance per generated position, by position and context length, with bootstrap
+intervals). Modules: ``metrics`` (the maths), ``generation`` (the generated positions'
+figures), ``tasks`` (task accuracy, answer flips, McNemar), ``inputs`` (prompts and
+recipes), ``launch`` (one process per engine), ``engine`` (that process: vLLM),
+``report`` (JSON, tables, PNGs), ``cli``. Everything but ``engine.run_spec`` runs
+without a GPU.
 """
 
 from __future__ import annotations

@@ -28,7 +28,13 @@ from mla_vllm.compare.inputs import (
     tokenize,
 )
 from mla_vllm.compare.launch import launch
-from mla_vllm.compare.report import build_report, plot, table
+from mla_vllm.compare.report import (
+    build_report,
+    generation_table,
+    plot,
+    plot_generation,
+    table,
+)
 
 __all__ = ["BACKENDS", "build_parser", "main", "run"]
 
@@ -123,6 +129,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy tokens generated per prompt after the forced pass (0: no greedy pass)",
     )
     p.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="generation fidelity: each recipe's engine generates N tokens per prompt with "
+        "top-k logprobs, then the native engine scores those tokens (0: prompt scoring only)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of --generate (0: greedy); request i is seeded with i",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="--generate: go on past the end-of-sequence token, so every prompt gives N tokens "
+        "(default: stop there)",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=_positive_int,
+        default=1000,
+        metavar="RESAMPLES",
+        help="bootstrap resamples of the generation figures' 95%% confidence intervals",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=_positive_int,
         default=1,
@@ -209,6 +242,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-k: expected >= 2, got {args.top_k}")
     if args.greedy_tokens < 0:
         raise ValueError(f"--greedy-tokens: expected >= 0, got {args.greedy_tokens}")
+    if args.generate < 0:
+        raise ValueError(f"--generate: expected >= 0, got {args.generate}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0.0):
+        raise ValueError(f"--temperature: expected a finite number >= 0, got {args.temperature}")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(
             f"--gpu-memory-utilization: expected in (0, 1], got {args.gpu_memory_utilization}"
@@ -242,14 +279,48 @@ def _specs(
         "seed": 0,
     }
     specs = {NATIVE: {**common, "name": NATIVE, "backend": args.backend, "mla_quant": None}}
+    generate = None
+    if args.generate:
+        generate = {
+            "max_tokens": args.generate,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+            "seed": 0,
+        }
     for r in recipes:
         specs[r.name] = {
             **common,
             "name": r.name,
             "backend": "MLA_QUANT",
             "mla_quant": _with_observe(r.config, args.observe_interval),
+            "generate": generate,
         }
     return specs
+
+
+def _check_generate(prompts: Sequence[Sequence[int]], generate: int, max_len: int | None) -> None:
+    """Every prompt plus ``--generate`` tokens fits the context the native engine scores."""
+    if not generate or max_len is None:
+        return
+    longest = max(len(p) for p in prompts)
+    if longest + generate > max_len:
+        raise ValueError(
+            f"--generate: the longest prompt ({longest} tokens) plus {generate} generated "
+            f"tokens exceeds max_model_len {max_len} (lower --generate or raise "
+            "--max-model-len)"
+        )
+
+
+def _score_spec(
+    native: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """The native spec with ``score``: each recipe's generations, to score."""
+    score = {
+        name: [[p, g["tokens"]] for p, g in zip(prompts, r["generated"], strict=True)]
+        for name, r in results.items()
+        if r.get("generated")
+    }
+    return {**native, "score": score}
 
 
 def run(
@@ -274,6 +345,7 @@ def run(
         raise ValueError(f"--recipe: {NATIVE!r} names the native run; choose another name")
     check_layer_names(recipes, args.model, args.model)
     ids = [list(p.ids or ()) for p in prompts]
+    _check_generate(ids, args.generate, max_len)
     specs = _specs(args, ids, recipes)
     out = Path(args.out)
     try:
@@ -294,16 +366,14 @@ def run(
 
             return update
 
-        def one(name: str) -> dict[str, Any]:
+        def one(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
             phase(name)("starting the engine process")
             try:
                 if launcher is None:
                     workdir = out / "engines"
-                    result = launch(
-                        specs[name], workdir, timeout=args.timeout, on_phase=phase(name)
-                    )
+                    result = launch(spec, workdir, timeout=args.timeout, on_phase=phase(name))
                 else:
-                    result = launcher(specs[name], out / "engines")
+                    result = launcher(spec, out / "engines")
             except Exception:
                 phase(name)("failed")
                 raise
@@ -313,13 +383,21 @@ def run(
             phase(name)("done")
             return result
 
+        # with --generate the native engine scores the recipes' generations: it runs last
+        rounds = [[n for n in specs if n != NATIVE], [NATIVE]] if args.generate else [list(specs)]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures: dict[str, Future[dict[str, Any]]] = {n: pool.submit(one, n) for n in specs}
-            for name, future in futures.items():
-                try:
-                    results[name] = future.result()
-                except Exception as exc:  # one failed recipe does not hide the others
-                    errors[name] = str(exc)
+            for names in rounds:
+                futures: dict[str, Future[dict[str, Any]]] = {}
+                for n in names:
+                    spec = specs[n]
+                    if n == NATIVE and args.generate:
+                        spec = _score_spec(spec, results, ids)
+                    futures[n] = pool.submit(one, n, spec)
+                for name, future in futures.items():
+                    try:
+                        results[name] = future.result()
+                    except Exception as exc:  # one failed recipe does not hide the others
+                        errors[name] = str(exc)
     if NATIVE in errors:
         raise RuntimeError(f"the native engine failed: {errors[NATIVE]}")
     meta = {
@@ -329,6 +407,9 @@ def run(
         "prompt_tokens": sum(map(len, ids)),
         "top_k": args.top_k,
         "greedy_tokens": args.greedy_tokens,
+        "generate": args.generate,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
         "tensor_parallel_size": args.tensor_parallel_size,
         "cuda_graphs": args.cuda_graphs,
     }
@@ -339,11 +420,17 @@ def run(
         errors=errors,
         meta=meta,
         tie_margin=args.tie_margin,
+        resamples=args.bootstrap,
     )
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot(report, out / "report.png")
     console.print(table(report))
-    console.print(f"report: {out / 'report.json'}, plot: {out / 'report.png'}")
+    plots = f"{out / 'report.png'}"
+    if any("generation" in e for e in report["recipes"].values()):
+        plot_generation(report, out / "generation.png")
+        console.print(generation_table(report))
+        plots += f", {out / 'generation.png'}"
+    console.print(f"report: {out / 'report.json'}, plots: {plots}")
     return report
 
 

@@ -2,8 +2,11 @@
 
 ``mla_vllm.compare.launch`` runs ``python -m mla_vllm.compare.engine SPEC OUT``;
 ``run_spec`` builds the engine, teacher-forces the prompts (prompt logprobs,
-top-k), optionally generates greedily, reads the ``observe`` statistics and the
-static amax each layer resolved, and writes the results as JSON. One process per
+top-k), optionally generates greedily, generates freely with top-k logprobs
+(``generate``: a recipe's engine) or scores other engines' generations (``score``:
+the native engine), reads the ``observe`` statistics and the static amax each layer
+resolved, and writes the results as JSON. ``generated_topk`` and ``scored_topk`` turn
+vLLM's ``RequestOutput`` objects into those results; they run without a GPU. One process per
 engine: GPU memory and vLLM's global state are released between configurations,
 and tensor parallelism (``tensor_parallel_size``) takes the same path as one GPU.
 """
@@ -22,7 +25,22 @@ from mla_vllm.plugin import register
 from mla_vllm.stats import get_stats
 from mla_vllm.targets import layer_states, model_layers, on_models
 
-__all__ = ["layer_amax", "prompt_topk", "run_spec"]
+__all__ = ["generated_topk", "layer_amax", "prompt_topk", "run_spec", "scored_topk"]
+
+
+def _ranked(entry: Mapping[int, Any], k: int, where: str) -> tuple[list[int], list[float]]:
+    """The ids and logprobs of ranks 1..k of one position's ``{token: Logprob}``."""
+    ranked = sorted(
+        (
+            (int(getattr(lp, "rank", 0) or 0), int(tok), float(lp.logprob))
+            for tok, lp in entry.items()
+        ),
+        key=lambda r: (r[0], -r[2]),
+    )
+    best = [r for r in ranked if 1 <= r[0] <= k][:k]
+    if len(best) < k:
+        raise ValueError(f"{where}: {len(best)} ranked entries, expected {k}")
+    return [r[1] for r in best], [r[2] for r in best]
 
 
 def prompt_topk(
@@ -44,20 +62,69 @@ def prompt_topk(
         entry = prompt_logprobs[i]
         if entry is None or ids[i] not in entry:
             raise ValueError(f"prompt_logprobs[{i}]: no logprob of the prompt's token {ids[i]}")
-        ranked = sorted(
-            (
-                (int(getattr(lp, "rank", 0) or 0), int(tok), float(lp.logprob))
-                for tok, lp in entry.items()
-            ),
-            key=lambda r: (r[0], -r[2]),
-        )
-        best = [r for r in ranked if 1 <= r[0] <= k][:k]
-        if len(best) < k:
-            raise ValueError(f"prompt_logprobs[{i}]: {len(best)} ranked entries, expected {k}")
-        top_ids.append([r[1] for r in best])
-        top_lp.append([r[2] for r in best])
+        best_ids, best_lp = _ranked(entry, k, f"prompt_logprobs[{i}]")
+        top_ids.append(best_ids)
+        top_lp.append(best_lp)
         target.append(float(entry[ids[i]].logprob))
     return {"ids": top_ids, "logprobs": top_lp, "target": target}
+
+
+def generated_topk(outputs: Sequence[Any], prompts: Sequence[Sequence[int]], k: int) -> list[Any]:
+    """Each ``RequestOutput`` of a generation with ``logprobs=k``: the generated
+    ``tokens``, the top-k at each generated position and the generated token's logprob
+    (``target``), and ``prompt_len``.
+
+    ``outputs[i].outputs[0].logprobs[j]`` is ``{token: Logprob}`` of generated position
+    ``j``: the top-k and the token sampled there.
+    """
+    if len(outputs) != len(prompts):
+        raise ValueError(f"outputs: {len(outputs)} requests for {len(prompts)} prompts")
+    records: list[Any] = []
+    for n, (out, prompt) in enumerate(zip(outputs, prompts, strict=True)):
+        completion = out.outputs[0]
+        tokens = [int(t) for t in completion.token_ids]
+        logprobs = completion.logprobs
+        if logprobs is None or len(logprobs) != len(tokens):
+            got = "no" if logprobs is None else len(logprobs)
+            raise ValueError(
+                f"outputs[{n}]: {got} logprob positions for {len(tokens)} generated tokens "
+                "(sampling without logprobs=k?)"
+            )
+        top_ids: list[list[int]] = []
+        top_lp: list[list[float]] = []
+        target: list[float] = []
+        for j, token in enumerate(tokens):
+            entry = logprobs[j]
+            where = f"outputs[{n}].logprobs[{j}]"
+            if token not in entry:
+                raise ValueError(f"{where}: no logprob of the generated token {token}")
+            best_ids, best_lp = _ranked(entry, k, where)
+            top_ids.append(best_ids)
+            top_lp.append(best_lp)
+            target.append(float(entry[token].logprob))
+        records.append(
+            {
+                "prompt_len": len(prompt),
+                "tokens": tokens,
+                "ids": top_ids,
+                "logprobs": top_lp,
+                "target": target,
+            }
+        )
+    return records
+
+
+def scored_topk(
+    outputs: Sequence[Any], sequences: Sequence[Sequence[int]], generated: Sequence[int], k: int
+) -> list[dict[str, list[Any]]]:
+    """The native engine's top-k at the generated positions of ``sequences`` (prompt
+    followed by ``generated[i]`` generated tokens), from its prompt logprobs over them."""
+    records: list[dict[str, list[Any]]] = []
+    for out, seq, n in zip(outputs, sequences, generated, strict=True):
+        forced = prompt_topk(out.prompt_logprobs or [], seq, k)
+        start = len(seq) - 1 - n  # forced position i predicts token i + 1
+        records.append({key: value[start:] for key, value in forced.items()})
+    return records
 
 
 def layer_amax(model: Any) -> dict[str, dict[str, dict[str, Any]]]:
@@ -126,6 +193,8 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             max_tokens=n_greedy, temperature=0.0, ignore_eos=True, detokenize=False
         )
         greedy = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, gen, use_tqdm=False)]
+    generated = _generate(llm, prompts, spec, k)
+    scored = _score(llm, spec, k)
     quantized = quant is not None
     _phase("collecting statistics")
     stats = get_stats(llm) if quantized else {}
@@ -138,6 +207,8 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         "name": spec["name"],
         "forced": forced,
         "greedy": greedy,
+        "generated": generated,
+        "scored": scored,
         "stats": stats,
         "amax": amax,
         "engine": {
@@ -151,6 +222,50 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             "tensor_parallel_size": engine_args["tensor_parallel_size"],
         },
     }
+
+
+def _generate(llm: Any, prompts: list[list[int]], spec: Mapping[str, Any], k: int) -> Any:
+    """``spec["generate"]``: free generation with top-k logprobs (None without)."""
+    from vllm import SamplingParams
+
+    gen = spec.get("generate")
+    if not gen:
+        return None
+    n = int(gen["max_tokens"])
+    _phase(f"generating {n} tokens per prompt with top-{k} logprobs")
+    seed = int(gen.get("seed", 0))
+    params = [
+        SamplingParams(
+            max_tokens=n,
+            temperature=float(gen.get("temperature", 0.0)),
+            seed=seed + i,
+            ignore_eos=bool(gen.get("ignore_eos", False)),
+            logprobs=k,
+            detokenize=False,
+        )
+        for i in range(len(prompts))
+    ]
+    inputs: list[Any] = [{"prompt_token_ids": p} for p in prompts]
+    return generated_topk(llm.generate(inputs, params, use_tqdm=False), prompts, k)
+
+
+def _score(llm: Any, spec: Mapping[str, Any], k: int) -> Any:
+    """``spec["score"]`` (``{recipe: [[prompt, generated], ...]}``): the native top-k at
+    each generated position of each recipe's sequences (None without)."""
+    from vllm import SamplingParams
+
+    score = spec.get("score")
+    if not score:
+        return None
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+    out: dict[str, Any] = {}
+    for name, pairs in score.items():
+        _phase(f"scoring {name}'s generations")
+        sequences = [[*map(int, p), *map(int, g)] for p, g in pairs]
+        inputs: list[Any] = [{"prompt_token_ids": s} for s in sequences]
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        out[name] = scored_topk(outputs, sequences, [len(g) for _, g in pairs], k)
+    return out
 
 
 def _impl_names(model: Any) -> list[str]:

@@ -20,13 +20,14 @@ above 1) is handled by clamping each remainder at 0 and each KL at 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "TopK",
+    "expected_acceptance",
     "first_divergence",
     "kl_topk",
     "perplexity",
@@ -89,6 +90,41 @@ class TopK:
         )
 
 
+def _chunked(
+    func: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ref: TopK,
+    test: TopK,
+) -> torch.Tensor:
+    """``func(ref_ids, ref_logprobs, test_ids, test_logprobs)`` over ``_CHUNK`` positions
+    at a time (bounds the ``[n, k, k]`` match), concatenated: ``[N, ...]``."""
+    if ref.ids.shape[0] != test.ids.shape[0]:
+        raise ValueError(
+            f"test: {test.ids.shape[0]} positions, the reference has {ref.ids.shape[0]}"
+        )
+    parts = [
+        func(ref.ids[i : i + _CHUNK], ref.logprobs[i : i + _CHUNK],
+             test.ids[i : i + _CHUNK], test.logprobs[i : i + _CHUNK])
+        for i in range(0, ref.ids.shape[0], _CHUNK)
+    ]  # fmt: skip
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat(parts)
+
+
+def _shared(
+    ref_ids: torch.Tensor, ref_lp: torch.Tensor, test_ids: torch.Tensor, test_lp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Over the reference's top-k entries ``[n, k]``: which the test also listed, and P
+    and Q of those (0 where not shared)."""
+    p = ref_lp.double().exp()  # [n, k]
+    q_all = test_lp.double().exp()  # [n, k']
+    match = ref_ids[:, :, None] == test_ids[:, None, :]  # [n, k, k']
+    shared = match.any(dim=-1)  # ref's entries that the test also listed
+    q = (match.double() * q_all[:, None, :]).sum(dim=-1)  # Q of ref's entries (0 if absent)
+    zero = torch.zeros_like(p)
+    return shared, torch.where(shared, p, zero), torch.where(shared, q, zero)
+
+
 def kl_topk(ref: TopK, test: TopK) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position KL(P_ref || Q_test) from top-k lists, and the remainder's P(rest).
 
@@ -97,34 +133,35 @@ def kl_topk(ref: TopK, test: TopK) -> tuple[torch.Tensor, torch.Tensor]:
     Returns two ``[N]`` float64 tensors (nats, and a probability). See the module
     docstring for the approximation (a lower bound, exact when k covers the mass).
     """
-    if ref.ids.shape[0] != test.ids.shape[0]:
-        raise ValueError(
-            f"test: {test.ids.shape[0]} positions, the reference has {ref.ids.shape[0]}"
-        )
-    parts = [
-        _kl_chunk(ref.ids[i : i + _CHUNK], ref.logprobs[i : i + _CHUNK],
-                  test.ids[i : i + _CHUNK], test.logprobs[i : i + _CHUNK])
-        for i in range(0, ref.ids.shape[0], _CHUNK)
-    ]  # fmt: skip
-    if not parts:
-        empty = torch.zeros(0, dtype=torch.float64)
-        return empty, empty
-    return torch.cat([kl for kl, _ in parts]), torch.cat([rest for _, rest in parts])
+    both = _chunked(_kl_chunk, ref, test)
+    if both.numel() == 0:
+        return both, both.clone()
+    return both[:, 0].contiguous(), both[:, 1].contiguous()
+
+
+def expected_acceptance(ref: TopK, test: TopK) -> torch.Tensor:
+    """Per-position ``Σ min(P(t), Q(t))`` over the tokens both top-k lists hold: ``[N]``.
+
+    The probability that a token drawn from one distribution is accepted by speculative
+    sampling against the other (1 for identical distributions given the whole
+    vocabulary). From top-k lists it is a lower bound: mass outside the shared tokens
+    is not counted (at most ``min(P(rest), Q(rest))`` more).
+    """
+    return _chunked(_acceptance_chunk, ref, test)
+
+
+def _acceptance_chunk(
+    ref_ids: torch.Tensor, ref_lp: torch.Tensor, test_ids: torch.Tensor, test_lp: torch.Tensor
+) -> torch.Tensor:
+    _, p_in, q_in = _shared(ref_ids, ref_lp, test_ids, test_lp)
+    return torch.minimum(p_in, q_in).sum(dim=-1)
 
 
 def _kl_chunk(
     ref_ids: torch.Tensor, ref_lp: torch.Tensor, test_ids: torch.Tensor, test_lp: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kl_topk`` on at most ``_CHUNK`` positions (bounds the ``[n, k, k]`` match)."""
-    ref = TopK(ref_ids, ref_lp, ref_lp[:, 0])
-    test = TopK(test_ids, test_lp, test_lp[:, 0])
-    p = ref.logprobs.double().exp()  # [N, k]
-    q_all = test.logprobs.double().exp()  # [N, k']
-    match = ref.ids[:, :, None] == test.ids[:, None, :]  # [N, k, k']
-    shared = match.any(dim=-1)  # ref's entries that the test also listed
-    q = (match.double() * q_all[:, None, :]).sum(dim=-1)  # Q of ref's entries (0 if absent)
-    p_in = torch.where(shared, p, torch.zeros_like(p))
-    q_in = torch.where(shared, q, torch.zeros_like(q))
+) -> torch.Tensor:
+    """``kl_topk`` on at most ``_CHUNK`` positions: ``[n, 2]`` (KL, P(rest))."""
+    shared, p_in, q_in = _shared(ref_ids, ref_lp, test_ids, test_lp)
     terms = torch.where(
         shared, p_in * (p_in.clamp_min(_FLOOR).log() - q_in.clamp_min(_FLOOR).log()), 0.0
     )
@@ -136,7 +173,7 @@ def _kl_chunk(
         0.0,
     )
     kl = (terms.sum(dim=-1) + rest).clamp_min(0.0)
-    return kl, p_rest
+    return torch.stack([kl, p_rest], dim=-1)
 
 
 def perplexity(target: torch.Tensor) -> float:

@@ -4,6 +4,9 @@
 ``engine.run_spec`` returns) into the report; ``table`` renders it with rich;
 ``plot`` draws per-recipe bars (KL mean and p99, top-1 agreement) and per-layer
 lines (the ``observe`` relative L2 error of the attention output, prefill and decode).
+With generations (``--generate``): ``generation_table`` shows the figures per
+generated-position bucket beside the prompt-scoring ones, ``plot_generation`` draws KL
+and top-1 agreement against generated position per recipe.
 """
 
 from __future__ import annotations
@@ -14,9 +17,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mla_vllm.compare.generation import Generated, summarize_generation
 from mla_vllm.compare.metrics import TopK, first_divergence, summarize
 
-__all__ = ["APPROXIMATION", "FORMAT", "build_report", "layer_index", "plot", "table"]
+__all__ = [
+    "APPROXIMATION",
+    "FORMAT",
+    "build_report",
+    "generation_table",
+    "layer_index",
+    "plot",
+    "plot_generation",
+    "table",
+]
 
 FORMAT = "mla-compare"
 APPROXIMATION = (
@@ -32,6 +45,23 @@ def _topk(result: Mapping[str, Any]) -> TopK:
     return TopK.cat(
         [TopK.from_lists(f["ids"], f["logprobs"], f["target"]) for f in result["forced"]]
     )
+
+
+def _generation(
+    native_scored: Sequence[Mapping[str, Any]],
+    generated: Sequence[Mapping[str, Any]],
+    resamples: int,
+) -> dict[str, Any]:
+    """``summarize_generation`` of one recipe's generations and native's scores of them."""
+    prompts = [
+        Generated(
+            int(g["prompt_len"]),
+            TopK.from_lists(n["ids"], n["logprobs"], n["target"]),
+            TopK.from_lists(g["ids"], g["logprobs"], g["target"]),
+        )
+        for n, g in zip(native_scored, generated, strict=True)
+    ]
+    return summarize_generation(prompts, resamples=resamples)
 
 
 def layer_index(name: str) -> int:
@@ -71,8 +101,14 @@ def build_report(
     errors: Mapping[str, str] | None = None,
     meta: Mapping[str, Any] | None = None,
     tie_margin: float = 0.0,
+    resamples: int = 1000,
 ) -> dict[str, Any]:
-    """The report: per recipe KL/top-1/perplexity/greedy/per-layer error, plus the setup."""
+    """The report: per recipe KL/top-1/perplexity/greedy/per-layer error, plus the setup.
+
+    With generations (``native["scored"]`` and a recipe's ``generated``), the recipe's
+    ``generation`` holds ``summarize_generation``'s figures (``resamples`` bootstrap
+    resamples).
+    """
     ref = _topk(native)
     report: dict[str, Any] = {
         "format": FORMAT,
@@ -98,6 +134,9 @@ def build_report(
             entry |= summarize(ref, test, tie_margin=tie_margin)
             if native.get("greedy") and result.get("greedy"):
                 entry["greedy"] = _greedy(native["greedy"], result["greedy"])
+            scored = (native.get("scored") or {}).get(name)
+            if scored is not None and result.get("generated"):
+                entry["generation"] = _generation(scored, result["generated"], resamples)
             stats = dict(result.get("stats") or {})
             entry["layers"] = {
                 n: stats[n] for n in sorted(stats, key=lambda n: (layer_index(n), n))
@@ -148,6 +187,18 @@ def table(report: Mapping[str, Any]) -> Any:
             f"{_fmt(attn.get('decode_rel_l2_mean'), '.3f')}",
         )
     return tbl
+
+
+def _save(fig: Any, title: str, path: str | Path) -> Path:
+    """Title, lay out, write and close one figure."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def plot(report: Mapping[str, Any], path: str | Path) -> Path:
@@ -207,9 +258,95 @@ def plot(report: Mapping[str, Any], path: str | Path) -> Path:
         ax_layer.legend(fontsize="small")
     else:
         ax_layer.text(0.5, 0.5, "no observe statistics", ha="center", transform=ax_layer.transAxes)
-    fig.suptitle(f"{report.get('model', '')} vs {report['native']['backend']}")
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, f"{report.get('model', '')} vs {report['native']['backend']}", path)
+
+
+def _ci(figure: Mapping[str, float] | None, spec: str) -> str:
+    """``mean [low, high]`` of a bootstrap figure."""
+    if not figure or not isinstance(figure.get("mean"), float) or math.isnan(figure["mean"]):
+        return "-"
+    return f"{figure['mean']:{spec}} [{figure['low']:{spec}}, {figure['high']:{spec}}]"
+
+
+def generation_table(report: Mapping[str, Any]) -> Any:
+    """A ``rich.table.Table`` of the generation figures: per recipe, the prompt-scoring
+    (prefill) row, then all generated positions and each generated-position bucket."""
+    from rich.table import Table
+
+    level = next(
+        (e["generation"]["level"] for e in report["recipes"].values() if "generation" in e),
+        0.95,
+    )
+    tbl = Table(
+        title=f"generation fidelity vs {report['native']['backend']}: "
+        f"{report.get('generate')} tokens per prompt, mean [{level:.0%} interval]",
+        title_justify="left",
+    )
+    columns = ("recipe", "part", "positions", "KL mean", "KL p99", "KL max", "top-1")
+    for column in (*columns, "ΔNLL", "acceptance"):
+        tbl.add_column(column, justify="left" if column in ("recipe", "part") else "right")
+    for name, e in report["recipes"].items():
+        gen = e.get("generation")
+        if gen is None:
+            continue
+        tbl.add_row(
+            name,
+            "prompt (prefill)",
+            _fmt(e["positions"], ".0f"),
+            _fmt(e["kl_mean"], ".3g"),
+            _fmt(e["kl_p99"], ".3g"),
+            _fmt(e["kl_max"], ".3g"),
+            _fmt(e["top1_agreement"], ".4f"),
+            "-",
+            "-",
+        )
+        rows = [("generated, all", gen["overall"])]
+        rows += [(f"generated {label}", f) for label, f in gen["by_position"].items()]
+        for label, f in rows:
+            tbl.add_row(
+                "",
+                label,
+                str(f["positions"]),
+                _ci(f["kl"], ".3g"),
+                _fmt(f.get("kl_p99"), ".3g"),
+                _fmt(f.get("kl_max"), ".3g"),
+                _ci(f["top1"], ".4f"),
+                _ci(f["dnll"], "+.3g"),
+                _ci(f["acceptance"], ".4f"),
+            )
+        tbl.add_section()
+    return tbl
+
+
+def plot_generation(report: Mapping[str, Any], path: str | Path) -> Path:
+    """KL (log axis) and top-1 agreement against generated position, one line per recipe
+    (means over equal windows of position, the ``curve`` of each recipe's generation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.5))
+    floor = 1e-9  # a KL of 0 still shows on the log axis
+    for name, e in report["recipes"].items():
+        curve = e.get("generation", {}).get("curve")
+        if not curve or not curve["position"]:
+            continue
+        ax_kl.plot(curve["position"], [max(v, floor) for v in curve["kl"]], label=name)
+        ax_top.plot(curve["position"], curve["top1"], label=name)
+        prefill = e.get("kl_mean")
+        if isinstance(prefill, float):
+            ax_kl.axhline(max(prefill, floor), linestyle=":", color=ax_kl.lines[-1].get_color())
+    ax_kl.set_yscale("log")
+    ax_kl.set_xlabel("generated position")
+    ax_kl.set_ylabel("KL(native || recipe) [nats]")
+    ax_kl.set_title("KL per generated position (dotted: prompt scoring)")
+    ax_top.set_xlabel("generated position")
+    ax_top.set_ylabel("top-1 agreement with native")
+    ax_top.set_ylim(0.0, 1.02)
+    ax_top.set_title("top-1 agreement per generated position")
+    for ax in (ax_kl, ax_top):
+        if ax.lines:
+            ax.legend(fontsize="small")
+    title = f"{report.get('model', '')}: generation vs {report['native']['backend']}"
+    return _save(fig, title, path)
