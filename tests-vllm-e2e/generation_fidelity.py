@@ -1,7 +1,7 @@
 """Generation fidelity on the e2e's tiny seeded model, on one CUDA GPU.
 
 ``python tests-vllm-e2e/generation_fidelity.py [--out DIR] [--prompts 64] [--tokens 1024]
-[--jobs 3] [--backend FLASHMLA] [-- MLA-COMPARE ARGS ...]`` writes the e2e's seeded
+[--jobs 5] [--backend FLASHMLA] [-- MLA-COMPARE ARGS ...]`` writes the e2e's seeded
 2-layer DeepSeek-V2-style model (``mla_e2e.checkpoint``: real safetensors, no
 tokenizer) and ``--prompts`` seeded token-id prompts of 16 to 256 tokens, then runs
 ``mla-compare --generate`` against ``--backend`` for the recipes none, fp8 and nvfp4,
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="generation-fidelity-out")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--jobs", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=5)
     p.add_argument("--backend", default="FLASHMLA", choices=("FLASHMLA", "TRITON_MLA"))
     args = p.parse_args(args_in)
     out = Path(args.out)

@@ -4,6 +4,9 @@ Every input is checked here before any engine starts (prompts, their lengths, th
 recipes, through ``mla_vllm.config``); then the native engine and one engine per
 recipe run, each in its own process (``launch.launch``), ``--jobs`` at a time, under
 a rich progress display; the report is written as JSON and PNG and shown as a table.
+Each engine's results are saved under ``--out`` with ``result_key`` (a hash of its spec):
+a rerun reuses them unless ``--no-resume``. ``mla-compare tasks ...`` goes to
+``tasks_cli``.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="KL, top-1 agreement, perplexity and per-layer attention error of "
         "MLA_QUANT recipes against the native MLA backend, on one model. Every input is "
         "checked before the first engine starts; each engine runs in its own process.",
+        epilog="'mla-compare tasks --help': a task's accuracy, answer flips and McNemar's "
+        "test from lm-eval --log_samples files.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument(
