@@ -36,7 +36,8 @@ COLUMNS = (
     "mode", "time_us", "tflops", "gbps", "tok_s", "ratio", "notes",
 )  # fmt: skip
 """The CSV columns. ``mode``: ``graph`` (CUDA-graph replays), ``eager`` (one call after
-another from Python) or ``host`` (eager minus graph: the host's time per call);
+another from Python) or ``host`` (the CPU time of an eager call with the GPU kept busy,
+``host_us``: the host's own time per call);
 ``time_us``: microseconds a call; ``tflops``/``gbps``: FLOPs (FlashMLA's count) and bytes
 moved per call over the time; ``tok_s``: tokens a second (decode: requests of the batch;
 prefill: tokens of the batch; serving: the engine's decode tokens/s); ``ratio``: the
@@ -47,6 +48,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE_RE = re.compile(r"b(\d+)-h(\d+)-L(\d+)(?:-p(\d+))?")
 RECIPE_RE = re.compile(r"(none|fp8|nvfp4)(?:\+(\d+):(\d+))?")
 MODES = ("graph", "eager")
+HOST_CALLS = 32
+"""Back-to-back calls a host measurement times (``host_us``): few enough that their
+launches fit the launch queue, so that no call waits for a free slot."""
 
 
 # ------------------------------------------------------------------ shapes and recipes
@@ -170,6 +174,42 @@ def bench_us(fn: Callable[[], Any], device: Any, warmup_ms: int, rep_ms: int) ->
     return float(ms) * 1e3
 
 
+def host_us(fn: Callable[[], Any], calls: int = HOST_CALLS, repeats: int = 5) -> float:
+    """Microseconds of CPU wall time an eager call costs the host, however long its kernels run.
+
+    A ``torch.cuda._sleep`` queued first holds the stream; ``calls`` calls are then timed
+    back to back with ``time.perf_counter`` (each returns once its work is queued) and the
+    stream is synchronized. An event recorded after the sleep says whether the sleep
+    outlasted the timed calls; if not (the queue could have drained, a call could have
+    waited for the GPU) the pass is dropped and the sleep made 4x longer. The best of
+    ``repeats`` passes. Unlike eager minus graph, which shows only what the host adds
+    beyond the GPU's time, this is the host's whole time a call.
+    """
+    import torch
+
+    cycles = 1 << 22  # about 2.5 ms at 1.7 GHz, grown as needed
+    best, done = float("inf"), 0
+    while done < repeats:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        slept = torch.cuda.Event()
+        slept.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        drained = slept.query()
+        torch.cuda.synchronize()
+        if drained:
+            if cycles >= 1 << 36:
+                raise RuntimeError("host_us: the GPU sleep never outlasted the timed calls")
+            cycles *= 4
+            continue
+        best = min(best, elapsed / calls * 1e6)
+        done += 1
+    return best
+
+
 def capture_graph(fn: Callable[[], Any]) -> Any:
     """A CUDA graph of one call of ``fn`` (warmed on a side stream first, as capture wants),
     replayed once."""
@@ -234,7 +274,8 @@ def measure(
     cases: list[Case], modes: Sequence[str], rounds: int, device: Any, warmup_ms: int, rep_ms: int
 ) -> None:
     """Time every case in every mode, ``rounds`` passes round robin (each pass starting one
-    case later); graphs are captured once, before the first pass."""
+    case later); graphs are captured once, before the first pass. On CUDA, with ``eager``,
+    each pass also takes the host's time a call (``host_us``, mode ``host``)."""
     if "graph" in modes:
         for case in cases:
             if device.type != "cuda":
@@ -254,6 +295,8 @@ def measure(
                         continue
                     fn = case.graph.replay if mode == "graph" else case.run
                     case.times.setdefault(mode, []).append(bench_us(fn, device, warmup_ms, rep_ms))
+                if "eager" in modes and device.type == "cuda":
+                    case.times.setdefault("host", []).append(host_us(case.run))
 
 
 def precompile(job: Callable[[Any], str], specs: Sequence[Any], workers: int) -> None:
@@ -286,22 +329,17 @@ def case_rows(
     rounds: int = 1,
 ) -> list[dict[str, str]]:
     """Rows of one shape: per case and mode its best time, rates and ratio to the case
-    whose impl is ``anchor`` (same mode); then per case with both modes a ``host`` row
-    (eager minus graph). ``anchor_note`` goes into every row when the anchor did not run."""
+    whose impl is ``anchor`` (same mode); then per case timed on CUDA eagerly a ``host``
+    row (``host_us``; its notes give eager minus graph too where both ran). ``anchor_note``
+    goes into every row when the anchor did not run."""
     cases = list(cases)
     base = next((c for c in cases if c.impl == anchor), None)
     rows = []
     for case in cases:
         for mode in (*modes, "host"):
-            if mode == "host":
-                eager, graph = case.best("eager"), case.best("graph")
-                if eager is None or graph is None:
-                    continue
-                us: float | None = eager - graph
-            else:
-                us = case.best(mode)
-                if us is None:
-                    continue
+            us = case.best(mode)
+            if us is None:
+                continue
             notes = list(case.notes)
             ratio = None
             if mode != "host":
@@ -313,7 +351,10 @@ def case_rows(
                 if rounds > 1:
                     notes.append(f"best of {rounds} rounds")
             else:
-                notes = ["eager minus graph: the host's time a call"]
+                notes = [f"CPU time a call, the GPU kept busy ({HOST_CALLS} calls back to back)"]
+                eager, graph = case.best("eager"), case.best("graph")
+                if eager is not None and graph is not None:
+                    notes.append(f"eager minus graph {eager - graph:.2f}")
             per_s = 1e6 / us if us and us > 0 and mode != "host" else None
             rows.append(
                 env

@@ -96,7 +96,7 @@ def host_table(rows: Sequence[dict[str, str]], op: str, impl: str, commit: str, 
     if not t:
         return ""
     shapes, recipes = ordered(list(t), 0), ordered(list(t), 1)
-    lines = [f"| {op}: host µs a call (eager - graph) | " + " | ".join(recipes) + " |",
+    lines = [f"| {op}: host µs a call (CPU time, GPU kept busy) | " + " | ".join(recipes) + " |",
              "|---|" + "---|" * len(recipes)]  # fmt: skip
     for shape in shapes:
         cells = [t[(shape, r)]["time_us"] if (shape, r) in t else "-" for r in recipes]
