@@ -24,10 +24,12 @@ except ImportError as _exc:  # pragma: no cover - depends on the installed Trito
 __all__ = [
     "GLUON_TRITON",
     "capability",
+    "cuda_index",
     "gluon_api_missing",
     "hw_fp8",
     "interpreted_bf16",
     "interpreting",
+    "multiprocessors",
     "triton_release",
 ]
 
@@ -57,8 +59,25 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     """The CUDA compute capability of ``device``; None off CUDA or under the interpreter."""
     if device.type != "cuda" or interpreting():
         return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor)
+    return _cuda_properties(cuda_index(device))[0]
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (``cuda`` alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The SM count of a CUDA ``device``."""
+    return _cuda_properties(cuda_index(device))[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _cuda_properties(index: int) -> tuple[tuple[int, int], int]:
+    """``(capability, SM count)`` of CUDA device ``index``: fixed for the process, read once
+    (every call of the ops reads them)."""
+    props = torch.cuda.get_device_properties(index)
+    return (int(props.major), int(props.minor)), int(props.multi_processor_count)
 
 
 def hw_fp8(device: torch.device) -> bool:

@@ -21,6 +21,7 @@ import torch
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.common import device as dev
 from mla_triton.common.kernels import SPLIT_ALIGN
+from mla_triton.common.memo import by_identity
 from mla_triton.common.qdq import FORMAT_CODES
 from mla_triton.common.splitk_kernels import decode_merge_kernel, decode_q_kernel
 
@@ -35,6 +36,7 @@ __all__ = [
     "decode_num_splits",
     "decode_workspace_size",
     "operand",
+    "operands",
     "power_of_two",
     "run_decode",
     "scales",
@@ -97,7 +99,7 @@ def block_h_for(num_heads: int) -> int:
 
 def sm_count(device: torch.device | None) -> int:
     if device is not None and device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+        return dev.multiprocessors(device)
     return _CPU_SMS
 
 
@@ -121,8 +123,12 @@ def decode_num_splits(
     if batch <= 0 or max_seq_len <= 0:
         return 1
     bh = block_h if block_h is not None else block_h_for(num_heads)
-    programs = batch * -(-num_heads // bh)
-    sms = sm_count(device)
+    return _split_policy(batch * -(-num_heads // bh), max_seq_len, sm_count(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_policy(programs: int, max_seq_len: int, sms: int) -> int:
+    """``decode_num_splits`` for ``programs`` programs without splits on ``sms`` SMs."""
     cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
     for splits in range(1, cap + 1):
         total = programs * splits
@@ -150,6 +156,7 @@ class _Layout:
     total: int
 
 
+@functools.lru_cache(maxsize=1024)
 def _layout(
     batch: int,
     heads: int,
@@ -429,7 +436,8 @@ def _check_lse(lse: object, batch: int, heads: int, device: torch.device) -> tor
 
 
 def _workspace_view(workspace: object, nbytes: int, device: torch.device) -> torch.Tensor:
-    """The first ``nbytes`` of ``workspace`` as uint8 (any contiguous tensor)."""
+    """``workspace`` (any contiguous tensor of at least ``nbytes``) as uint8 bytes: itself
+    when it is a 1-d uint8 tensor, else a view of its first ``nbytes``."""
     if not isinstance(workspace, torch.Tensor):
         raise ValueError(
             f"workspace: expected None or a torch.Tensor, got {type(workspace).__name__}"
@@ -443,6 +451,8 @@ def _workspace_view(workspace: object, nbytes: int, device: torch.device) -> tor
         raise ValueError(f"workspace: needs {nbytes} bytes (decode_workspace_size), got {have}")
     if workspace.data_ptr() % 16:
         raise ValueError("workspace: expected a 16-byte aligned data pointer")
+    if workspace.dtype == torch.uint8 and workspace.dim() == 1:
+        return workspace  # its bytes already: the sections are carved from the first nbytes
     return workspace.reshape(-1).view(torch.uint8)[:nbytes]
 
 
@@ -477,6 +487,12 @@ def operand(op: OperandQuant) -> Operand:
     return Operand(FORMAT_CODES[op.format.name], False, gs, math.frexp(gs)[0] == 0.5)
 
 
+@by_identity
+def operands(recipe: AttentionQuant) -> Operands:
+    """``operand`` of q, k, v and p of ``recipe`` (remembered per recipe object)."""
+    return (operand(recipe.q), operand(recipe.k), operand(recipe.v), operand(recipe.p))
+
+
 # ---------------------------------------------------------------------------- decode
 
 
@@ -500,9 +516,9 @@ def _stage_q(
     q_dtype = torch.float16 if qk_f16 else dtype
     q_bytes = q_dtype.itemsize
     wl = _layout(c.batch, c.heads, splits, kv_lora_rank, c.rope, qo.code != 0, q_bytes)
-    if wl.total == 0:
-        ws = torch.empty(0, dtype=torch.uint8, device=device)
-    elif workspace is None:
+    if wl.total == 0:  # one split, q not quantized: no workspace
+        return lse_t, lse_t, c.q_nope, c.q_pe, lse_t
+    if workspace is None:
         ws = torch.empty(wl.total, dtype=torch.uint8, device=device)
     else:
         ws = _workspace_view(workspace, wl.total, device)
@@ -512,8 +528,8 @@ def _stage_q(
     if qo.code != 0:
         width = kv_lora_rank + c.rope
         q_scale = ws[wl.q_scale : wl.q_hat].view(torch.float32)
-        q_hat = ws[wl.q_hat : wl.total].view(q_dtype)
-        q_hat = q_hat[: c.batch * c.heads * width].view(c.batch, c.heads, width)
+        q_end = wl.q_hat + c.batch * c.heads * width * q_bytes
+        q_hat = ws[wl.q_hat : q_end].view(q_dtype).view(c.batch, c.heads, width)
         decode_q_kernel[(c.heads, c.batch)](
             c.q_nope,
             c.q_pe,
@@ -678,7 +694,7 @@ def run_decode(
         return out_t, lse_t
     assert num_splits is None or isinstance(num_splits, int)  # checked above
     assert config is None or isinstance(config, DecodeConfig)
-    ops = (operand(recipe.q), operand(recipe.k), operand(recipe.v), operand(recipe.p))
+    ops = operands(recipe)
     cfg = config if config is not None else family.default_config(c.heads, recipe)
     splits = _splits_for(c, cfg, num_splits, max_seq_len)
 

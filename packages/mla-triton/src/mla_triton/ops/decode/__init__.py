@@ -18,6 +18,8 @@ from mla_triton.ops.decode.dispatch import choose
 
 __all__ = ["decode"]
 
+_UNQUANTIZED = AttentionQuant()
+
 
 def decode(
     q: torch.Tensor | Sequence[torch.Tensor],
@@ -94,7 +96,7 @@ def decode(
     c = check_call(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant,
                    max_seq_len)  # fmt: skip
     family, cfg = choose(c, kv_cache, quant, kv_lora_rank, forced("decode"))
-    recipe = quant if quant is not None else AttentionQuant()
+    recipe = quant if quant is not None else _UNQUANTIZED
     return run_decode(
         c, kv_cache, block_table, seq_lens, recipe, family, out=out, lse=lse,
         num_splits=num_splits, workspace=workspace, max_seq_len=max_seq_len,
