@@ -228,7 +228,8 @@ def test_gluon_shadow_bf16(case: str, impl: str, heads: int) -> None:
     q = _query(heads)
     lay = shadow_layout(pool.quant, storage=pool.storage)
     # the facts' tensor, as decode_shadow takes it: K̂, or the raw rows (K none, packed)
-    tiles = _gluon_tiles(pool.quant, lay, q.dtype, pool.cache, lay.views(pool.shadow), None)[0]
+    rec = gluon_shadow_recipe(pool.quant, lay, q.dtype)
+    tiles = _gluon_tiles(rec, lay, pool.cache, lay.views(pool.shadow), None)[0]
     facts = gluon_facts(q[..., :512], tiles, pool.quant, 512)
     assert isinstance(gluon_shadow_taken(facts, layout=lay), GluonRecipe)
     default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))

@@ -16,7 +16,7 @@ takes two steps:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 
 import torch
@@ -112,26 +112,50 @@ class Route:
     gluon: Callable[[GluonDecodeConfig], SplitFamily]
     ws: ws.WsRoute
     rule: Rule
+    rule_key: Hashable = None
+    """``auto``'s key for ``rule`` (``decode_shadow``, whose rule is made per call: the
+    shadow's layout, which determines it); None: the rule itself."""
 
 
 DECODE = Route("decode", ON_READ, gluon.gluon_family, ws.DECODE_ROUTE, gluon.gluon_taken)
 """``decode``'s route (quantized on read)."""
 
 _logged: set[str] = set()
+_AUTO: dict[tuple[str, gluon.GluonFacts, object], tuple[GluonRecipe | Unsupported, Row | None]]
+_AUTO = {}
+_AUTO_SIZE = 256
 
 
-def auto(op: str, facts: gluon.GluonFacts, rule: gluon.Rule) -> Row | None:
+def auto(
+    op: str, facts: gluon.GluonFacts, rule: gluon.Rule, rule_key: Hashable = None
+) -> Row | None:
     """``"auto"``'s row of ``TABLE`` for ``facts`` that pass ``rule`` (``op``'s
     preconditions), None for Triton split-K. On an sm90 GPU a platform or tensor reason
-    is logged once."""
-    taken = rule(facts)
+    is logged once.
+
+    The decision is a pure function of ``op``, ``facts`` and the rule, so it is remembered
+    under ``(op, facts, rule)``, or ``(op, facts, rule_key)`` where the caller gives a key
+    that determines the rule (at most ``_AUTO_SIZE`` entries): a call with the same facts
+    as an earlier one skips the rule and the table. Logging is not remembered: each call
+    checks its reason."""
+    key = (op, facts, rule if rule_key is None else rule_key)
+    hit = _AUTO.get(key)
+    if hit is None:
+        taken = rule(facts)
+        row = None
+        if not isinstance(taken, Unsupported):
+            row = lookup(op, gluon.recipe_kind(taken), facts.heads)
+        if len(_AUTO) >= _AUTO_SIZE:
+            _AUTO.clear()
+        _AUTO[key] = hit = (taken, row)
+    taken, row = hit
     if isinstance(taken, Unsupported):
         if taken.covered and taken.reason not in _logged:
             _logged.add(taken.reason)
             dev.log.warning("mla_triton.decode: the Triton kernel on this sm90 GPU: %s",
                             taken.reason)  # fmt: skip
         return None
-    return lookup(op, gluon.recipe_kind(taken), facts.heads)
+    return row
 
 
 def forced_taken(facts: gluon.GluonFacts, rule: gluon.Rule) -> GluonRecipe:
@@ -189,7 +213,7 @@ def choose(
             config = row.config if row is not None else gluon.VARIANTS[0]
         assert isinstance(config, GluonDecodeConfig)
         return route.gluon(config), None
-    row = auto(route.op, facts, route.rule)
+    row = auto(route.op, facts, route.rule, route.rule_key)
     if row is None:
         return route.triton, None
     if isinstance(row.config, ws.WsConfig):

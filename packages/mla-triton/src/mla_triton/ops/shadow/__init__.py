@@ -716,12 +716,14 @@ def decode_shadow(
     cache = _check_cache(kv_cache, kv_lora_rank + c.rope)
     lay = shadow_layout(qq, kv_lora_rank=kv_lora_rank, rope_dim=c.rope, storage=st)
     _, kh, ks, vh = _check_shadow(shadow, cache, lay)
-    tiles, gluon = _gluon_tiles(qq, lay, c.q_nope.dtype, cache, (kh, ks, vh), config)
+    rec = gluon_shadow_recipe(qq, lay, c.q_nope.dtype)
+    tiles, gluon = _gluon_tiles(rec, lay, cache, (kh, ks, vh), config)
     k_src = kh if lay.storage == "packed" and kh is not None else tiles  # packed: its bytes
     sections = _v_sections(k_src, cache, (kh, ks, vh)) if vh is not None else None
-    ws_route = ws.ws_shadow_route(gluon_shadow_recipe(qq, lay, c.q_nope.dtype), tiles, sections)
+    ws_route = ws.ws_shadow_route(rec, tiles, sections)
     rule = partial(gluon_shadow_taken, layout=lay)
-    route = Route("decode_shadow", _ShadowFamily(lay, (kh, ks, vh)), gluon, ws_route, rule)
+    triton = _ShadowFamily(lay, (kh, ks, vh))
+    route = Route("decode_shadow", triton, gluon, ws_route, rule, ("shadow", lay))
     family, cfg = choose(c, tiles, qq, kv_lora_rank, (impl, config), route)
     return run_decode(
         c, cache, block_table, seq_lens, qq, family, out=out, lse=lse, num_splits=num_splits,
@@ -800,22 +802,21 @@ def gluon_shadow_taken(f: GluonFacts, *, layout: ShadowLayout) -> GluonRecipe | 
 
 
 def _gluon_tiles(
-    quant: AttentionQuant,
+    rec: GluonRecipe | str,
     lay: ShadowLayout,
-    dtype: torch.dtype,
     cache: torch.Tensor,
     views: _Views,
     config: object,
 ) -> tuple[torch.Tensor, Any]:
-    """What ``decode_shadow``'s Gluon kernel reads: the K tiles (the facts' tensor) and
-    the factory of its split family from a ``GluonDecodeConfig``.
+    """What ``decode_shadow``'s Gluon kernel reads (``rec``: ``gluon_shadow_recipe``'s
+    answer for the call): the K tiles (the facts' tensor) and the factory of its split
+    family from a ``GluonDecodeConfig``.
 
     K̂ = V̂ (fp8, one scale) or K and V none: one ring of tiles, the shadow's K̂ or the
     raw rows. A V̂ section (``GluonRecipe.v_sep``): ``(K tiles, V̂, raw rows, K
     scales)``, ``SEPARATE_V_CONFIG`` (another ``GluonDecodeConfig``: a ValueError naming
     ``config``)."""
     kh = views[0]
-    rec = gluon_shadow_recipe(quant, lay, dtype)
     if not isinstance(rec, GluonRecipe) or not rec.v_sep:
         # K̂ (= V̂) of a float16 shadow, else the raw rows
         tiles = kh if kh is not None and lay.v_shared and lay.storage == "fp16" else cache
