@@ -36,6 +36,8 @@ from mla_triton.ops.prefill.triton import TRITON, PrefillConfig
 
 __all__ = ["choose", "prefill"]
 
+_UNQUANTIZED = AttentionQuant()
+
 
 def choose(
     impl: str,
@@ -216,7 +218,7 @@ def prefill(
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse: expected a bool, got {return_lse!r}")
     if quant is None:
-        quant = AttentionQuant()
+        quant = _UNQUANTIZED
     elif not isinstance(quant, AttentionQuant):
         raise ValueError(
             f"quant: expected None or mla_formats.AttentionQuant, got {type(quant).__name__}"

@@ -4,6 +4,7 @@ the K/V pass (``quantize_kv``) and the family interface.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import triton
 
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 from mla_triton.common import device as dev
+from mla_triton.common.memo import by_identity
 from mla_triton.common.qdq import FORMAT_CODES
 from mla_triton.ops.prefill.triton_kernels import kv_qdq_kernel
 
@@ -32,6 +34,7 @@ __all__ = [
     "is_int",
     "quantize_kv",
     "split_head_dim",
+    "unit_scale",
 ]
 
 LOG2E = 1.4426950408889634
@@ -51,8 +54,10 @@ def split_head_dim(dim: int) -> tuple[int, int]:
     return d1, (triton.next_power_of_2(rest) if rest else 0)
 
 
+@functools.lru_cache(maxsize=256)
 def global_scale(op: OperandQuant) -> float:
-    """A static operand's global scale, rounded to float32 as ``mla_formats`` computes it."""
+    """A static operand's global scale, rounded to float32 as ``mla_formats`` computes it
+    (cached: a pure function of a frozen ``OperandQuant``)."""
     if op.is_identity or op.is_dynamic:
         return 1.0
     amax = torch.tensor(op.static_amax(), dtype=torch.float32)
@@ -86,6 +91,23 @@ def check_tensor(x: object, name: str, device: torch.device | None = None) -> to
     return x
 
 
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 ``[1]`` tensor holding 1 on ``device``: the placeholder of the per-token
+    scales a kernel reads only when they are dynamic (never written). One per device,
+    made once (outside CUDA-graph capture: a tensor made during a capture is filled only
+    when the graph replays, so it is made afresh there)."""
+    key = (device.type, device.index)
+    unit = _UNIT_SCALES.get(key)
+    if unit is None:
+        unit = torch.ones(1, dtype=torch.float32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _UNIT_SCALES[key] = unit
+    return unit
+
+
+_UNIT_SCALES: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
 def check_cu(x: object, name: str, device: torch.device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -95,6 +117,8 @@ def check_cu(x: object, name: str, device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name}: expected an int32 or int64 tensor, got {x.dtype}")
     if x.device != device:
         raise ValueError(f"{name}: expected device {device} (that of q), got {x.device}")
+    if x.dtype == torch.int32 and x.is_contiguous():
+        return x  # what the conversion would return, without its two calls
     return x.to(torch.int32).contiguous()
 
 
@@ -149,7 +173,7 @@ def quantize_kv(
     k_fmt, v_fmt = FORMAT_CODES[quant.k.format.name], FORMAT_CODES[quant.v.format.name]
     k_dynamic = k_fmt != 0 and quant.k.is_dynamic
     k_hat, v_hat = k, v
-    k_scales = torch.ones(1, dtype=torch.float32, device=device)
+    k_scales = unit_scale(device)
     if k_fmt:
         k_hat = torch.empty(tokens_k, kv_heads, dim, dtype=k_dtype or k.dtype, device=device)
         if k_dynamic:
@@ -229,10 +253,8 @@ class Recipe:
 
     @classmethod
     def of(cls, quant: AttentionQuant) -> Recipe:
-        q, k, p, v = (FORMAT_CODES[op.format.name] for op in (quant.q, quant.k, quant.p, quant.v))
-        gs = [global_scale(op) for op in (quant.q, quant.k, quant.p, quant.v)]
-        return cls(q, k, p, v, q != 0 and quant.q.is_dynamic, k != 0 and quant.k.is_dynamic,
-                   gs[0], gs[1], gs[2], gs[3])  # fmt: skip
+        """The recipe of ``quant`` (remembered per recipe object: a pure function of it)."""
+        return _recipe_of(quant)
 
     def qk_scale(self, softmax_scale: float) -> float:
         """The scores' factor: softmax_scale * log2(e) times the static Q and K scales."""
@@ -278,3 +300,11 @@ class PrefillFamily:
     def launch(self, c: Checked, recipe: Recipe, config: Any) -> None:
         """Write ``c.out`` (and ``c.lse`` with ``c.return_lse``) for a non-empty batch."""
         raise NotImplementedError
+
+
+@by_identity
+def _recipe_of(quant: AttentionQuant) -> Recipe:
+    q, k, p, v = (FORMAT_CODES[op.format.name] for op in (quant.q, quant.k, quant.p, quant.v))
+    gs = [global_scale(op) for op in (quant.q, quant.k, quant.p, quant.v)]
+    return Recipe(q, k, p, v, q != 0 and quant.q.is_dynamic, k != 0 and quant.k.is_dynamic,
+                  gs[0], gs[1], gs[2], gs[3])  # fmt: skip

@@ -12,6 +12,7 @@ dispatch. The numbers are those of the Triton kernel (docs/numerics.md).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +24,14 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_formats import AttentionQuant, NMSparsity
+from mla_triton.common.memo import by_identity
 from mla_triton.ops.prefill.core import (
     Checked,
     PrefillFamily,
     Recipe,
     fast_qdq_exact,
     quantize_kv,
+    unit_scale,
 )
 from mla_triton.ops.prefill.gluon_kernels import gluon_prefill_kernel
 
@@ -203,8 +206,21 @@ def _descriptor(x: torch.Tensor, block: list[int]) -> object:
 
 def _layout(block: list[int], dtype: torch.dtype) -> object:
     """The shared-memory layout of a TMA block: NVMMA, the widest swizzle that fits."""
+    return _block_layout(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
+    """``_layout``, cached (a pure function of the block and dtype, built for every
+    descriptor of every call otherwise)."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+@by_identity
+def _q_as_k(quant: AttentionQuant) -> AttentionQuant:
+    """A recipe whose K is ``quant``'s Q (Q's pass through ``quantize_kv``'s K path)."""
+    return AttentionQuant(k=quant.q)
 
 
 class _Gluon(PrefillFamily):
@@ -229,7 +245,7 @@ class _Gluon(PrefillFamily):
             return
         heads, kv_heads, dim_v = q.shape[1], k.shape[1], v.shape[2]
         qk_dtype, pv_dtype = r.dot_dtypes(q.dtype)
-        q_scales = k_scales = torch.ones(1, dtype=torch.float32, device=q.device)
+        q_scales = k_scales = unit_scale(q.device)
         if r.k_fmt or r.v_fmt:
             k, v, k_scales = quantize_kv(
                 k, v, c.cu_k, c.quant, max_seqlen_k=c.max_seqlen_k, k_dtype=qk_dtype,
@@ -242,7 +258,7 @@ class _Gluon(PrefillFamily):
             q_fast = not r.q_dynamic and fast_qdq_exact(q, q_gs)
         elif r.q_fmt:  # Q through the pass's K path (V left alone: format none)
             q, _, q_scales = quantize_kv(
-                q, q, c.cu_q, AttentionQuant(k=c.quant.q), max_seqlen_k=c.max_seqlen_q,
+                q, q, c.cu_q, _q_as_k(c.quant), max_seqlen_k=c.max_seqlen_q,
                 k_dtype=qk_dtype,
             )  # fmt: skip
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)

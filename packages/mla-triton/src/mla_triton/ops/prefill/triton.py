@@ -20,6 +20,7 @@ from mla_triton.ops.prefill.core import (
     is_int,
     quantize_kv,
     split_head_dim,
+    unit_scale,
 )
 from mla_triton.ops.prefill.triton_kernels import prefill_fwd_kernel
 
@@ -142,7 +143,7 @@ def _launch(
     # K and V: quantized once (see the kernel module's docstring)
     kv_quant = r.k_fmt != 0 or r.v_fmt != 0
     fused = kv_quant and m_tiles == 1 and group == 1
-    k_in, v_in, k_scales = k, v, torch.ones(1, dtype=torch.float32, device=device)
+    k_in, v_in, k_scales = k, v, unit_scale(device)
     if kv_quant and not fused:
         k_in, v_in, k_scales = quantize_kv(
             k, v, c.cu_k, c.quant, max_seqlen_k=c.max_seqlen_k, k_dtype=k_dtype, v_dtype=v_dtype
