@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
-import triton
 
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 from mla_triton.common import device as dev
@@ -25,6 +24,7 @@ __all__ = [
     "Checked",
     "PrefillFamily",
     "Recipe",
+    "cdiv",
     "check_cu",
     "check_max_seqlen",
     "check_offsets",
@@ -32,6 +32,7 @@ __all__ = [
     "fast_qdq_exact",
     "global_scale",
     "is_int",
+    "next_power_of_2",
     "quantize_kv",
     "split_head_dim",
     "unit_scale",
@@ -47,11 +48,21 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` on host integers (``ceil(a / b)``), without its constexpr wrapper."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` on a positive host integer, without its constexpr wrapper."""
+    return 1 << (n - 1).bit_length()
+
+
 def split_head_dim(dim: int) -> tuple[int, int]:
     """``(D1, D2)``: the largest power of two <= dim, and the rest padded to a power of two."""
     d1 = 1 << (dim.bit_length() - 1)
     rest = dim - d1
-    return d1, (triton.next_power_of_2(rest) if rest else 0)
+    return d1, (next_power_of_2(rest) if rest else 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -188,14 +199,14 @@ def quantize_kv(
     k_gs, v_gs = global_scale(quant.k), global_scale(quant.v)
     k_fast = k_fmt != 0 and not k_dynamic and fast_qdq_exact(k, k_gs)
     v_fast = v_fmt != 0 and fast_qdq_exact(v, v_gs)
-    kv_qdq_kernel[(triton.cdiv(max(max_seqlen_k, 1), block_t), kv_heads, batch)](
+    kv_qdq_kernel[(cdiv(max(max_seqlen_k, 1), block_t), kv_heads, batch)](
         k, v, k_hat, v_hat, k_scales, cu_seqlens_k, tokens_k, k_gs, v_gs,
         1.0 / (6.0 * k_gs) if k_fmt == 2 else 1.0 / k_gs,
         1.0 / (6.0 * v_gs) if v_fmt == 2 else 1.0 / v_gs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_hat.stride(0), k_hat.stride(1), v_hat.stride(0), v_hat.stride(1),
         k_scales.stride(0) if k_dynamic else 0,
-        D1=d1, D2=d2, D2_VALID=dim - d1, DV=dim_v, DVP=triton.next_power_of_2(dim_v),
+        D1=d1, D2=d2, D2_VALID=dim - d1, DV=dim_v, DVP=next_power_of_2(dim_v),
         BLOCK_T=block_t, K_FMT=k_fmt, K_DYNAMIC=k_dynamic, V_FMT=v_fmt,
         K_FAST=k_fast, V_FAST=v_fast, HW_FP8=dev.hw_fp8(device),
         num_warps=4 if max(dim, dim_v) <= 256 else 8,

@@ -29,6 +29,7 @@ from mla_triton.ops.prefill.core import (
     Checked,
     PrefillFamily,
     Recipe,
+    cdiv,
     fast_qdq_exact,
     quantize_kv,
     unit_scale,
@@ -270,7 +271,7 @@ class _Gluon(PrefillFamily):
             (c.sparsity.dense_sink_tokens, c.sparsity.dense_recent_tokens) if c.sparsity
             else (0, 0)
         )  # fmt: skip
-        grid = (triton.cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)
+        grid = (cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)
         gluon_prefill_kernel[grid](
             _descriptor(q, [config.q_rows, _CHUNK]), _descriptor(k, [bn, _CHUNK]),
             _descriptor(v, [bn, dim_v]), c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k,

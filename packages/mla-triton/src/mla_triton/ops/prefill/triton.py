@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from mla_formats import AttentionQuant
 from mla_triton.common import device as dev
@@ -17,7 +16,9 @@ from mla_triton.ops.prefill.core import (
     Checked,
     PrefillFamily,
     Recipe,
+    cdiv,
     is_int,
+    next_power_of_2,
     quantize_kv,
     split_head_dim,
     unit_scale,
@@ -136,9 +137,9 @@ def _launch(
     pv_dot = _DOT_F16 if r.p_fmt and r.v_fmt else plain
     k_dtype, v_dtype = r.dot_dtypes(k.dtype)
     d1, d2 = split_head_dim(dim)
-    dvp = triton.next_power_of_2(dim_v)
+    dvp = next_power_of_2(dim_v)
     group = heads // kv_heads
-    m_tiles = triton.cdiv(c.max_seqlen_q, config.block_m)
+    m_tiles = cdiv(c.max_seqlen_q, config.block_m)
 
     # K and V: quantized once (see the kernel module's docstring)
     kv_quant = r.k_fmt != 0 or r.v_fmt != 0
