@@ -618,7 +618,7 @@ def _merge_splits(
         seq_lens,
         (out_t, lse_t),
         seq_lens.stride(0),
-        (out_t.stride(0), out_t.stride(1), lse_t.stride(0), lse_t.stride(1)),
+        out_t.stride()[:2] + lse_t.stride(),
         c.heads,
         c.capacity,
         out_scale,
@@ -788,9 +788,8 @@ def split_kernel_args(
     ptrs, strides = cache if cache is not None else ((kv_cache,), tuple(kv_cache.stride()[:2]))
     split = (
         (q_nope, q_pe, q_scale), ptrs, block_table, seq_lens, (out_t, lse_t), partials,
-        (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1)), strides,
-        (block_table.stride(0), block_table.stride(1)), seq_lens.stride(0),
-        (out_t.stride(0), out_t.stride(1), lse_t.stride(0), lse_t.stride(1)),
+        q_nope.stride()[:2] + q_pe.stride()[:2], strides, block_table.stride(),
+        seq_lens.stride(0), out_t.stride()[:2] + lse_t.stride(),
         (c.heads, c.capacity),
         c.scale * LOG2E * (1.0 if ko.dynamic else ko.gs),
     )  # fmt: skip

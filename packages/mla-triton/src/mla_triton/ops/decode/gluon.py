@@ -352,6 +352,18 @@ class _ByName:
         return run
 
 
+_BY_NAME: dict[int, _ByName] = {}
+
+
+def by_name(kernel: Any) -> _ByName:
+    """The ``_ByName`` launcher of ``kernel`` (one per kernel object, which is held: a
+    family is made per call; a JIT function's hash would read its source)."""
+    launcher = _BY_NAME.get(id(kernel))
+    if launcher is None or launcher.kernel is not kernel:
+        launcher = _BY_NAME[id(kernel)] = _ByName(kernel)
+    return launcher
+
+
 class _GluonFamily(OnRead):
     """The decode core's split family of the Gluon kernel (``tuning.use("gluon")``):
     the on-read recipe rules (V̂ is K̂ for fp8 K and V of one scale), 64 heads a CTA,
@@ -360,7 +372,7 @@ class _GluonFamily(OnRead):
 
     def __init__(self, config: GluonDecodeConfig) -> None:
         self.config = config
-        self.kernel = _ByName(kernels.gluon_decode_split_kernel)
+        self.kernel = by_name(kernels.gluon_decode_split_kernel)
 
     def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
         cfg = self.config

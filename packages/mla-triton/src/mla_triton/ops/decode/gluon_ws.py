@@ -154,7 +154,7 @@ class WsFamily(OnRead):
 
     def __init__(self, config: WsConfig) -> None:
         self.config = config
-        self.kernel = gd._ByName(k.gluon_decode_ws_kernel)
+        self.kernel = gd.by_name(k.gluon_decode_ws_kernel)
 
     def default_config(self, num_heads: int, recipe: AttentionQuant) -> DecodeConfig:
         c = self.config

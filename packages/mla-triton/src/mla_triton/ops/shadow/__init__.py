@@ -333,7 +333,9 @@ def _stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
 def _check_stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None:
     """Refuse a tensor stamped with another layout, naming ``argument`` (the recipe)."""
     held = _stamps(shadow).get(shadow.data_ptr())
-    if held is not None and held != lay and (held.kv_lora_rank, held.rope_dim) != (
+    if held is None or held is lay:  # the layouts are cached: the usual case, no comparison
+        return
+    if held != lay and (held.kv_lora_rank, held.rope_dim) != (
         lay.kv_lora_rank, lay.rope_dim,
     ):  # fmt: skip
         raise ValueError(
@@ -341,7 +343,7 @@ def _check_stamp(shadow: torch.Tensor, lay: ShadowLayout, argument: str) -> None
             f"{held.rope_dim}; this call has kv_lora_rank {lay.kv_lora_rank} and rope_dim "
             f"{lay.rope_dim} (allocate the shadow with the model's widths)"
         )
-    if held is not None and held != lay:
+    if held != lay:
         raise ValueError(
             f"{argument}: this shadow holds K̂/V̂ written for k={held.k_quant}, "
             f"v={held.v_quant}, storage {held.storage!r}; got k={lay.k_quant}, "
