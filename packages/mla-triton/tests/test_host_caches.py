@@ -36,6 +36,7 @@ SCALE = 192**-0.5
 def _clear() -> None:
     """Empty every cache of the launch paths."""
     dispatch._AUTO.clear()
+    gd.gluon_recipe.cache_clear()
     splitk.operands.cache_clear()
     splitk._split_policy.cache_clear()
     splitk._layout.cache_clear()

@@ -32,6 +32,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from mla_formats import AttentionQuant
 from mla_triton.common import device as dev
 from mla_triton.common.kernels import SPLIT_ALIGN
+from mla_triton.common.memo import by_identity
 from mla_triton.common.splitk import DecodeConfig, Operands, operand
 from mla_triton.ops.decode import gluon_kernels as kernels
 from mla_triton.ops.decode.triton import OnRead
@@ -202,9 +203,10 @@ def recipe_kind(taken: GluonRecipe) -> GluonRecipe:
     return replace(taken, k_gs=1.0, v_gs=1.0, p_gs=1.0)
 
 
-@functools.lru_cache(maxsize=256)
+@by_identity
 def gluon_recipe(quant: AttentionQuant | None) -> GluonRecipe | str:
-    """The ``GluonRecipe`` of ``quant``, or the reason the Gluon kernel does not take it.
+    """The ``GluonRecipe`` of ``quant``, or the reason the Gluon kernel does not take it
+    (remembered per recipe object: every call of a Gluon family asks).
 
     Implemented on read: q none, fp8 or nvfp4 (static or dynamic); K and V both none, or
     both fp8 with the same static power-of-two global scale (V̂ = K̂, in place); or, with
