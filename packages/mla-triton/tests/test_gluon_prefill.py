@@ -369,7 +369,7 @@ def test_launch_passes_factored_operands_and_scales(
     dynamic = k_amax == "dynamic"
     if dynamic:
         torch.testing.assert_close(ks, k_gs[..., 0], atol=0, rtol=0)
-    qk_scale, p_gs, p_inv_gs, out_scale = capture.args[9:13]
+    qk_scale, p_gs, p_inv_gs, out_scale = capture.args[11:15]
     assert p_gs == pytest.approx(2.0 / 448.0)
     # dynamic scales stay per token, static ones are folded in (K: 896 / 448)
     assert qk_scale == pytest.approx(0.1 * LOG2E * (1.0 if dynamic else 2.0))
@@ -456,7 +456,7 @@ def test_q_in_kernel_launches_raw_q(
         prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, config=config,
                 max_seqlen_q=18, max_seqlen_k=18)  # fmt: skip
         q_desc, k_desc = capture.args[:2]
-        q_gs, q_inv = capture.args[13:15]
+        q_gs, q_inv = capture.args[15:17]
         in_kernel = q_amax != "dynamic" or fmt == "fp8"
         assert capture.kwargs["Q_FMT"] == (code if in_kernel else 0), fmt
         assert (q_desc.base is q) == in_kernel, fmt

@@ -317,14 +317,14 @@ def test_nm_on_sm90_goes_to_gluon(kernels: dict[str, _Capture], as_sm90: None) -
         assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == (want.block_m, want.block_n)
     assert (tiled["BLOCK_M"], tiled["BLOCK_N"]) == (64, 64)
     # the dense counts are runtime arguments (after ``group``)
-    assert kernels["gluon"].args[-1][15:18] == (2, 5, 7)  # group = 2 / 1, sink, recent
+    assert kernels["gluon"].args[-1][17:20] == (2, 5, 7)  # group = 2 / 1, sink, recent
     with pytest.raises(ValueError, match=r"^impl: the Gluon prefill cannot run.*sparsity: m"):
         prefill(q, k, v, cu, cu, impl="gluon", **(kw | {"sparsity": NMSparsity(2, 128)}))
     prefill(q, k, v, cu, cu, impl="gluon", softmax_scale=0.1, max_seqlen_q=18, max_seqlen_k=18)
     (_, dense) = kernels["gluon"].launches[-1]
     assert (dense["NM_N"], dense["NM_DENSE"]) == (0, False)
     assert dense["PINGPONG"] == gp.AUTO_CONFIGS["none"].pingpong
-    assert kernels["gluon"].args[-1][16:18] == (0, 0)
+    assert kernels["gluon"].args[-1][18:20] == (0, 0)
     assert len(kernels["gluon"].launches) == 4 and not kernels["triton"].launches
 
 

@@ -181,7 +181,8 @@ def test_failed_recipe_is_reported_and_exit_code(tmp_path: Path) -> None:
     assert "engine process exited" in report["recipes"]["fp8"]["error"]
     assert "kl_mean" in report["recipes"]["nvfp4"]
     with pytest.raises(RuntimeError, match="the native engine failed"):
-        run(args, launcher=FakeEngine(fail="native"), console=_quiet())
+        # the first run's native results are in --out: --no-resume runs the engine again
+        run([*args, "--no-resume"], launcher=FakeEngine(fail="native"), console=_quiet())
 
 
 def test_bad_inputs_fail_before_any_engine(

@@ -8,11 +8,12 @@ perplexity and its change, greedy agreement and the per-layer attention error of
 ``observe``. With ``--generate N`` each recipe's engine also generates N tokens per
 prompt and the native engine scores them (``generation``: KL, top-1, ΔNLL and expected
 acceptance per generated position, by position and context length, with bootstrap
-intervals). Modules: ``metrics`` (the maths), ``generation`` (the generated positions'
-figures), ``tasks`` (task accuracy, answer flips, McNemar), ``inputs`` (prompts and
-recipes), ``launch`` (one process per engine), ``engine`` (that process: vLLM),
-``report`` (JSON, tables, PNGs), ``cli``. Everything but ``engine.run_spec`` runs
-without a GPU.
+intervals; ``--turns`` for several turns per prompt). Modules: ``metrics`` (the maths),
+``generation`` (the generated positions' figures), ``tasks`` (task accuracy, answer
+flips, McNemar; ``tasks_cli``: ``mla-compare tasks``), ``inputs`` (prompts, recipes
+and their ``--calibration`` copies), ``launch`` (one process per engine), ``engine``
+(that process: vLLM), ``report`` (JSON, tables, PNGs), ``cli``. Everything but
+``engine.run_spec`` runs without a GPU.
 """
 
 from __future__ import annotations

@@ -4,11 +4,15 @@ Every input is checked here before any engine starts (prompts, their lengths, th
 recipes, through ``mla_vllm.config``); then the native engine and one engine per
 recipe run, each in its own process (``launch.launch``), ``--jobs`` at a time, under
 a rich progress display; the report is written as JSON and PNG and shown as a table.
+Each engine's results are saved under ``--out`` with ``result_key`` (a hash of its spec):
+a rerun reuses them unless ``--no-resume``. ``mla-compare tasks ...`` goes to
+``tasks_cli``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -18,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from mla_vllm.compare.inputs import (
+    add_calibrated,
     check_layer_names,
     check_lengths,
     check_model,
     check_out_dir,
+    follow_up_ids,
     load_prompts,
     model_max_len,
     parse_recipes,
@@ -30,16 +36,19 @@ from mla_vllm.compare.inputs import (
 from mla_vllm.compare.launch import launch
 from mla_vllm.compare.report import (
     build_report,
+    calibration_recovery,
     generation_table,
     plot,
     plot_generation,
     table,
 )
 
-__all__ = ["BACKENDS", "build_parser", "main", "run"]
+__all__ = ["BACKENDS", "DEFAULT_FOLLOW_UP", "build_parser", "main", "result_key", "run"]
 
 BACKENDS = ("TRITON_MLA", "FLASHMLA")
 NATIVE = "native"
+DEFAULT_FOLLOW_UP = "\n\nCheck your answer step by step, then give it again."
+"""The follow-up turn's text when ``--turns`` > 1 and no ``--follow-up`` is given."""
 Launcher = Callable[[Mapping[str, Any], Path], dict[str, Any]]
 
 
@@ -92,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="KL, top-1 agreement, perplexity and per-layer attention error of "
         "MLA_QUANT recipes against the native MLA backend, on one model. Every input is "
         "checked before the first engine starts; each engine runs in its own process.",
+        epilog="'mla-compare tasks --help': a task's accuracy, answer flips and McNemar's "
+        "test from lm-eval --log_samples files.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument(
@@ -149,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: stop there)",
     )
     p.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=1,
+        help="--generate: turns per prompt; turn t + 1 feeds turn t's context and answer "
+        "back with --follow-up, in the same engine (prefix cache, chunked context), and "
+        "the figures are reported per turn",
+    )
+    p.add_argument(
+        "--follow-up",
+        default=None,
+        metavar="TEXT|IDS",
+        help="--turns: what follows each answer, text (tokenized like the prompts) or a JSON "
+        f"list of token ids (default: the text {DEFAULT_FOLLOW_UP!r})",
+    )
+    p.add_argument(
         "--bootstrap",
         type=_positive_int,
         default=1000,
@@ -204,6 +230,36 @@ def build_parser() -> argparse.ArgumentParser:
         "default: eager",
     )
     p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's prefix caching in every engine (default: on with --turns > 1, so later "
+        "turns read earlier ones from the cache; else off)",
+    )
+    p.add_argument(
+        "--chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's chunked prefill in every engine (default: vLLM's)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens per engine step; with chunked prefill, longer prompts are prefilled "
+        "in chunks that read the earlier chunks as context (default: vLLM's)",
+    )
+    p.add_argument(
+        "--calibration",
+        action="append",
+        default=[],
+        metavar="[RECIPE=]SOURCE",
+        help="compare each recipe (or RECIPE) also with static amaxes from SOURCE, as "
+        "RECIPE-calibrated beside it: a calibrate() file, 'checkpoint' (the model's "
+        "ModelOpt KV scales) or a calibration JSON object such as "
+        '\'{"from": "modelopt", "path": "amax.pt"}\'; repeat for more (default: none)',
+    )
+    p.add_argument(
         "--observe-interval",
         type=_positive_int,
         default=1,
@@ -232,7 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         default="mla-compare-out",
         metavar="DIR",
-        help="output directory (report.json, report.png, engines/ with each engine's log)",
+        help="output directory: report.json, report.png, engines/ (logs, results)",
+    )
+    p.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse an engine's results saved in --out by an earlier run with the same model, "
+        "recipe, prompts, sampling and engine settings (--no-resume: run every engine)",
     )
     return p
 
@@ -250,6 +313,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--gpu-memory-utilization: expected in (0, 1], got {args.gpu_memory_utilization}"
         )
+    if args.turns > 1 and not args.generate:
+        raise ValueError("--turns: multi-turn needs --generate N (tokens per turn)")
+    if args.follow_up is not None and args.turns < 2:
+        raise ValueError("--follow-up: only used with --turns 2 or more")
     if not args.tie_margin >= 0.0:
         raise ValueError(f"--tie-margin: expected >= 0, got {args.tie_margin}")
     check_out_dir(args.out, "--out")
@@ -261,8 +328,13 @@ def _with_observe(config: Mapping[str, Any], interval: int) -> dict[str, Any]:
     return out
 
 
+def _prefix_caching(args: argparse.Namespace) -> bool:
+    """``--prefix-caching``, or its default: on for multi-turn, else off."""
+    return bool(args.turns > 1 if args.prefix_caching is None else args.prefix_caching)
+
+
 def _specs(
-    args: argparse.Namespace, prompts: list[list[int]], recipes: Any
+    args: argparse.Namespace, prompts: list[list[int]], recipes: Any, follow_up: list[int]
 ) -> dict[str, dict[str, Any]]:
     common = {
         "model": args.model,
@@ -276,6 +348,9 @@ def _specs(
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "max_num_seqs": args.max_num_seqs,
+        "enable_prefix_caching": _prefix_caching(args),
+        "enable_chunked_prefill": args.chunked_prefill,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "seed": 0,
     }
     specs = {NATIVE: {**common, "name": NATIVE, "backend": args.backend, "mla_quant": None}}
@@ -286,6 +361,8 @@ def _specs(
             "temperature": args.temperature,
             "ignore_eos": args.ignore_eos,
             "seed": 0,
+            "turns": args.turns,
+            "follow_up": follow_up,
         }
     for r in recipes:
         specs[r.name] = {
@@ -298,16 +375,26 @@ def _specs(
     return specs
 
 
-def _check_generate(prompts: Sequence[Sequence[int]], generate: int, max_len: int | None) -> None:
-    """Every prompt plus ``--generate`` tokens fits the context the native engine scores."""
+def _check_generate(
+    prompts: Sequence[Sequence[int]],
+    generate: int,
+    max_len: int | None,
+    turns: int = 1,
+    follow_up: int = 0,
+) -> None:
+    """Every prompt plus its ``turns`` answers of ``--generate`` tokens and the follow-ups
+    between them fits the context the native engine scores."""
     if not generate or max_len is None:
         return
     longest = max(len(p) for p in prompts)
-    if longest + generate > max_len:
+    total = longest + turns * generate + (turns - 1) * follow_up
+    if total > max_len:
+        what = f"{generate} generated tokens"
+        if turns > 1:
+            what = f"{turns} turns of {generate} generated and {follow_up} follow-up tokens"
         raise ValueError(
-            f"--generate: the longest prompt ({longest} tokens) plus {generate} generated "
-            f"tokens exceeds max_model_len {max_len} (lower --generate or raise "
-            "--max-model-len)"
+            f"--generate: the longest prompt ({longest} tokens) plus {what} exceeds "
+            f"max_model_len {max_len} (lower --generate or --turns, or raise --max-model-len)"
         )
 
 
@@ -316,11 +403,57 @@ def _score_spec(
 ) -> dict[str, Any]:
     """The native spec with ``score``: each recipe's generations, to score."""
     score = {
-        name: [[p, g["tokens"]] for p, g in zip(prompts, r["generated"], strict=True)]
+        name: [
+            [g.get("context", prompts[i % len(prompts)]), g["tokens"]]
+            for i, g in enumerate(r["generated"])
+        ]
         for name, r in results.items()
         if r.get("generated")
     }
     return {**native, "score": score}
+
+
+def result_key(spec: Mapping[str, Any]) -> str:
+    """What an engine's results depend on, hashed: its whole spec (model, backend, recipe
+    configuration, prompts, sampling, engine settings and, for the native engine, the
+    generations it scores) and the mla-vllm and vLLM versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm_version: str | None = version("vllm")
+    except PackageNotFoundError:
+        vllm_version = None
+    text = json.dumps(
+        {"spec": spec, "mla_vllm": _version(), "vllm": vllm_version},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _saved(path: Path, key: str) -> dict[str, Any] | None:
+    """The results saved at ``path`` under ``key``; None when absent, unreadable or for
+    another key."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("key") != key:
+        return None
+    if not isinstance(doc.get("result"), dict):
+        return None
+    result: dict[str, Any] = doc["result"]
+    return result
+
+
+def _save_result(workdir: Path, name: str, key: str, result: Mapping[str, Any]) -> None:
+    """``workdir/NAME.result.json``: the results and their ``result_key``, written whole
+    (a temporary file renamed), so an interrupted run leaves no half file."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tmp = workdir / f"{name}.result.json.tmp"
+    tmp.write_text(json.dumps({"key": key, "result": result}))
+    tmp.replace(workdir / f"{name}.result.json")
+    (workdir / f"{name}.out.json").unlink(missing_ok=True)  # launch's copy, now redundant
 
 
 def run(
@@ -344,14 +477,19 @@ def run(
     if NATIVE in {r.name for r in recipes}:
         raise ValueError(f"--recipe: {NATIVE!r} names the native run; choose another name")
     check_layer_names(recipes, args.model, args.model)
+    recipes = add_calibrated(recipes, args.calibration, args.model, args.model)
+    follow_up: list[int] = []
+    if args.turns > 1:
+        follow_up = follow_up_ids(args.follow_up or DEFAULT_FOLLOW_UP, args.model, args.tokenizer)
     ids = [list(p.ids or ()) for p in prompts]
-    _check_generate(ids, args.generate, max_len)
-    specs = _specs(args, ids, recipes)
+    _check_generate(ids, args.generate, max_len, args.turns, len(follow_up))
+    specs = _specs(args, ids, recipes, follow_up)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out: cannot make {args.out!r}: {exc.strerror or exc}") from None
+    resumed: list[str] = []
 
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
@@ -367,13 +505,22 @@ def run(
             return update
 
         def one(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+            workdir = out / "engines"
+            key = result_key(spec)
+            saved = _saved(workdir / f"{name}.result.json", key) if args.resume else None
+            if saved is not None:
+                resumed.append(name)
+                progress.update(tasks[name], completed=1)
+                progress.advance(overall)
+                phase(name)("done earlier (results in --out reused)")
+                return saved
             phase(name)("starting the engine process")
             try:
                 if launcher is None:
-                    workdir = out / "engines"
                     result = launch(spec, workdir, timeout=args.timeout, on_phase=phase(name))
                 else:
-                    result = launcher(spec, out / "engines")
+                    result = launcher(spec, workdir)
+                _save_result(workdir, name, key, result)
             except Exception:
                 phase(name)("failed")
                 raise
@@ -410,8 +557,15 @@ def run(
         "generate": args.generate,
         "temperature": args.temperature,
         "ignore_eos": args.ignore_eos,
+        "turns": args.turns,
+        "follow_up": follow_up,
         "tensor_parallel_size": args.tensor_parallel_size,
         "cuda_graphs": args.cuda_graphs,
+        "prefix_caching": _prefix_caching(args),
+        "chunked_prefill": args.chunked_prefill,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "calibration": list(args.calibration),
+        "resumed": sorted(resumed),
     }
     report = build_report(
         results[NATIVE],
@@ -422,6 +576,7 @@ def run(
         tie_margin=args.tie_margin,
         resamples=args.bootstrap,
     )
+    calibration_recovery(report, {r.name: r.calibration_of for r in recipes if r.calibration_of})
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot(report, out / "report.png")
     console.print(table(report))
@@ -435,9 +590,17 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point: 0 when every engine ran, 1 when a recipe failed, 2 on bad input."""
+    """Console entry point: 0 when every engine ran, 1 when a recipe failed, 2 on bad input.
+
+    ``mla-compare tasks ...`` is the task-level comparison (``tasks_cli``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["tasks"]:
+        from mla_vllm.compare.tasks_cli import main as tasks_main
+
+        return tasks_main(args[1:])
     try:
-        report = run(argv)
+        report = run(args)
     except ValueError as exc:
         print(f"mla-compare: error: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,15 @@ from mla_vllm.plugin import register
 from mla_vllm.stats import get_stats
 from mla_vllm.targets import layer_states, model_layers, on_models
 
-__all__ = ["generated_topk", "layer_amax", "prompt_topk", "run_spec", "scored_topk"]
+__all__ = [
+    "engine_settings",
+    "follow_up_contexts",
+    "generated_topk",
+    "layer_amax",
+    "prompt_topk",
+    "run_spec",
+    "scored_topk",
+]
 
 
 def _ranked(entry: Mapping[int, Any], k: int, where: str) -> tuple[list[int], list[float]]:
@@ -165,11 +173,13 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         "dtype": spec.get("dtype", "auto"),
         "enforce_eager": bool(spec.get("enforce_eager", True)),
         "max_logprobs": max(k, 20),
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": bool(spec.get("enable_prefix_caching", False)),
         "seed": int(spec.get("seed", 0)),
         "gpu_memory_utilization": float(spec.get("gpu_memory_utilization", 0.85)),
     }
-    for key in ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs"):
+    if spec.get("enable_chunked_prefill") is not None:  # None: vLLM's default
+        engine_args["enable_chunked_prefill"] = bool(spec["enable_chunked_prefill"])
+    for key in ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
         if spec.get(key) is not None:
             engine_args[key] = int(spec[key])
     engine_args.update(spec.get("engine_args") or {})
@@ -220,33 +230,66 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             "start_s": round(started, 2),
             "run_s": round(time.time() - t0 - started, 2),
             "tensor_parallel_size": engine_args["tensor_parallel_size"],
+            **engine_settings(llm, engine_args),
         },
     }
 
 
+def follow_up_contexts(
+    contexts: Sequence[Sequence[int]],
+    records: Sequence[Mapping[str, Any]],
+    follow_up: Sequence[int],
+) -> list[list[int]]:
+    """The next turn's contexts: each context, then what was generated in it, then the
+    follow-up tokens."""
+    return [
+        [*map(int, c), *map(int, r["tokens"]), *map(int, follow_up)]
+        for c, r in zip(contexts, records, strict=True)
+    ]
+
+
 def _generate(llm: Any, prompts: list[list[int]], spec: Mapping[str, Any], k: int) -> Any:
-    """``spec["generate"]``: free generation with top-k logprobs (None without)."""
+    """``spec["generate"]``: free generation with top-k logprobs (None without).
+
+    With ``turns`` > 1, turn t + 1 feeds each prompt's turn-t context and answer back
+    with the ``follow_up`` tokens (``follow_up_contexts``), in the same engine, so its
+    prefill reads the earlier turns from the prefix cache (when on) and as chunked
+    context. The records are turn-major (turn 1's prompts in order, then turn 2's);
+    each holds its ``turn`` (from 1) and ``context`` (the token ids it continued).
+    """
     from vllm import SamplingParams
 
     gen = spec.get("generate")
     if not gen:
         return None
     n = int(gen["max_tokens"])
-    _phase(f"generating {n} tokens per prompt with top-{k} logprobs")
+    turns = int(gen.get("turns", 1))
+    follow_up = [int(t) for t in gen.get("follow_up") or ()]
     seed = int(gen.get("seed", 0))
-    params = [
-        SamplingParams(
-            max_tokens=n,
-            temperature=float(gen.get("temperature", 0.0)),
-            seed=seed + i,
-            ignore_eos=bool(gen.get("ignore_eos", False)),
-            logprobs=k,
-            detokenize=False,
-        )
-        for i in range(len(prompts))
-    ]
-    inputs: list[Any] = [{"prompt_token_ids": p} for p in prompts]
-    return generated_topk(llm.generate(inputs, params, use_tqdm=False), prompts, k)
+    contexts = prompts
+    records: list[Any] = []
+    for turn in range(1, turns + 1):
+        of = f" (turn {turn} of {turns})" if turns > 1 else ""
+        _phase(f"generating {n} tokens per prompt with top-{k} logprobs{of}")
+        params = [
+            SamplingParams(
+                max_tokens=n,
+                temperature=float(gen.get("temperature", 0.0)),
+                seed=seed + (turn - 1) * len(prompts) + i,
+                ignore_eos=bool(gen.get("ignore_eos", False)),
+                logprobs=k,
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        inputs: list[Any] = [{"prompt_token_ids": c} for c in contexts]
+        done = generated_topk(llm.generate(inputs, params, use_tqdm=False), contexts, k)
+        for record, context in zip(done, contexts, strict=True):
+            record["turn"] = turn
+            record["context"] = list(context)
+        records += done
+        contexts = follow_up_contexts(contexts, done, follow_up)
+    return records
 
 
 def _score(llm: Any, spec: Mapping[str, Any], k: int) -> Any:
@@ -266,6 +309,29 @@ def _score(llm: Any, spec: Mapping[str, Any], k: int) -> Any:
         outputs = llm.generate(inputs, params, use_tqdm=False)
         out[name] = scored_topk(outputs, sequences, [len(g) for _, g in pairs], k)
     return out
+
+
+def engine_settings(llm: Any, engine_args: Mapping[str, Any]) -> dict[str, Any]:
+    """Prefix caching, chunked prefill and the token budget per step as the engine
+    resolved them (vLLM's configuration where it exposes one, else what was asked;
+    None: vLLM's default, not known)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    scheduler = getattr(config, "scheduler_config", None)
+    cache = getattr(config, "cache_config", None)
+
+    def read(obj: Any, attr: str, key: str) -> Any:
+        value = getattr(obj, attr, None)
+        return value if isinstance(value, (bool, int)) else engine_args.get(key)
+
+    return {
+        "enable_prefix_caching": read(cache, "enable_prefix_caching", "enable_prefix_caching"),
+        "enable_chunked_prefill": read(
+            scheduler, "enable_chunked_prefill", "enable_chunked_prefill"
+        ),
+        "max_num_batched_tokens": read(
+            scheduler, "max_num_batched_tokens", "max_num_batched_tokens"
+        ),
+    }
 
 
 def _impl_names(model: Any) -> list[str]:

@@ -32,10 +32,12 @@ __all__ = [
     "TOKENIZER_FILES",
     "Prompt",
     "Recipe",
+    "add_calibrated",
     "check_layer_names",
     "check_lengths",
     "check_model",
     "check_out_dir",
+    "follow_up_ids",
     "layer_names",
     "load_prompts",
     "model_max_len",
@@ -209,8 +211,15 @@ def _has_tokenizer(path: Path) -> bool:
     return any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
-def tokenize(prompts: Sequence[Prompt], model: str, tokenizer: str | None = None) -> list[Prompt]:
-    """Every prompt with its token ids; text through ``tokenizer`` (default: the model's).
+def tokenize(
+    prompts: Sequence[Prompt],
+    model: str,
+    tokenizer: str | None = None,
+    *,
+    add_special_tokens: bool = True,
+) -> list[Prompt]:
+    """Every prompt with its token ids; text through ``tokenizer`` (default: the model's),
+    with its BOS (``add_special_tokens``) where the tokenizer adds one.
 
     A text prompt with no tokenizer to use is a ``ValueError`` naming the prompt.
     """
@@ -235,7 +244,7 @@ def tokenize(prompts: Sequence[Prompt], model: str, tokenizer: str | None = None
         if p.ids is not None:
             out.append(p)
             continue
-        ids = tok(p.text)["input_ids"]
+        ids = tok(p.text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise ValueError(f"{p.where}: the tokenizer made no token of {p.text!r}")
         out.append(Prompt(p.where, p.text, tuple(int(t) for t in ids)))
@@ -273,10 +282,12 @@ def check_lengths(prompts: Sequence[Prompt], max_model_len: int | None) -> None:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A named ``mla_quant`` configuration (validated)."""
+    """A named ``mla_quant`` configuration (validated); ``calibration_of`` names the
+    recipe it copies with a ``--calibration`` source (None for a ``--recipe``)."""
 
     name: str
     config: Mapping[str, Any] = field(default_factory=dict)
+    calibration_of: str | None = None
 
 
 def _default_name(obj: Mapping[str, Any], fallback: str) -> str:
@@ -340,3 +351,89 @@ def parse_recipes(specs: Sequence[str], model_path: str | None = None) -> list[R
             recipe = Recipe(f"{recipe.name}-{count}", recipe.config)
         recipes.append(recipe)
     return recipes
+
+
+def follow_up_ids(value: str, model: str, tokenizer: str | None = None) -> list[int]:
+    """``--follow-up``: a JSON list of token ids, or text tokenized like the prompts but
+    without a BOS token (it continues a sequence)."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--follow-up: not a valid JSON list of token ids: {exc}") from None
+        return list(_prompt(item, "--follow-up").ids or ())
+    if not value:
+        raise ValueError("--follow-up: empty; give text or a JSON list of token ids")
+    prompt = tokenize(
+        [Prompt("--follow-up", text=value)], model, tokenizer, add_special_tokens=False
+    )[0]
+    return list(prompt.ids or ())
+
+
+def _calibration_source(value: str, where: str) -> object:
+    """A ``--calibration`` SOURCE: a JSON object, ``checkpoint``, or a calibrate() file
+    (made absolute: the engines may run elsewhere than the parent's directory)."""
+    if value.startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON: {exc}") from None
+    if value == "checkpoint":
+        return {"from": "checkpoint"}
+    file = Path(value).expanduser()
+    if not file.is_file():
+        raise ValueError(
+            f"{where}: no such calibration file {value!r} (and not 'checkpoint' or a JSON "
+            'object such as \'{"from": "modelopt", "path": "amax.pt"}\')'
+        )
+    return str(file.resolve())
+
+
+def add_calibrated(
+    recipes: Sequence[Recipe], values: Sequence[str], model: str, model_path: str | None = None
+) -> list[Recipe]:
+    """``recipes`` with, after each, its copy under every ``--calibration [RECIPE=]SOURCE``
+    (named ``RECIPE-calibrated``, ``-calibrated-2``, ...; ``calibration_of`` set).
+
+    Without ``RECIPE=``, a source applies to every recipe that quantizes (not ``none``)
+    and has no ``calibration`` of its own. Each copy is validated (the source read) and
+    checked against the model's layers (``layer_names``) here, before any engine starts.
+    """
+    by_name = {r.name: r for r in recipes}
+    twins: dict[str, list[Recipe]] = {r.name: [] for r in recipes}
+    names = layer_names(model)
+    taken = set(by_name)
+    for value in values:
+        where = f"--calibration {value!r}"
+        text = value.strip()
+        match = None if text.startswith("{") else _NAME.match(text)
+        if match is not None and match["name"] in by_name:
+            targets = [by_name[match["name"]]]
+            text = match["value"].strip()
+        elif match is not None and not Path(text).expanduser().exists():
+            raise ValueError(
+                f"{where}: no recipe named {match['name']!r} (recipes: {', '.join(by_name)})"
+            )
+        else:
+            targets = [
+                r
+                for r in recipes
+                if r.config.get("recipe", "none") != "none" and r.config.get("calibration") is None
+            ]
+            if not targets:
+                raise ValueError(f"{where}: no recipe that quantizes and has no calibration")
+        source = _calibration_source(text, where)
+        for base in targets:
+            name, n = f"{base.name}-calibrated", 2
+            while name in taken:
+                name, n = f"{base.name}-calibrated-{n}", n + 1
+            taken.add(name)
+            config = {**base.config, "calibration": source}
+            checked = MLAQuantConfig.from_obj(
+                config, where=f"{where}: mla_quant", model_path=model_path
+            )
+            if names is not None:
+                checked.check_layer_names(names, where=f"{where}: mla_quant")
+            twins[base.name].append(Recipe(name, config, calibration_of=base.name))
+    return [r for base in recipes for r in (base, *twins[base.name])]

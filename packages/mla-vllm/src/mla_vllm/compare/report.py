@@ -24,6 +24,7 @@ __all__ = [
     "APPROXIMATION",
     "FORMAT",
     "build_report",
+    "calibration_recovery",
     "generation_table",
     "layer_index",
     "plot",
@@ -52,7 +53,9 @@ def _generation(
     generated: Sequence[Mapping[str, Any]],
     resamples: int,
 ) -> dict[str, Any]:
-    """``summarize_generation`` of one recipe's generations and native's scores of them."""
+    """``summarize_generation`` of one recipe's generations and native's scores of them;
+    with several turns, also ``by_turn`` (each turn's overall, by-position and by-context
+    figures) and each ``per_prompt`` entry's ``turn``."""
     prompts = [
         Generated(
             int(g["prompt_len"]),
@@ -61,7 +64,50 @@ def _generation(
         )
         for n, g in zip(native_scored, generated, strict=True)
     ]
-    return summarize_generation(prompts, resamples=resamples)
+    summary = summarize_generation(prompts, resamples=resamples)
+    turns = [int(g.get("turn", 1)) for g in generated]
+    if max(turns, default=1) > 1:
+        by_turn: dict[str, Any] = {}
+        for turn in sorted(set(turns)):
+            part = summarize_generation(
+                [p for p, t in zip(prompts, turns, strict=True) if t == turn],
+                resamples=resamples,
+            )
+            by_turn[str(turn)] = {
+                key: part[key] for key in ("overall", "by_position", "by_context", "curve")
+            }
+        summary["by_turn"] = by_turn
+        per_prompt = summary["per_prompt"]
+        assert isinstance(per_prompt, list)
+        for entry, turn in zip(per_prompt, turns, strict=True):
+            entry["turn"] = turn
+    return summary
+
+
+def _kl(entry: Mapping[str, Any], generated: bool) -> float | None:
+    """A recipe's KL mean: prompt scoring, or over all generated positions."""
+    if not generated:
+        value = entry.get("kl_mean")
+    else:
+        value = entry.get("generation", {}).get("overall", {}).get("kl", {}).get("mean")
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def calibration_recovery(report: dict[str, Any], pairs: Mapping[str, str]) -> None:
+    """Each calibrated recipe's ``calibration``: the recipe it copies (``of``) and the
+    share of that recipe's KL mean the calibration removed, ``1 - KL(calibrated) /
+    KL(uncalibrated)``, for prompt scoring (``kl_recovered``) and generation
+    (``generated_kl_recovered``): 0.3 means 30% less KL, a negative share more. In place."""
+    recipes = report["recipes"]
+    for name, base in pairs.items():
+        if name not in recipes:
+            continue
+        entry: dict[str, Any] = {"of": base}
+        for key, generated in (("kl_recovered", False), ("generated_kl_recovered", True)):
+            cal = _kl(recipes[name], generated)
+            ref = _kl(recipes.get(base, {}), generated)
+            entry[key] = None if cal is None or not ref else 1.0 - cal / ref
+        recipes[name]["calibration"] = entry
 
 
 def layer_index(name: str) -> int:
@@ -174,8 +220,10 @@ def table(report: Mapping[str, Any]) -> Any:
             continue
         greedy = e.get("greedy")
         attn = e.get("attention_error", {})
+        recovered = e.get("calibration", {}).get("kl_recovered")
+        label = name if recovered is None else f"{name} ({recovered:+.0%} KL recovered)"
         tbl.add_row(
-            name,
+            label,
             _fmt(e["kl_mean"], ".3g"),
             _fmt(e["kl_p99"], ".3g"),
             _fmt(e["kl_max"], ".3g"),
@@ -302,6 +350,9 @@ def generation_table(report: Mapping[str, Any]) -> Any:
         )
         rows = [("generated, all", gen["overall"])]
         rows += [(f"generated {label}", f) for label, f in gen["by_position"].items()]
+        for turn, figures in gen.get("by_turn", {}).items():
+            rows.append((f"turn {turn}, all", figures["overall"]))
+            rows += [(f"turn {turn} {label}", f) for label, f in figures["by_position"].items()]
         for label, f in rows:
             tbl.add_row(
                 "",

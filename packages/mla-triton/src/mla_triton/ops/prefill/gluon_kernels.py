@@ -523,6 +523,18 @@ def _epilogue(
     out = gl.convert_layout(out.to(Out.dtype.element_ty), st_layout)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, DV, layout=gl.SliceLayout(0, st_layout))
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+    _store_rows(Out, Lse, out, rows, cols, lse, offs_m, q_start, seq_len_q, head, stride_ot,
+                stride_oh, stride_lh, RETURN_LSE)  # fmt: skip
+
+
+@gluon.jit
+def _store_rows(
+    Out, Lse, out, rows, cols, lse, lse_rows, q_start, seq_len_q, head, stride_ot, stride_oh,
+    stride_lh, RETURN_LSE: gl.constexpr,
+):  # fmt: skip
+    """Write ``out`` (Out's dtype) at the sequence's ``rows`` x ``cols`` and ``lse`` at
+    ``lse_rows``, rows below ``seq_len_q``."""
     o_ptrs = (
         Out
         + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
@@ -530,9 +542,7 @@ def _epilogue(
     )
     gl.store(o_ptrs, out, mask=gl.expand_dims(rows < seq_len_q, 1))
     if RETURN_LSE:
-        lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2
-        lse = gl.where(empty, float("-inf"), lse)
-        gl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=offs_m < seq_len_q)
+        gl.store(Lse + head * stride_lh + q_start + lse_rows, lse, mask=lse_rows < seq_len_q)
 
 
 @gluon.jit
@@ -545,16 +555,10 @@ def _poison_tile(
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
     cols = gl.arange(0, DV, layout=gl.SliceLayout(0, st_layout))
-    nan = gl.full([BLOCK_M, DV], float("nan"), gl.float32, st_layout)
-    o_ptrs = (
-        Out
-        + gl.expand_dims((q_start + rows).to(gl.int64) * stride_ot + head * stride_oh, 1)
-        + gl.expand_dims(cols, 0)
-    )
-    gl.store(o_ptrs, nan.to(Out.dtype.element_ty), mask=gl.expand_dims(rows < seq_len_q, 1))
-    if RETURN_LSE:
-        lse = gl.full([BLOCK_M], float("nan"), gl.float32, gl.SliceLayout(1, st_layout))
-        gl.store(Lse + head * stride_lh + q_start + rows, lse, mask=rows < seq_len_q)
+    nan = gl.full([BLOCK_M, DV], float("nan"), Out.dtype.element_ty, st_layout)
+    lse = gl.full([BLOCK_M], float("nan"), gl.float32, gl.SliceLayout(1, st_layout))
+    _store_rows(Out, Lse, nan, rows, cols, lse, rows, q_start, seq_len_q, head, stride_ot,
+                stride_oh, stride_lh, RETURN_LSE)  # fmt: skip
 
 
 @gluon.jit

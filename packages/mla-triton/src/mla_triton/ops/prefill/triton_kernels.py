@@ -470,6 +470,26 @@ def query_tile(cu_seqlens_q, rows_q, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def store_tile(
+    Out, Lse, out, lse, q_start, seq_len_q, offs_m, offs_dv, head, stride_ot, stride_oh,
+    stride_lh, DV: tl.constexpr, RETURN_LSE: tl.constexpr,
+):  # fmt: skip
+    """Write a query tile's ``out [BLOCK_M, DVP]`` (float32, cast to Out's dtype) and
+    ``lse [BLOCK_M]``: rows ``offs_m`` of the sequence at ``q_start`` below
+    ``seq_len_q``, features ``offs_dv`` below ``DV``."""
+    row_ok = offs_m < seq_len_q
+    o_ptrs = (
+        Out
+        + (q_start.to(tl.int64) + offs_m[:, None]) * stride_ot
+        + head * stride_oh
+        + offs_dv[None, :]
+    )
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if RETURN_LSE:
+        tl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
 def poison_tile(
     Out, Lse, q_start, seq_len_q, start_m, head, stride_ot, stride_oh, stride_lh,
     BLOCK_M: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, RETURN_LSE: tl.constexpr,
@@ -477,19 +497,10 @@ def poison_tile(
     """NaN into the query tile's output rows (and LSE): a sequence whose offsets left
     the tensors (``seq_span``'s ``bad``)."""
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, DVP)
-    row_ok = offs_m < seq_len_q
     nan = tl.full([BLOCK_M, DVP], float("nan"), tl.float32)
-    o_ptrs = (
-        Out
-        + (q_start.to(tl.int64) + offs_m[:, None]) * stride_ot
-        + head * stride_oh
-        + offs_dv[None, :]
-    )
-    tl.store(o_ptrs, nan.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    if RETURN_LSE:
-        lse = tl.full([BLOCK_M], float("nan"), tl.float32)
-        tl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=row_ok)
+    store_tile(Out, Lse, nan, tl.sum(nan, axis=1), q_start, seq_len_q, offs_m,
+               tl.arange(0, DVP), head, stride_ot, stride_oh, stride_lh, DV,
+               RETURN_LSE)  # fmt: skip
 
 
 @triton.jit
@@ -641,18 +652,9 @@ def prefill_fwd_kernel(
     inv_l = out_scale / tl.where(empty, 1.0, l_i)
     out = acc * inv_l[:, None]  # acc is 0 on empty rows
     out = out + tl.sum(acc - acc, axis=1)[:, None]  # a non-finite element: the row is NaN
-    row_ok = offs_m < seq_len_q
-    o_ptrs = (
-        Out
-        + (q_start.to(tl.int64) + offs_m[:, None]) * stride_ot
-        + head * stride_oh
-        + offs_dv[None, :]
-    )
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    if RETURN_LSE:
-        lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2
-        lse = tl.where(empty, float("-inf"), lse)
-        tl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=row_ok)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    store_tile(Out, Lse, out, lse, q_start, seq_len_q, offs_m, offs_dv, head, stride_ot,
+               stride_oh, stride_lh, DV, RETURN_LSE)  # fmt: skip
 
 
 @triton.jit
