@@ -240,7 +240,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip, append=False)
 
 
-
 def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
     names = config.stash.get(_backends_key, None)
     if names is None:
