@@ -22,10 +22,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 if "--smoke" in sys.argv[1:]:  # the CPU smoke run: Triton's interpreter, set before import
@@ -108,6 +110,50 @@ def split_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
     if unknown or not items:
         raise SystemExit(f"--{what}: unknown {unknown or text!r}; expected some of {list(allowed)}")
     return list(dict.fromkeys(items))
+
+
+# ------------------------------------------------------------------ baseline tree
+
+BASELINE = "baseline"
+"""The ``impl`` of rows timed with another source tree's ``mla_triton`` (``--baseline``)."""
+
+
+def load_baseline(folder: Path) -> ModuleType:
+    """``mla_triton`` of another source tree, imported beside this one as
+    ``mla_triton_baseline``, so that both are timed in one process (same clocks, same
+    inputs). ``folder`` holds that tree's package folder ``mla_triton``, e.g. from
+    ``git archive REV packages/mla-triton/src | tar -x -C DIR`` then
+    ``DIR/packages/mla-triton/src``. It must take the same arguments as this tree's."""
+    src = folder / "mla_triton"
+    if not (src / "__init__.py").is_file():
+        raise SystemExit(f"--baseline: no mla_triton package (mla_triton/__init__.py) in {folder}")
+    dest = Path(tempfile.mkdtemp(prefix="mla-baseline-"))
+    name = re.compile(r"\bmla_triton\b")
+    for path in src.rglob("*"):
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        out = dest / "mla_triton_baseline" / path.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        text = path.read_text() if path.suffix == ".py" else None
+        if text is None:
+            out.write_bytes(path.read_bytes())
+        else:
+            out.write_text(name.sub("mla_triton_baseline", text))
+    sys.path.insert(0, str(dest))
+    return importlib.import_module("mla_triton_baseline")
+
+
+def add_baseline(parser: argparse.ArgumentParser) -> None:
+    """``--baseline DIR`` and ``--baseline-label``."""
+    parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="a folder holding another tree's mla_triton package: timed in this process "
+        f"as impl {BASELINE!r} (its auto dispatch), e.g. to measure a change's cost",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline-label", default=None,
+        help="what the baseline is (its commit), written into its rows' notes",
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------ environment

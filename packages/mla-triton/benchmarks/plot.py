@@ -7,9 +7,11 @@ From the repository root::
 
 Reads ``results/decode.csv``, ``shadow.csv``, ``prefill.csv`` (this folder; ``--results``)
 and mla-vllm's ``benchmarks/results/serve.csv`` (``--serve``). Of the rows of the newest
-commit and GPU (the newest row's, or ``--commit``/``--gpu``), for ``--impl`` (ours:
-``auto``; serving: ``mla_quant``) in the op's mode (decode and shadow: ``graph``, prefill
-``eager``, serving ``graph``; ``--mode`` overrides), the newest row per shape and recipe.
+commit and GPU (the commit nearest the checkout's HEAD in git history, by date where
+git does not know it, and that commit's newest row's GPU; or ``--commit``/``--gpu``),
+for ``--impl`` (ours: ``auto``; serving: ``mla_quant``) in the op's mode (decode and
+shadow: ``graph``, prefill ``eager``, serving ``graph``; ``--mode`` overrides), the
+newest row per shape and recipe.
 Draws ``<op>.png`` into ``--out`` (default: the results folder): bars of the ratio to
 the anchor (FlashMLA bf16, FA3 bf16, the FLASHMLA engine). ``--markdown`` prints the
 tables instead: decode on read and through the shadow together, prefill, serving, and
@@ -19,6 +21,7 @@ the host time per eager call.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,10 +37,29 @@ OPS = {  # csv stem: (op column, default mode, our impl, anchor impl, anchor lab
 }
 
 
+def history_depth(commit: str) -> int:
+    """How many commits ``commit`` has in its history (its place in HEAD's line), or -1
+    where git does not know it (no repository, a commit of another clone)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-list", "--count", commit], capture_output=True, text=True, check=False,
+            cwd=Path(__file__).resolve().parent,
+        )  # fmt: skip
+    except OSError:
+        return -1
+    return int(done.stdout) if done.returncode == 0 and done.stdout.strip().isdigit() else -1
+
+
 def newest(rows: Sequence[dict[str, str]], commit: str | None, gpu: str | None) -> tuple[str, str]:
-    """The commit and GPU to show: given, else the newest row's."""
-    last = max(rows, key=lambda r: r["date"])
-    return commit or last["commit"], gpu or last["gpu"]
+    """The commit and GPU to show: given, else the newest commit's (deepest in git
+    history; a baseline tree measured later, such as an older commit timed for a
+    comparison, does not replace it), ties and unknown commits by the rows' date."""
+    depth = {c: history_depth(c) for c in {r["commit"] for r in rows}}
+    last = max(rows, key=lambda r: (depth[r["commit"]], r["date"]))
+    commit = commit or last["commit"]
+    if gpu is None:
+        gpu = max((r for r in rows if r["commit"] == commit), key=lambda r: r["date"])["gpu"]
+    return commit, gpu
 
 
 def table(

@@ -12,7 +12,9 @@ Per shape (``b<sequences>-h<heads>-L<tokens each>``, queries = keys, causal, one
 batch; random bf16 q, k ``[T, H, 192]`` and v ``[T, H, 128]``) and recipe
 (``AttentionQuant.uniform(fmt)``, ``+N:M`` adding ``NMSparsity(N, M)``), each ``--impl``:
 ``auto`` (the shipped dispatch), a forced implementation of
-``mla_triton.tuning.IMPLS["prefill"]`` (``tuning.use``), ``fa3`` (recipe none, bf16).
+``mla_triton.tuning.IMPLS["prefill"]`` (``tuning.use``), ``fa3`` (recipe none, bf16);
+with ``--baseline DIR``, also ``baseline``: another tree's ``mla_triton.prefill`` (its
+auto dispatch) in the same process, to measure what a change costs.
 TFLOP/s count ``2 (192 + 128) H L^2 / 2`` per sequence. Ratios: FA3's time over the
 row's, same mode. The first 256 query rows of the first sequence are checked against
 ``mla_reference.prefill`` (causal rows depend on earlier keys only). Rows are appended
@@ -29,8 +31,10 @@ from typing import Any
 
 import torch
 from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
+    BASELINE,
     Case,
     Shape,
+    add_baseline,
     add_common,
     anchor_note,
     build,
@@ -39,6 +43,7 @@ from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
     checked_modes,
     destination,
     environment,
+    load_baseline,
     measure,
     parse_recipe,
     parse_shapes,
@@ -89,13 +94,15 @@ def prefill_inputs(shape: Shape, device: Any, dtype: Any, seed: int = 0) -> Pref
     return PrefillInputs(shape, rand(D_QK), rand(D_QK), rand(D_V), cu)
 
 
-def ours(x: PrefillInputs, recipe: str, impl: str) -> Case:
+def ours(x: PrefillInputs, recipe: str, impl: str, module: Any = mla_triton) -> Case:
+    """``module.prefill`` (this tree's ``mla_triton``, or the baseline's with impl
+    ``baseline``) with ``impl``'s dispatch."""
     quant, sparsity = parse_recipe(recipe)
     s = x.shape
     out = torch.empty(x.q.shape[0], s.heads, D_V, dtype=x.q.dtype, device=x.q.device)
 
     def run() -> Any:
-        return mla_triton.prefill(
+        return module.prefill(
             x.q, x.k, x.v, x.cu, x.cu, softmax_scale=SCALE, causal=True, quant=quant,
             sparsity=sparsity, out=out, max_seqlen_q=s.seq, max_seqlen_k=s.seq,
         )  # fmt: skip
@@ -104,7 +111,7 @@ def ours(x: PrefillInputs, recipe: str, impl: str) -> Case:
         return tuning.use(impl)
 
     return Case(recipe, impl, run, flops=x.flops, tokens=s.batch * s.seq,
-                **({} if impl == "auto" else {"context": context}))  # fmt: skip
+                **({} if impl in ("auto", BASELINE) else {"context": context}))  # fmt: skip
 
 
 def fa3(x: PrefillInputs) -> Case:
@@ -149,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     add_common(parser, op=OP, shapes=SHAPES, recipes="none,fp8,nvfp4,nvfp4+2:4",
                impls="auto,fa3", modes="eager",
                impl_help=f"comma-separated of {', '.join((*OURS, *ANCHORS))}")  # fmt: skip
+    add_baseline(parser)
     args = parser.parse_args(argv)
+    base = load_baseline(args.baseline) if args.baseline is not None else None
+    base_note = f"baseline {args.baseline_label or args.baseline.name}" if base else ""
     impls = split_list(args.impl, (*OURS, *ANCHORS), "impl")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     for recipe in recipes:
@@ -182,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in recipes:
             for impl in mine:
                 cases += build(partial(ours, x, recipe, impl), f"{impl} {recipe}", skipped)
+            if base is not None:
+                got = build(partial(ours, x, recipe, BASELINE, base), f"baseline {recipe}", skipped)
+                for case in got:
+                    case.notes.append(base_note)
+                cases += got
         if "fa3" in anchors:
             cases += build(partial(fa3, x), "fa3", skipped)
         cases = prepare(cases, skipped)
@@ -189,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = min(CHECK_ROWS, shape.seq)
         for recipe in recipes:
             want = reference(x, recipe, rows)
-            mine_r = [c for c in cases if c.recipe == recipe and c.impl in OURS]
+            mine_r = [c for c in cases if c.recipe == recipe and c.impl in (*OURS, BASELINE)]
             ok &= check(mine_r, want, slice(0, rows), TOL)
             if recipe == "none":
                 ok &= check([c for c in cases if c.impl in ANCHORS], want, slice(0, rows), TOL)

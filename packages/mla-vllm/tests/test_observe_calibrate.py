@@ -26,8 +26,10 @@ from conftest import (
 
 import mla_reference
 import mla_vllm.decode as decode_step
+from mla_formats import AttentionQuant
 from mla_vllm.calibration import calibration_document, finish_calibration, start_calibration
-from mla_vllm.config import load_config
+from mla_vllm.config import LayerRecipe, load_config
+from mla_vllm.state import LayerState
 from mla_vllm.stats import get_stats, reset_stats
 
 pytestmark = pytest.mark.usefixtures("vllm_process", "cpu_cache_op")
@@ -165,6 +167,32 @@ def test_statistics_are_the_recipes_error_on_the_observed_rows(
         )
     reset_stats(module)
     assert get_stats(module) == {name: {} for name in model.layers}
+
+
+def test_empty_calls_are_counted_and_left_out_of_the_figures() -> None:
+    """An engine's dummy or warm-up batch (all-zero unquantized output) would read as
+    cosine 0 and drag every mean; it is counted apart and changes no figure."""
+    fp8 = AttentionQuant.uniform("fp8")
+    recipe = LayerRecipe(prefill=fp8, decode=fp8, sparsity=None)
+
+    gen = torch.Generator().manual_seed(3)
+    want = torch.randn(4, 8, 16, generator=gen)
+    got = want + 0.01 * torch.randn(4, 8, 16, generator=gen)
+    zeros = torch.zeros_like(want)
+    alone, mixed = LayerState("a", recipe), LayerState("b", recipe)
+    alone.record_stats("decode", got, want)
+    for quantized, reference in ((zeros, zeros), (got, want), (got[:2] * 0 + 1, zeros[:2])):
+        mixed.record_stats("decode", quantized, reference)
+    a, m = alone.snapshot()["decode"], mixed.snapshot()["decode"]
+    assert (a["calls"], a["empty_calls"]) == (1.0, 0.0)
+    assert (m["calls"], m["empty_calls"]) == (1.0, 2.0)
+    assert {k: v for k, v in m.items() if "calls" not in k} == pytest.approx(
+        {k: v for k, v in a.items() if "calls" not in k}
+    )
+    assert 0.99 < m["cosine_min"] <= 1.0
+    only_empty = LayerState("c", recipe)
+    only_empty.record_stats("decode", zeros, zeros)
+    assert only_empty.snapshot() == {}
 
 
 def test_observation_is_off_by_default(tmp_path: Path) -> None:

@@ -40,7 +40,9 @@ def capturing() -> bool:
 
 
 def error_stats(quantized: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``[rel_l2, cosine, max_abs]`` (float32, on device) of two same-shape outputs."""
+    """``[rel_l2, cosine, max_abs, filled]`` (float32, on device) of two same-shape
+    outputs; ``filled`` is 1 unless the reference is all zeros (an engine's dummy or
+    warm-up batch: no keys behind it), whose figures mean nothing."""
     a = quantized.float().flatten()
     b = reference.float().flatten()
     diff = a - b
@@ -48,29 +50,35 @@ def error_stats(quantized: torch.Tensor, reference: torch.Tensor) -> torch.Tenso
     rel = diff.norm() / ref_norm.clamp_min(1e-30)
     cos = (a @ b) / (a.norm() * ref_norm).clamp_min(1e-30)
     max_abs = diff.abs().max() if diff.numel() else diff.new_zeros(())
-    return torch.stack([rel, cos, max_abs])
+    return torch.stack([rel, cos, max_abs, (ref_norm > 0).float()])
 
 
 @dataclass
 class _Running:
-    """Sums and extremes of the observed statistics of one path."""
+    """Sums and extremes of the observed statistics of one path, over the calls whose
+    reference is not all zeros (``filled``); the others are only counted."""
 
     calls: int = 0
-    total: torch.Tensor | None = None  # [3]: sum of rel_l2, cosine, max_abs
+    total: torch.Tensor | None = None  # [4]: sum of rel_l2, cosine, max_abs; filled calls
     worst: torch.Tensor | None = None  # [3]: max rel_l2, min cosine, max max_abs
 
     def add(self, stats: torch.Tensor) -> None:
         self.calls += 1
+        filled = stats[3]
+        weighted = torch.cat([stats[:3] * filled, filled.reshape(1)])
+        # an empty call leaves the extremes alone: it stands in as the neutral element
+        neutral = stats.new_tensor([-1.0, 2.0, -1.0])
+        current = torch.where(filled > 0, stats[:3], neutral)
         if self.total is None or self.worst is None:
-            self.total = stats.clone()
-            self.worst = stats.clone()
+            self.total = weighted
+            self.worst = current
             return
-        self.total += stats
+        self.total += weighted
         self.worst = torch.stack(
             [
-                torch.maximum(self.worst[0], stats[0]),
-                torch.minimum(self.worst[1], stats[1]),
-                torch.maximum(self.worst[2], stats[2]),
+                torch.maximum(self.worst[0], current[0]),
+                torch.minimum(self.worst[1], current[1]),
+                torch.maximum(self.worst[2], current[2]),
             ]
         )
 
@@ -115,20 +123,27 @@ class LayerState:
         self.amax[key] = value if old is None else torch.maximum(old, value)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Per path: calls observed, mean and worst rel_l2 / cosine / max_abs."""
+        """Per path: calls observed (``calls``: with a non-zero reference;
+        ``empty_calls``: dummy or warm-up batches, left out of the figures) and the
+        mean and worst rel_l2 / cosine / max_abs. A path with no filled call is left
+        out."""
         out: dict[str, dict[str, float]] = {}
         for path, run in self.stats.items():
-            if run.total is None or run.worst is None or run.calls == 0:
+            if run.total is None or run.worst is None:
                 continue
-            mean = (run.total / run.calls).tolist()
+            total = run.total.tolist()
+            filled = total[3]
+            if filled == 0:
+                continue
             worst = run.worst.tolist()
             out[path] = {
-                "calls": float(run.calls),
-                "rel_l2_mean": mean[0],
+                "calls": filled,
+                "empty_calls": float(run.calls) - filled,
+                "rel_l2_mean": total[0] / filled,
                 "rel_l2_max": worst[0],
-                "cosine_mean": mean[1],
+                "cosine_mean": total[1] / filled,
                 "cosine_min": worst[1],
-                "max_abs_mean": mean[2],
+                "max_abs_mean": total[2] / filled,
                 "max_abs_max": worst[2],
             }
         return out

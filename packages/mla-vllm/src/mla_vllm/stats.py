@@ -25,8 +25,12 @@ def get_stats(target: Any) -> dict[str, dict[str, dict[str, float]]]:
 
     Keys: ``calls``, ``rel_l2_mean``, ``rel_l2_max``, ``cosine_mean``, ``cosine_min``,
     ``max_abs_mean``, ``max_abs_max`` (quantized vs unquantized attention output,
-    before ``W_UV`` / ``o_proj``). Workers' results are merged (tensor parallel
-    ranks hold different heads of the same layer: their names repeat with ``@rank``).
+    before ``W_UV`` / ``o_proj``), over the observed calls whose unquantized output is
+    not all zeros; ``empty_calls`` counts the others (an engine's dummy and warm-up
+    batches), which the figures leave out. Calls replayed from a CUDA graph are not
+    observed: with CUDA graphs on, ``decode`` covers the eager steps only. Workers'
+    results are merged (tensor parallel ranks hold different heads of the same layer:
+    their names repeat with ``@rank``).
     """
     merged: dict[str, dict[str, dict[str, float]]] = {}
     for rank, stats in enumerate(on_models(target, _collect_stats)):
