@@ -15,7 +15,9 @@ dispatch), a forced implementation of ``mla_triton.tuning.IMPLS["decode"]`` (thr
 ``tuning.use``; one that cannot take the call is skipped with a note), ``flashmla`` and
 ``triton_mla`` (recipe none, bf16). Calls are as vLLM makes them: workspace, out and lse
 preallocated, ``max_seq_len`` given. Each mode (``graph``: replays of a CUDA graph of one
-call; ``eager``) gives a row, and ``host`` rows the difference. Ratios: FlashMLA's time
+call; ``eager``) gives a row, and ``host`` rows the host's CPU time of an eager call.
+``--baseline DIR``: another tree's ``mla_triton`` timed in this process (impl
+``baseline``). Ratios: FlashMLA's time
 over the row's, same mode. The first two requests of every case are checked against
 ``mla_reference``. Rows are appended to ``results/decode.csv``.
 """
@@ -29,11 +31,13 @@ from typing import Any
 
 import torch
 from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
+    BASELINE,
     DECODE_ANCHORS,
     SCALE,
     Case,
     DecodeInputs,
     Shape,
+    add_baseline,
     add_common,
     anchor_note,
     build,
@@ -43,6 +47,7 @@ from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
     decode_inputs,
     destination,
     environment,
+    load_baseline,
     measure,
     parse_recipe,
     parse_shapes,
@@ -64,20 +69,21 @@ ANCHOR = "flashmla"
 TOL = 1e-2  # relative L2 error against the oracle (bf16 output)
 
 
-def ours(x: DecodeInputs, recipe: str, impl: str) -> Case:
-    """``mla_triton.decode`` as vLLM's backend calls it (``impl`` forced via ``tuning.use``)."""
+def ours(x: DecodeInputs, recipe: str, impl: str, module: Any = mla_triton) -> Case:
+    """``module.decode`` as vLLM's backend calls it (``impl`` forced via ``tuning.use``;
+    ``module``: this tree's ``mla_triton`` or, with impl ``baseline``, another tree's)."""
     quant, sparsity = parse_recipe(recipe)
     if sparsity is not None:
         raise SystemExit(f"--recipes: {recipe!r}: decode takes no sparsity")
     s, q = x.shape, x.q
     dev = q.device if q.device.type == "cuda" else None
-    ws_bytes = mla_triton.decode_workspace_size(s.batch, s.heads, s.seq, device=dev)
+    ws_bytes = module.decode_workspace_size(s.batch, s.heads, s.seq, device=dev)
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
     out = torch.empty(s.batch, s.heads, 512, dtype=q.dtype, device=q.device)
     lse = torch.empty(s.batch, s.heads, dtype=torch.float32, device=q.device)
 
     def run() -> Any:
-        return mla_triton.decode(
+        return module.decode(
             q, x.cache, x.table, x.lens, softmax_scale=SCALE, quant=quant, workspace=ws,
             out=out, lse=lse, max_seq_len=s.seq,
         )  # fmt: skip
@@ -86,7 +92,8 @@ def ours(x: DecodeInputs, recipe: str, impl: str) -> Case:
         return tuning.use(impl)
 
     return Case(recipe, impl, run, view=lambda r: r[0], flops=x.flops, nbytes=x.nbytes(),
-                tokens=s.batch, **({} if impl == "auto" else {"context": context}))  # fmt: skip
+                tokens=s.batch,
+                **({} if impl in ("auto", BASELINE) else {"context": context}))  # fmt: skip
 
 
 def compile_job(spec: tuple[Shape, str, str]) -> str:
@@ -107,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     add_common(parser, op=OP, shapes=SHAPES, recipes="none,fp8,nvfp4",
                impls="auto,flashmla,triton_mla", modes="graph,eager",
                impl_help=f"comma-separated of {', '.join((*OURS, *DECODE_ANCHORS))}")  # fmt: skip
+    add_baseline(parser)
     args = parser.parse_args(argv)
+    base = load_baseline(args.baseline) if args.baseline is not None else None
+    base_note = f"baseline {args.baseline_label or args.baseline.name}" if base else ""
     impls = split_list(args.impl, (*OURS, *DECODE_ANCHORS), "impl")
     recipes = split_list(args.recipes, ("none", "fp8", "nvfp4"), "recipes")
     modes, shapes, rounds = checked_modes(args.modes), parse_shapes(args.shapes), args.rounds
@@ -142,13 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in recipes:
             for impl in mine:
                 cases += build(partial(ours, x, recipe, impl), f"{impl} {recipe}", skipped)
+            if base is not None:
+                got = build(partial(ours, x, recipe, BASELINE, base), f"baseline {recipe}", skipped)
+                for case in got:
+                    case.notes.append(base_note)
+                cases += got
         for name in anchors:
             cases += build(partial(DECODE_ANCHORS[name], x), name, skipped)
         cases = prepare(cases, skipped)
         measure(cases, modes, rounds, device, args.warmup_ms, args.rep_ms)
         for recipe in recipes:
             want = reference_decode(x, parse_recipe(recipe)[0])
-            mine_r = [c for c in cases if c.recipe == recipe and c.impl in OURS]
+            mine_r = [c for c in cases if c.recipe == recipe and c.impl in (*OURS, BASELINE)]
             ok &= check(mine_r, want, slice(0, 2), TOL)
             if recipe == "none":
                 ok &= check([c for c in cases if c.impl in DECODE_ANCHORS], want, slice(0, 2), TOL)

@@ -18,7 +18,9 @@ then runs as vLLM's backend calls it (workspace, out and lse preallocated,
 FlashMLA's time over the row's, same mode. Unless ``--no-update``, rows of op
 ``update_cache`` time one decode step's write (one token per request, raw row and
 shadow). The first two requests of every case are checked against ``mla_reference``
-(the recipe on read from the raw cache). Rows are appended to ``results/shadow.csv``.
+(the recipe on read from the raw cache). ``--baseline DIR``: another tree's
+``mla_triton`` timed in this process (impl ``baseline``, on a shadow it wrote). Rows are
+appended to ``results/shadow.csv``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
+    BASELINE,
     D_QK,
     D_V,
     DECODE_ANCHORS,
@@ -37,6 +40,7 @@ from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
     Case,
     DecodeInputs,
     Shape,
+    add_baseline,
     add_common,
     anchor_note,
     build,
@@ -46,6 +50,7 @@ from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
     decode_inputs,
     destination,
     environment,
+    load_baseline,
     measure,
     parse_recipe,
     parse_shapes,
@@ -69,37 +74,41 @@ TOL = 1e-2  # relative L2 error against the oracle (bf16 output)
 CHUNK = 1 << 16  # tokens a fill call writes
 
 
-def fill(x: DecodeInputs, recipe: str, storage: str) -> Any:
-    """A shadow of ``recipe``/``storage`` and the raw cache, written by ``update_cache`` in
-    position order from the same seeded latent every time."""
+def fill(x: DecodeInputs, recipe: str, storage: str, module: Any = mla_triton) -> Any:
+    """A shadow of ``recipe``/``storage`` and the raw cache, written by ``module``'s
+    ``update_cache`` in position order from the same seeded latent every time."""
     quant, _ = parse_recipe(recipe)
     blocks, page = x.cache.shape[0], x.cache.shape[1]
     dev = x.cache.device
-    shadow = mla_triton.allocate_shadow(blocks, page, quant, storage=storage, device=dev)
+    shadow = module.allocate_shadow(blocks, page, quant, storage=storage, device=dev)
     g = torch.Generator(device=dev).manual_seed(1)
     total = blocks * page
     for lo in range(0, total, CHUNK):
         n = min(CHUNK, total - lo)
         lat = torch.randn(n, D_QK, generator=g, device=dev).to(x.cache.dtype)
         slots = torch.arange(lo, lo + n, device=dev)
-        mla_triton.update_cache(lat[:, :D_V], lat[:, D_V:], x.cache, slots, shadow,
-                                quant=quant, storage=storage)  # fmt: skip
+        module.update_cache(lat[:, :D_V], lat[:, D_V:], x.cache, slots, shadow,
+                            quant=quant, storage=storage)  # fmt: skip
     return shadow
 
 
-def ours(x: DecodeInputs, shadow: Any, recipe: str, storage: str, impl: str) -> Case:
-    """``decode_shadow`` as vLLM's backend calls it (``impl`` forced via ``tuning.use``)."""
+def ours(
+    x: DecodeInputs, shadow: Any, recipe: str, storage: str, impl: str, module: Any = mla_triton
+) -> Case:
+    """``decode_shadow`` as vLLM's backend calls it (``impl`` forced via ``tuning.use``;
+    ``module``: this tree's ``mla_triton`` or, with impl ``baseline``, another tree's,
+    reading a shadow that tree wrote)."""
     quant, _ = parse_recipe(recipe)
     s, q = x.shape, x.q
     dev = q.device if q.device.type == "cuda" else None
-    ws_bytes = mla_triton.decode_workspace_size(s.batch, s.heads, s.seq, device=dev)
+    ws_bytes = module.decode_workspace_size(s.batch, s.heads, s.seq, device=dev)
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
     out = torch.empty(s.batch, s.heads, D_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(s.batch, s.heads, dtype=torch.float32, device=q.device)
-    token_bytes = mla_triton.shadow_layout(quant, storage=storage).token_bytes
+    token_bytes = module.shadow_layout(quant, storage=storage).token_bytes
 
     def run() -> Any:
-        return mla_triton.decode_shadow(
+        return module.decode_shadow(
             q, x.cache, shadow, x.table, x.lens, softmax_scale=SCALE, quant=quant,
             storage=storage, workspace=ws, out=out, lse=lse, max_seq_len=s.seq,
         )  # fmt: skip
@@ -109,7 +118,7 @@ def ours(x: DecodeInputs, shadow: Any, recipe: str, storage: str, impl: str) -> 
 
     return Case(f"{recipe}-{storage}", impl, run, view=lambda r: r[0], flops=x.flops,
                 nbytes=x.nbytes(token_bytes), tokens=s.batch,
-                **({} if impl == "auto" else {"context": context}))  # fmt: skip
+                **({} if impl in ("auto", BASELINE) else {"context": context}))  # fmt: skip
 
 
 def update_case(x: DecodeInputs, shadow: Any, recipe: str, storage: str) -> Case:
@@ -151,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                impl_help=f"comma-separated of {', '.join((*OURS, *DECODE_ANCHORS))}")  # fmt: skip
     parser.add_argument("--storage", default="fp16,packed", help="fp16 and/or packed")
     parser.add_argument("--no-update", action="store_true", help="no update_cache rows")
+    add_baseline(parser)
     args = parser.parse_args(argv)
+    base = load_baseline(args.baseline) if args.baseline is not None else None
+    base_note = f"baseline {args.baseline_label or args.baseline.name}" if base else ""
     impls = split_list(args.impl, (*OURS, *DECODE_ANCHORS), "impl")
     recipes = split_list(args.recipes, ("fp8", "nvfp4"), "recipes")
     storages = split_list(args.storage, STORAGES, "storage")
@@ -178,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {shape.name}", flush=True)
         x = decode_inputs(shape, device, dtype)
         shadows = {pair: fill(x, *pair) for pair in pairs}
+        base_shadows = {pair: fill(x, *pair, module=base) for pair in pairs} if base else {}
         skipped: list[str] = []
         if args.smoke and any(i in DECODE_ANCHORS for i in impls):
             skipped.append(f"{ANCHOR} not run: the smoke run has no CUDA GPU")
@@ -186,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             for impl in mine:
                 make = partial(ours, x, shadow, recipe, storage, impl)
                 cases += build(make, f"{impl} {recipe}-{storage}", skipped)
+            if base is not None:
+                make = partial(ours, x, base_shadows[recipe, storage], recipe, storage, BASELINE,
+                               base)  # fmt: skip
+                got = build(make, f"baseline {recipe}-{storage}", skipped)
+                for case in got:
+                    case.notes.append(base_note)
+                cases += got
         for name in anchors:
             cases += build(partial(DECODE_ANCHORS[name], x), name, skipped)
         cases = prepare(cases, skipped)
@@ -205,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             measure(updates, modes, rounds, device, args.warmup_ms, args.rep_ms)
             rows += case_rows(env, "update_cache", shape.name, updates, modes, None, "", rounds)
         write_rows(rows, path, dry)
-        del cases, shadows
+        del cases, shadows, base_shadows
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return 0 if ok else 1
