@@ -2,8 +2,9 @@
 
 Skipped without a CUDA GPU (CI runs on CPUs; ``nox -s gpu`` runs it on one). The CPU
 suite (test_shadow.py) runs the interpreter on fp16 data; here the kernels are
-compiled, with the GPU's fast paths (hardware E4M3 conversion, FMA, the multiply-and-round nvfp4 on read),
-on bf16 data, whose 8 significant bits make exact E2M1 rounding ties common.
+compiled, with the GPU's fast paths (hardware E4M3 conversion, FMA, the
+multiply-and-round nvfp4 on read), on bf16 data, whose 8 significant bits make exact
+E2M1 rounding ties common.
 
 Per recipe and storage, a pool of ragged sequences (lengths across 16-token
 blocks, tiles and split bounds, up to 1000) is filled like an engine fills it:
