@@ -35,8 +35,9 @@ SCALE = 192**-0.5
 
 def _clear() -> None:
     """Empty every cache of the launch paths."""
-    dispatch._AUTO.clear()
+    dispatch._DECISIONS.clear()
     gd.gluon_recipe.cache_clear()
+    gd.by_name.cache_clear()
     splitk.operands.cache_clear()
     splitk._split_policy.cache_clear()
     splitk._layout.cache_clear()
@@ -194,7 +195,7 @@ def test_auto_remembers_per_rule() -> None:
         dtype=torch.bfloat16, quant=FP8, heads=128, kv_lora_rank=512, rope=64,
         kv_strides=(64 * 576, 576), kv_aligned=True,
     )  # fmt: skip
-    dispatch._AUTO.clear()
+    dispatch._DECISIONS.clear()
 
     def fresh(op: str, f: gd.GluonFacts, rule: gd.Rule) -> dispatch.Row | None:
         taken = rule(f)

@@ -181,7 +181,7 @@ def test_empty_calls_are_counted_and_left_out_of_the_figures() -> None:
     zeros = torch.zeros_like(want)
     alone, mixed = LayerState("a", recipe), LayerState("b", recipe)
     alone.record_stats("decode", got, want)
-    for quantized, reference in ((zeros, zeros), (got, want), (got[:2] * 0 + 1, zeros[:2])):
+    for quantized, reference in ((zeros, zeros), (got, want), (got[:2] * 0 + 1e30, zeros[:2])):
         mixed.record_stats("decode", quantized, reference)
     a, m = alone.snapshot()["decode"], mixed.snapshot()["decode"]
     assert (a["calls"], a["empty_calls"]) == (1.0, 0.0)

@@ -65,10 +65,11 @@ class _Running:
     def add(self, stats: torch.Tensor) -> None:
         self.calls += 1
         filled = stats[3]
-        weighted = torch.cat([stats[:3] * filled, filled.reshape(1)])
-        # an empty call leaves the extremes alone: it stands in as the neutral element
-        neutral = stats.new_tensor([-1.0, 2.0, -1.0])
-        current = torch.where(filled > 0, stats[:3], neutral)
+        kept = torch.where(filled > 0, stats[:3], 0.0)  # an empty call's rel_l2 may be inf
+        weighted = torch.cat([kept, filled.reshape(1)])
+        # an empty call leaves the extremes alone: rel_l2 and max_abs count as 0 (they are
+        # never negative) and its cosine as 2 (above any cosine)
+        current = torch.stack([kept[0], torch.where(filled > 0, stats[1], 2.0), kept[2]])
         if self.total is None or self.worst is None:
             self.total = weighted
             self.worst = current

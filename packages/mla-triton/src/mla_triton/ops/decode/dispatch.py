@@ -121,9 +121,9 @@ DECODE = Route("decode", ON_READ, gluon.gluon_family, ws.DECODE_ROUTE, gluon.glu
 """``decode``'s route (quantized on read)."""
 
 _logged: set[str] = set()
-_AUTO: dict[tuple[str, gluon.GluonFacts, object], tuple[GluonRecipe | Unsupported, Row | None]]
-_AUTO = {}
-_AUTO_SIZE = 256
+_DECISIONS: dict[tuple[str, gluon.GluonFacts, object], tuple[GluonRecipe | Unsupported, Row | None]]
+_DECISIONS = {}
+_DECISIONS_SIZE = 256
 
 
 def auto(
@@ -135,19 +135,19 @@ def auto(
 
     The decision is a pure function of ``op``, ``facts`` and the rule, so it is remembered
     under ``(op, facts, rule)``, or ``(op, facts, rule_key)`` where the caller gives a key
-    that determines the rule (at most ``_AUTO_SIZE`` entries): a call with the same facts
+    that determines the rule (at most ``_DECISIONS_SIZE`` entries): a call with the same facts
     as an earlier one skips the rule and the table. Logging is not remembered: each call
     checks its reason."""
     key = (op, facts, rule if rule_key is None else rule_key)
-    hit = _AUTO.get(key)
+    hit = _DECISIONS.get(key)
     if hit is None:
         taken = rule(facts)
         row = None
         if not isinstance(taken, Unsupported):
             row = lookup(op, gluon.recipe_kind(taken), facts.heads)
-        if len(_AUTO) >= _AUTO_SIZE:
-            _AUTO.clear()
-        _AUTO[key] = hit = (taken, row)
+        if len(_DECISIONS) >= _DECISIONS_SIZE:
+            _DECISIONS.clear()
+        _DECISIONS[key] = hit = (taken, row)
     taken, row = hit
     if isinstance(taken, Unsupported):
         if taken.covered and taken.reason not in _logged:

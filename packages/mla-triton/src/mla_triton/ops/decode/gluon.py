@@ -354,16 +354,9 @@ class _ByName:
         return run
 
 
-_BY_NAME: dict[int, _ByName] = {}
-
-
-def by_name(kernel: Any) -> _ByName:
-    """The ``_ByName`` launcher of ``kernel`` (one per kernel object, which is held: a
-    family is made per call; a JIT function's hash would read its source)."""
-    launcher = _BY_NAME.get(id(kernel))
-    if launcher is None or launcher.kernel is not kernel:
-        launcher = _BY_NAME[id(kernel)] = _ByName(kernel)
-    return launcher
+by_name = by_identity(_ByName)
+"""The ``_ByName`` launcher of a kernel, one per kernel object (a family is made per
+call; a JIT function's hash would read its source)."""
 
 
 class _GluonFamily(OnRead):
