@@ -8,8 +8,9 @@ query lengths, chunked context, block tables padded as for CUDA graphs) and comp
 each with one SDPA reference at the same tolerances. This plugin changes no upstream
 file. It
 
-- puts ``upstream/`` (vLLM's ``tests`` package) and ``upstream/site/`` (vLLM test
-  requirements that vLLM itself does not install: ``tblib``) on ``sys.path``;
+- puts ``upstream/`` (vLLM's ``tests`` package) first on ``sys.path`` and
+  ``upstream/site/`` (vLLM test requirements that vLLM itself does not install:
+  ``tblib``, ``anthropic``) last;
 - registers ``MLA_QUANT`` (our ``vllm.general_plugins`` entry point does the same)
   and ``MLA_QUANT_SHADOW``, a second name for the same backend class;
 - collects only ``test_mla_backends.py`` of the upstream tree and, of it, only the
@@ -41,7 +42,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 UPSTREAM = HERE / "upstream"
 SITE = UPSTREAM / "site"
-"""vLLM test requirements that a vLLM install lacks (``pip install --target``)."""
+"""vLLM test requirements that a vLLM install lacks (``pip install --target``); last on
+``sys.path``, so that the install's own packages win."""
 SUITE = "tests/v1/attention/test_mla_backends.py"
 """The upstream file collected; the rest of vLLM's tests/ is ignored."""
 CASES = ("test_backend_correctness", "test_chunked_context_backend_correctness")
@@ -193,9 +195,10 @@ def _add_mla_quant(module: ModuleType) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if not _present():
         return
-    for path in (SITE, UPSTREAM):
-        if path.is_dir() and str(path) not in sys.path:
-            sys.path.insert(0, str(path))
+    if UPSTREAM.is_dir() and str(UPSTREAM) not in sys.path:
+        sys.path.insert(0, str(UPSTREAM))
+    if SITE.is_dir() and str(SITE) not in sys.path:
+        sys.path.append(str(SITE))  # last: only what the vLLM install lacks comes from here
     _stub_hub_config()
     _register()
 

@@ -14,8 +14,9 @@ shadow: ``graph``, prefill ``eager``, serving ``graph``; ``--mode`` overrides), 
 newest row per shape and recipe.
 Draws ``<op>.png`` into ``--out`` (default: the results folder): bars of the ratio to
 the anchor (FlashMLA bf16, FA3 bf16, the FLASHMLA engine). ``--markdown`` prints the
-tables instead: decode on read and through the shadow together, prefill, serving, and
-the host time per eager call.
+tables instead: decode on read and through the shadow together (one table per GPU and
+commit where their newest rows differ), prefill, serving, and the host time per eager
+call.
 """
 
 from __future__ import annotations
@@ -181,10 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot(stem, t, (args.out or args.results) / f"{stem}.png", title)
     if args.markdown:
         decode = [(g[0], g[1], g[2], g[3]) for g in groups if g[0] in ("decode", "shadow")]
-        if decode:
-            page = next((s.rsplit("-p", 1)[1] for s, _ in decode[0][2] if "-p" in s), "64")
-            print(f"<!-- {decode[0][1]} -->")
-            print(markdown(decode, f"decode, page {page}", "FlashMLA") + "\n")
+        for where in dict.fromkeys(g[1] for g in decode):  # one table per GPU and commit
+            same = [g for g in decode if g[1] == where]
+            page = next((s.rsplit("-p", 1)[1] for s, _ in same[0][2] if "-p" in s), "64")
+            print(f"<!-- {where} -->")
+            print(markdown(same, f"decode, page {page}", "FlashMLA") + "\n")
         for g in groups:
             if g[0] in ("prefill", "serve"):
                 print(f"<!-- {g[1]} -->")
@@ -194,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             commit, gpu = newest(g[5], args.commit, args.gpu)
             host = host_table(g[5], OPS[g[0]][0], g[6], commit, gpu)
             if host:
+                print(f"<!-- {gpu}, {commit}, host -->")
                 print(host + "\n")
     return 0
 
