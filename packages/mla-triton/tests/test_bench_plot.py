@@ -48,7 +48,7 @@ def test_unknown_commits_go_by_date_and_choices_win() -> None:
 def _csv(path: Path, op: str, gpu: str, recipe: str) -> None:
     from harness import COLUMNS
 
-    base = {c: "" for c in COLUMNS}
+    base = dict.fromkeys(COLUMNS, "")
     rows = []
     for impl, time_us, ratio in (("auto", "100.0", "1.10"), ("flashmla", "110.0", "")):
         rows.append({**base, "date": "2026-01-01T00:00:00Z", "commit": "0000000", "gpu": gpu,
