@@ -66,3 +66,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return next((i for i, slow in enumerate(SLOW_FIRST) if name == slow), len(SLOW_FIRST))
 
     items.sort(key=rank)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_replay_plans() -> None:
+    """Every test starts without decode plans (``common.replay``): a test that patches
+    the platform must not replay a plan another test recorded."""
+    from mla_triton.common.replay import REPLAY
+
+    REPLAY.clear()

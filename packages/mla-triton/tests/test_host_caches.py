@@ -20,6 +20,7 @@ import mla_triton
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.common import splitk
 from mla_triton.common.memo import by_identity
+from mla_triton.common.replay import REPLAY
 from mla_triton.ops.decode import dispatch
 from mla_triton.ops.decode import gluon as gd
 from mla_triton.ops.prefill import core as prefill_core
@@ -35,6 +36,7 @@ SCALE = 192**-0.5
 
 def _clear() -> None:
     """Empty every cache of the launch paths."""
+    REPLAY.clear()
     dispatch._DECISIONS.clear()
     gd.gluon_recipe.cache_clear()
     gd.by_name.cache_clear()

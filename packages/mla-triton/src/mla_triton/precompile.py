@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 
 from mla_formats import AttentionQuant, NMSparsity
 from mla_triton.common import device as dev
+from mla_triton.common.intercept import Action, Args, Kwargs, Run, intercept, ours
 from mla_triton.common.splitk import decode_num_splits
 from mla_triton.ops.decode import decode
 from mla_triton.ops.decode.triton import default_config as decode_config
@@ -65,54 +65,13 @@ __all__ = [
     "warmup_update_cache",
 ]
 
-_PACKAGE = "mla_triton"
 _SPLIT_TOKENS = 256  # decode_num_splits reads max_seq_len only as max_seq_len // 256
 _MAX_SPLITS = 64
-_LOCK = threading.Lock()
-_Run = Callable[..., Any]
-_Args = tuple[Any, ...]
-_Kwargs = dict[str, Any]
-_Action = Callable[[_Run, Any, _Args, _Kwargs, Any], Any]
 
 
-def _ours(kernel: Any) -> bool:
-    fn = getattr(kernel, "fn", None)
-    return str(getattr(fn, "__module__", "")).startswith(_PACKAGE)
-
-
-@contextmanager
-def _intercept(action: _Action) -> Iterator[None]:
-    """Replace every launch of an ``mla_triton`` kernel *from this thread* by ``action(...)``.
-
-    ``action(run, kernel, args, kwargs, grid)`` gets the class's own ``run``.
-    Patches ``run`` of Triton's ``JITFunction`` (Gluon's kernels included) and
-    ``InterpretedFunction`` for the duration; other packages' kernels, and launches
-    from other threads (a warm-up in a background thread while the engine serves or
-    compiles in the main one), launch as usual.
-    """
-    if not _LOCK.acquire(blocking=False):
-        raise RuntimeError("mla_triton.warmup: compile_only/record_keys do not nest")
-    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
-    owner = threading.get_ident()
-
-    def patched(cls: type) -> Callable[..., Any]:
-        original = originals[cls]
-
-        def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-            if not _ours(self) or threading.get_ident() != owner:
-                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-            return action(original, self, args, kwargs, grid)
-
-        return run
-
-    try:
-        for cls in originals:
-            cls.run = patched(cls)
-        yield
-    finally:
-        for cls, original in originals.items():
-            cls.run = original
-        _LOCK.release()
+def _intercept(action: Action) -> AbstractContextManager[bool]:
+    """``common.intercept.intercept``: raises while another interception is active."""
+    return intercept(action)
 
 
 def _threads(threads: int | None) -> int:
@@ -138,7 +97,7 @@ def compile_only(threads: int | None = None) -> Iterator[None]:
     """
     workers = _threads(threads)
 
-    def compile_kernel(run: _Run, kernel: Any, args: _Args, kwargs: _Kwargs, grid: Any) -> Any:
+    def compile_kernel(run: Run, kernel: Any, args: Args, kwargs: Kwargs, grid: Any) -> Any:
         return run(kernel, *args, grid=grid, warmup=True, **kwargs)
 
     with _intercept(compile_kernel):
@@ -171,7 +130,7 @@ def record_keys(target: Any = None) -> Iterator[set[tuple[str, str]]]:
             binders[id(kernel)] = found
         return found
 
-    def record(run: _Run, kernel: Any, args: _Args, kwargs: _Kwargs, grid: Any) -> None:
+    def record(run: Run, kernel: Any, args: Args, kwargs: Kwargs, grid: Any) -> None:
         _, specialization, options = binder(kernel)(*args, **kwargs)
         name = f"{kernel.fn.__module__}.{kernel.fn.__qualname__}"
         keys.add((name, compute_cache_key({}, specialization, options)))
@@ -196,10 +155,10 @@ def compiled_variants() -> dict[str, int]:
     Only kernels of modules already imported count; an interpreted kernel has none.
     """
     counts: dict[str, int] = {}
-    modules = [m for n, m in list(sys.modules.items()) if n.startswith(_PACKAGE) and m]
+    modules = [m for n, m in list(sys.modules.items()) if n.startswith("mla_triton") and m]
     for module in modules:
         for value in list(vars(module).values()):
-            if isinstance(value, JITFunction) and _ours(value):
+            if isinstance(value, JITFunction) and ours(value):
                 name = f"{value.fn.__module__}.{value.fn.__qualname__}"
                 caches = getattr(value, "device_caches", {})
                 counts[name] = sum(len(entry[0]) for entry in caches.values())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -124,6 +124,15 @@ def decode_num_splits(
         return 1
     bh = block_h if block_h is not None else block_h_for(num_heads)
     return _split_policy(batch * -(-num_heads // bh), max_seq_len, sm_count(device))
+
+
+def split_key(max_seq_len: object, capacity: int) -> Hashable:
+    """What the checks and the split policy read of ``max_seq_len`` (for
+    ``common.replay``'s keys): a valid bound only as its ``_MIN_SPLIT_TOKENS`` count and
+    whether it is positive, anything else as given (the checks refuse it)."""
+    if type(max_seq_len) is int and 0 <= max_seq_len <= capacity:
+        return ("bound", max_seq_len // _MIN_SPLIT_TOKENS, max_seq_len > 0)
+    return ("given", type(max_seq_len), max_seq_len if isinstance(max_seq_len, Hashable) else 0)
 
 
 @functools.lru_cache(maxsize=1024)

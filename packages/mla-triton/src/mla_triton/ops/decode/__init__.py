@@ -12,8 +12,10 @@ from collections.abc import Sequence
 import torch
 
 from mla_formats import AttentionQuant
+from mla_triton.common import device as dev
 from mla_triton.common.choice import forced
-from mla_triton.common.splitk import check_call, run_decode
+from mla_triton.common.replay import REPLAY, capacity, key_of, replayable
+from mla_triton.common.splitk import check_call, run_decode, split_key
 from mla_triton.ops.decode.dispatch import choose
 
 __all__ = ["decode"]
@@ -93,6 +95,37 @@ def decode(
     ``mla_formats`` does. Memory the block table does not reference (other pages,
     slots past a sequence's end) is never read.
     """
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return _decode(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant,
+                       num_splits, workspace, out, lse, max_seq_len, check_values)  # fmt: skip
+
+    if not replayable(check_values, seq_lens):
+        return call()
+    inputs, key = key_of(
+        ("decode", softmax_scale, kv_lora_rank, id(quant), num_splits,
+         split_key(max_seq_len, capacity(block_table, kv_cache)), check_values,
+         forced("decode"), dev.interpreting()),
+        q, kv_cache, block_table, seq_lens, workspace, out, lse,
+    )  # fmt: skip
+    return REPLAY(key, inputs, call, keep=quant)
+
+
+def _decode(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    quant: AttentionQuant | None,
+    num_splits: int | None,
+    workspace: torch.Tensor | None,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    max_seq_len: int | None,
+    check_values: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     c = check_call(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, quant,
                    max_seq_len)  # fmt: skip
     family, cfg = choose(c, kv_cache, quant, kv_lora_rank, forced("decode"))

@@ -44,6 +44,7 @@ import torch
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.common import device as dev
 from mla_triton.common.choice import forced
+from mla_triton.common.replay import REPLAY, capacity, key_of, replayable
 from mla_triton.common.splitk import (
     DecodeConfig,
     Operands,
@@ -52,6 +53,7 @@ from mla_triton.common.splitk import (
     check_call,
     operand,
     run_decode,
+    split_key,
     tensor_arg,
 )
 from mla_triton.ops.decode import gluon_ws as ws
@@ -711,6 +713,30 @@ def decode_shadow(
     dynamic nvfp4 K with fp8 V); the Triton kernel otherwise. ``mla_triton.tuning.use``
     forces one.
     """
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return _decode_shadow(q, kv_cache, shadow, block_table, seq_lens, softmax_scale, quant,
+                              storage, kv_lora_rank, num_splits, workspace, out, lse, max_seq_len,
+                              check_values)  # fmt: skip
+
+    if not replayable(check_values, seq_lens) or not isinstance(shadow, torch.Tensor):
+        return call()
+    held = _stamps(shadow).get(shadow.data_ptr())  # the recipe check reads the stamp
+    inputs, key = key_of(
+        ("decode_shadow", softmax_scale, id(quant), storage, kv_lora_rank, num_splits,
+         split_key(max_seq_len, capacity(block_table, kv_cache)), check_values,
+         forced("decode"), dev.interpreting(), id(held)),
+        q, kv_cache, shadow, block_table, seq_lens, workspace, out, lse,
+    )  # fmt: skip
+    return REPLAY(key, inputs, call, keep=(quant, held))
+
+
+def _decode_shadow(
+    q: torch.Tensor | Sequence[torch.Tensor], kv_cache: torch.Tensor, shadow: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+    quant: AttentionQuant, storage: str, kv_lora_rank: int, num_splits: int | None,
+    workspace: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
+    max_seq_len: int | None, check_values: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     impl, config = forced("decode")
     qq = _check_quant(quant)
     st = _check_storage(storage)

@@ -1,0 +1,489 @@
+"""Replaying a call's launches: the host time of a call repeated with the same metadata.
+
+A serving engine calls ``decode`` (or ``decode_shadow``) every step with tensors of the
+same shapes, strides, dtypes and devices; only their addresses and values change. The
+argument checks, the dispatch and the building of the kernels' arguments then decide the
+same launches every time, and they are most of an eager call's host time. ``Replay``
+records the launches of the first two calls with one *key* (the tensors' metadata, their
+addresses modulo 16 and the scalar arguments), proves that they are the same function
+of the inputs, and then replays them: the same kernels, grids and arguments on the new
+call's tensors, without running the Python that chose them.
+
+The proof, from the two recordings: every tensor a launch takes is a view of an input at
+a fixed byte offset from that input's address, or of an output the call allocated and
+returned, or one object that both calls passed (a cached placeholder); every other
+argument is equal; and the call ran no torch operation other than reading metadata,
+taking views and allocating (``_PURE``): nothing that reads values. Anything else (a
+copy, a value read on the host, a launch by another thread's warm-up) leaves the key
+without a plan, and its calls run in full. A call that raises records nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mla_triton.common.intercept import Args, Kwargs, Run, intercept
+
+R = TypeVar("R")
+
+_PURE = frozenset({
+    "TensorBase.__getitem__", "TensorBase.data_ptr", "TensorBase.dim", "TensorBase.element_size",
+    "TensorBase.is_contiguous", "TensorBase.numel", "TensorBase.size", "TensorBase.stride",
+    "TensorBase.storage_offset", "TensorBase.view", "getset_descriptor.__get__",
+    "_VariableFunctionsClass.empty", "_VariableFunctionsClass.empty_strided",
+})  # fmt: skip
+"""The torch functions a replayable call may run: metadata, views, allocations."""
+_ALLOCATE = frozenset({"_VariableFunctionsClass.empty", "_VariableFunctionsClass.empty_strided"})
+_MAX_PLANS = 256
+_TRIES = 3
+"""Recordings that are not replayable before a key is given up (the first call of a
+recipe fills the launch paths' memos with torch arithmetic)."""
+
+
+class _Watch(TorchFunctionMode):
+    """Notes whether a torch function outside ``_PURE`` ran (and which)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impure: str | None = None
+        self.launching = False  # a launch's own work (the interpreter's copies) is not the call's
+        self.allocated: list[torch.Tensor] = []  # by the call, in order
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if not self.launching:
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            if name not in _PURE and self.impure is None:
+                self.impure = str(name)
+            elif name in _ALLOCATE:
+                self.allocated.append(result)
+        return result
+
+
+@dataclass(frozen=True)
+class _View:
+    """A tensor at ``offset`` bytes from source ``src``'s address: ``("in", i)`` the call's
+    input ``i``, ``("new", j)`` the output ``j`` it allocated."""
+
+    src: tuple[str, int]
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    whole: bool = False  # the source itself (same metadata): passed as it is
+
+
+@dataclass(frozen=True)
+class _Const:
+    """A tensor both recorded calls passed (same address): kept and passed again."""
+
+    address: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    tensor: torch.Tensor = dataclasses.field(compare=False)
+
+
+@dataclass(frozen=True)
+class _Alloc:
+    """An output the call allocated and returned: allocated again by the replay."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class _Obj:
+    """A dataclass argument holding tensors (a TMA descriptor): its fields as templates."""
+
+    kind: type
+    fields: tuple[tuple[str, Any], ...]
+    proto: Any = dataclasses.field(compare=False)
+
+
+@dataclass(frozen=True)
+class _List:
+    """A list argument: its items as templates (a new list each call)."""
+
+    items: tuple[Any, ...]
+
+
+class _NotReplayableError(Exception):
+    pass
+
+
+class _Sources:
+    """The storages of a call's inputs and of what it allocated, to place a tensor."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self.input_storages = [t.untyped_storage().data_ptr() for t in inputs]
+        self.output_storages = [t.untyped_storage().data_ptr() for t in outputs]
+
+    def template(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value)
+        if isinstance(value, tuple):
+            return tuple(self.template(v) for v in value)
+        if isinstance(value, list):
+            return _List(tuple(self.template(v) for v in value))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = tuple(
+                (f.name, self.template(getattr(value, f.name))) for f in dataclasses.fields(value)
+            )
+            if not any(_dynamic(t) for _, t in fields):
+                return value  # no tensor inside: compared as it is
+            if not hasattr(value, "__dict__"):
+                raise _NotReplayableError("an object holding tensors without a __dict__")
+            return _Obj(type(value), fields, value)
+        return value
+
+    def _tensor(self, t: torch.Tensor) -> _View | _Const:
+        storage = t.untyped_storage().data_ptr()
+        meta = (t.dtype, tuple(t.shape), tuple(t.stride()))
+        for kind, storages, tensors in (
+            ("in", self.input_storages, self.inputs),
+            ("new", self.output_storages, self.outputs),
+        ):
+            same = [i for i, s in enumerate(storages) if s == storage]
+            exact = [i for i in same if tensors[i].data_ptr() == t.data_ptr()]
+            if exact:  # the input itself, or a view of it from its first element
+                x = tensors[exact[0]]
+                whole = meta == (x.dtype, tuple(x.shape), tuple(x.stride()))
+                return _View((kind, exact[0]), 0, *meta, whole=whole)
+            if len(same) > 1:  # inside memory several inputs share: whose view is unknown
+                raise _NotReplayableError("a view of memory that several inputs share")
+            if same:
+                offset = t.data_ptr() - tensors[same[0]].data_ptr()
+                if offset % t.element_size():
+                    raise _NotReplayableError("a view at an offset that is not whole elements")
+                return _View((kind, same[0]), offset, *meta)
+        return _Const(t.data_ptr(), *meta, tensor=t)
+
+
+@dataclass(frozen=True)
+class _Recording:
+    launches: tuple[tuple[Any, Any, Any, Any], ...]  # kernel, grid, args, kwargs (templates)
+    allocs: tuple[_Alloc, ...]  # what the call allocated, in order
+    result: Any  # the returned value's template: a _View or a tuple of them
+
+
+def _record(
+    inputs: Sequence[torch.Tensor], call: Callable[[], R]
+) -> tuple[R, _Recording | None, bool]:
+    """Run ``call``, recording its launches. Returns the result, the recording (None when
+    the call is not replayable) and whether recording was possible at all (False while
+    another thread intercepts launches: nothing can be concluded then)."""
+    log: list[tuple[Any, Any, Args, Kwargs]] = []
+
+    watch = _Watch()
+
+    def action(run: Run, kernel: Any, args: Args, kwargs: Kwargs, grid: Any) -> Any:
+        log.append((kernel, grid, args, kwargs))
+        watch.launching = True
+        try:
+            return run(kernel, *args, grid=grid, warmup=False, **kwargs)
+        finally:
+            watch.launching = False
+
+    with intercept(action, busy="run") as intercepting:
+        if not intercepting:
+            return call(), None, False
+        with watch:
+            result = call()
+    if watch.impure is not None or not log:
+        return result, None, True
+    try:
+        allocated = watch.allocated
+        if any(t.storage_offset() for t in allocated):
+            raise _NotReplayableError("an allocation at an offset")
+        src = _Sources(inputs, allocated)
+        launches = tuple(
+            (kernel, src.template(grid), src.template(args), src.template(kwargs_items(kwargs)))
+            for kernel, grid, args, kwargs in log
+        )
+        allocs = tuple(
+            _Alloc(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in allocated
+        )
+        rec = _Recording(launches, allocs, _result_template(result, src))
+    except _NotReplayableError:
+        return result, None, True
+    return result, rec, True
+
+
+def kwargs_items(kwargs: Kwargs) -> tuple[tuple[str, Any], ...]:
+    return tuple(kwargs.items())
+
+
+def _result_template(result: Any, src: _Sources) -> Any:
+    """The returned tensor (or tuple of tensors) as views of inputs or allocations."""
+
+    def one(t: object) -> _View:
+        view = src.template(t) if isinstance(t, torch.Tensor) else None
+        if not isinstance(view, _View):
+            raise _NotReplayableError("a result that is not a view of an input or allocation")
+        return view
+
+    return tuple(one(t) for t in result) if isinstance(result, tuple) else one(result)
+
+
+def _same(a: _Recording, b: _Recording) -> bool:
+    """Whether two recordings are one function of the inputs: equal templates, the same
+    kernels (by identity) and constant tensors at the same addresses."""
+    if len(a.launches) != len(b.launches) or (a.allocs, a.result) != (b.allocs, b.result):
+        return False
+    return all(
+        ka is kb and (ga, xa, wa) == (gb, xb, wb)
+        for (ka, ga, xa, wa), (kb, gb, xb, wb) in zip(a.launches, b.launches, strict=True)
+    )
+
+
+Leaf = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], list[Any]], Any]
+Get = Callable[[list[Any]], Any]
+
+
+def _view_leaf(t: _View) -> Leaf:
+    kind, i = t.src
+    pick_new = kind == "new"
+    if t.whole:
+        if pick_new:
+            return lambda ins, news, vals: news[i]
+        return lambda ins, news, vals: ins[i]
+    dtype, shape, stride = t.dtype, t.shape, t.stride
+    offset = t.offset // dtype.itemsize
+
+    def view(ins: Sequence[torch.Tensor], news: Sequence[torch.Tensor], vals: list[Any]) -> Any:
+        x = news[i] if pick_new else ins[i]
+        if x.dtype != dtype:
+            x = x.view(dtype)
+        return x.as_strided(shape, stride, x.storage_offset() + offset)
+
+    return view
+
+
+class _Leaves:
+    """The distinct tensors and objects of a plan's launches, built once per call in
+    order (``vals``); ``get(template)`` reads a value from them."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self._index: dict[_View, int] = {}
+
+    def _add(self, leaf: Leaf) -> Get:
+        k = len(self.leaves)
+        self.leaves.append(leaf)
+        return lambda vals: vals[k]
+
+    def get(self, t: Any) -> Get:
+        if isinstance(t, _View):
+            if t not in self._index:
+                self._index[t] = len(self.leaves)
+                self.leaves.append(_view_leaf(t))
+            k = self._index[t]
+            return lambda vals: vals[k]
+        if isinstance(t, _Const):
+            tensor = t.tensor
+            return lambda vals: tensor
+        if isinstance(t, _Obj):
+            kind, state, new = t.kind, dict(vars(t.proto)), object.__new__
+            fields = [(n, self.get(f)) for n, f in t.fields if _dynamic(f)]
+
+            def obj(
+                ins: Sequence[torch.Tensor], news: Sequence[torch.Tensor], vals: list[Any]
+            ) -> Any:
+                built: Any = new(kind)  # the checked object, its tensors replaced
+                built.__dict__.update(state)
+                for name, get in fields:
+                    object.__setattr__(built, name, get(vals))
+                return built
+
+            return self._add(obj)
+        if isinstance(t, tuple) and _dynamic(t):
+            parts = [self.get(x) for x in t]
+            return lambda vals: tuple(p(vals) for p in parts)
+        if isinstance(t, _List):
+            items = [self.get(x) for x in t.items]
+            return lambda vals: [p(vals) for p in items]
+        return lambda vals: t
+
+
+def _dynamic(template: Any) -> bool:
+    """Whether ``template`` holds a tensor or an object rebuilt per call."""
+    if isinstance(template, (_View, _Const, _Obj, _List)):
+        return True
+    return isinstance(template, tuple) and any(_dynamic(t) for t in template)
+
+
+class _Plan:
+    """A key's launches as builders: run them on a new call's tensors."""
+
+    def __init__(self, rec: _Recording) -> None:
+        leaves = _Leaves()
+        self.launches = []
+        for kernel, grid, args, kwargs in rec.launches:
+            static = {k: v for k, v in kwargs if not _dynamic(v)}
+            dynamic = [(k, leaves.get(v)) for k, v in kwargs if _dynamic(v)]
+            self.launches.append((kernel, leaves.get(grid), leaves.get(args), static, dynamic))
+        results = rec.result if isinstance(rec.result, tuple) else (rec.result,)
+        self.allocs = rec.allocs
+        self.result = [leaves.get(r) for r in results]
+        self.leaves = leaves.leaves
+        self.single = not isinstance(rec.result, tuple)
+
+    def build(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], Any]:
+        """Every launch's arguments on ``inputs`` and the result (no launch yet)."""
+        news = [
+            torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device)
+            for a in self.allocs
+        ]
+        vals: list[Any] = []
+        for leaf in self.leaves:
+            vals.append(leaf(inputs, news, vals))
+        calls = []
+        for kernel, grid, args, static, dynamic in self.launches:
+            kwargs = dict(static)
+            for name, get in dynamic:
+                kwargs[name] = get(vals)
+            calls.append((kernel, grid(vals), args(vals), kwargs))
+        out = [get(vals) for get in self.result]
+        return calls, out[0] if self.single else tuple(out)
+
+
+def _launch(calls: list[Any]) -> None:
+    for kernel, grid, args, kwargs in calls:  # ``run`` looked up now: a warm-up may patch it
+        kernel.run(*args, grid=grid, warmup=False, **kwargs)
+
+
+_NEVER = object()
+"""A key whose calls are not replayable: run in full."""
+_SEEN = object()
+"""A key called once: its next call is recorded."""
+
+
+class Replay:
+    """Plans by key: ``replay(key, inputs, call)`` runs ``call()`` or replays its launches.
+
+    ``key`` must determine everything ``call`` decides on apart from the inputs' addresses
+    and values (``key_of``: each tensor's metadata, every other argument, the forced
+    implementation); ``inputs`` are the tensors the call may take views of; ``keep``
+    holds the objects whose ``id`` is part of the key (alive while their plan is). At
+    most ``_MAX_PLANS`` keys are kept (least recently used first out).
+    """
+
+    def __init__(self) -> None:
+        self._plans: OrderedDict[Hashable, tuple[Any, object]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def planned(self, key: Hashable) -> bool:
+        """Whether ``key``'s calls are replayed."""
+        entry = self._plans.get(key)
+        return entry is not None and isinstance(entry[0], _Plan)
+
+    def __call__(
+        self, key: Hashable | None, inputs: Sequence[torch.Tensor], call: Callable[[], R],
+        keep: object = None,
+    ) -> R:  # fmt: skip
+        if key is None:
+            return call()
+        held = self._plans.get(key)
+        entry = held[0] if held is not None else None
+        if isinstance(entry, _Plan):
+            try:
+                calls, result = entry.build(inputs)
+            except RuntimeError:  # a view the new addresses cannot take: the full call
+                return call()
+            _launch(calls)
+            return result  # type: ignore[no-any-return]
+        if entry is _NEVER:
+            return call()
+        if entry is None:  # a key seen once costs nothing more: record from its second call
+            with self._lock:
+                self._plans[key] = (_SEEN, keep)
+                self._evict()
+            return call()
+        got: tuple[R, _Recording | None, bool] = _record(inputs, call)
+        result, rec, recorded = got
+        if not recorded:
+            return result
+        with self._lock:
+            if rec is None:  # a first call fills the memos of the launch paths: try again
+                tries = entry + 1 if isinstance(entry, int) else 1
+                new: Any = tries if tries < _TRIES else _NEVER
+            elif not isinstance(entry, _Recording):
+                new = rec  # the first clean recording: a plan once a second one agrees
+            else:
+                new = _Plan(rec) if _same(entry, rec) else _NEVER
+            self._plans[key] = (new, keep)
+            self._plans.move_to_end(key)
+            self._evict()
+        return result
+
+    def _evict(self) -> None:
+        while len(self._plans) > _MAX_PLANS:
+            self._plans.popitem(last=False)
+
+
+REPLAY = Replay()
+"""The plans of ``decode`` and ``decode_shadow`` (keys start with the op's name)."""
+
+
+def replayable(check_values: object, seq_lens: object) -> bool:
+    """Whether a decode call may replay: it checks no values on the host (``check_values``
+    False, or None with ``seq_lens`` on a GPU): value checks need the full call."""
+    if check_values is False:
+        return True
+    return (
+        check_values is None
+        and isinstance(seq_lens, torch.Tensor)
+        and seq_lens.device.type != "cpu"
+    )
+
+
+def capacity(block_table: object, kv_cache: object) -> int:
+    """The block table's capacity in tokens (0 for arguments the checks refuse)."""
+    if not (isinstance(block_table, torch.Tensor) and isinstance(kv_cache, torch.Tensor)):
+        return 0
+    if block_table.dim() != 2 or kv_cache.dim() != 3:
+        return 0
+    return int(block_table.shape[1] * kv_cache.shape[1])
+
+
+def key_of(head: tuple[object, ...], *values: object) -> tuple[list[torch.Tensor], Hashable | None]:
+    """The tensors among ``values`` (a pair's members too) and the key of a call: ``head``
+    (the op and its other arguments, each with its type) and each value's metadata
+    (``meta``). The key is None where something in it cannot be hashed."""
+    inputs: list[torch.Tensor] = []
+    parts: list[Hashable] = [tuple((type(h), h) for h in head)]
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            inputs.append(v)
+            parts.append((v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16))
+        elif isinstance(v, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in v):
+            inputs.extend(v)
+            parts.append(tuple((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
+                               for x in v))  # fmt: skip
+        else:
+            parts.append((type(v), v if isinstance(v, Hashable) else id(v)))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return inputs, None
+    return inputs, key

@@ -1,0 +1,260 @@
+"""Replayed calls (``common.replay``) launch what the full call launches (CPU).
+
+A call repeated with the same metadata replays the launches recorded from its first
+calls. These tests compare, argument by argument, the launches of a replayed call with
+those of the full call on the same tensors (on the CPU's dispatch and as on an H200,
+with launches stubbed), check the output of replayed interpreter launches bit for bit,
+and check that whatever depends on more than the key (values checked on the host, a
+shadow's recipe) is never replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+import mla_triton
+from mla_formats import AttentionQuant
+from mla_triton.common import device as dev
+from mla_triton.common.intercept import ours
+from mla_triton.common.replay import REPLAY
+from mla_triton.ops.decode import gluon as gd
+
+SCALE = 192**-0.5
+FP8 = AttentionQuant.uniform("fp8")
+NVFP4 = AttentionQuant.uniform("nvfp4")
+
+
+@pytest.fixture
+def stubbed() -> Iterator[list[tuple[str, Any, Any, Any]]]:
+    """Launches of this package's kernels logged, not run (kernel name, grid, args, kwargs)."""
+    log: list[tuple[str, Any, Any, Any]] = []
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+    def make(original: Any) -> Any:
+        def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            if not ours(self):
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            log.append((self.fn.__name__, grid, args, kwargs))
+            return None
+
+        return run
+
+    for cls, original in originals.items():
+        cls.run = make(original)  # type: ignore[method-assign]
+    try:
+        yield log
+    finally:
+        for cls, original in originals.items():
+            cls.run = original  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dispatch CPU tensors as on an H200 (the Gluon kernels' arguments, TMA descriptors)."""
+    real = gd.gluon_facts
+
+    def facts(*args: Any) -> gd.GluonFacts:
+        return replace(real(*args), device_type="cuda", capability=(9, 0), interpreting=False,
+                       api_missing=None)  # fmt: skip
+
+    monkeypatch.setattr(gd, "gluon_facts", facts)
+    monkeypatch.setattr(dev, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(dev, "interpreted_bf16", lambda dtype: False)
+
+
+def _plain(v: Any, places: list[torch.Tensor], seen: dict[int, int] | None = None) -> Any:
+    """A launch argument as data; a tensor as its metadata and its place: which of
+    ``places`` holds its memory and at which byte offset, else the order in which its
+    memory first appeared (scratch the call allocated, a cached placeholder)."""
+    seen = {} if seen is None else seen
+    if isinstance(v, torch.Tensor):
+        meta = (v.dtype, tuple(v.shape), v.stride())
+        storage = v.untyped_storage().data_ptr()
+        for i, p in enumerate(places):
+            if p.untyped_storage().data_ptr() == storage:
+                return (*meta, i, v.data_ptr() - p.data_ptr())
+        return (*meta, "other", seen.setdefault(storage, len(seen)), v.data_ptr() - storage)
+    if hasattr(v, "block_shape") and hasattr(v, "base"):
+        shapes = (tuple(x) for x in (v.shape, v.strides, v.block_shape))
+        return (_plain(v.base, places, seen), *shapes)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_plain(x, places, seen) for x in v)
+    if isinstance(v, dict):
+        return {k: _plain(x, places, seen) for k, x in v.items()}
+    return v
+
+
+Call = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _decode_case(
+    heads: int, quant: AttentionQuant | None, given: bool, dtype: torch.dtype = torch.float16
+) -> tuple[Call, list]:
+    q = torch.randn(3, heads, 576, dtype=dtype)
+    cache = torch.randn(6, 64, 576, dtype=dtype)
+    table = torch.randperm(6, dtype=torch.int32).reshape(3, 2)
+    lens = torch.tensor([5, 64, 128], dtype=torch.int32)
+    ws = torch.empty(mla_triton.decode_workspace_size(3, heads, 128), dtype=torch.uint8)
+    out = torch.empty(3, heads, 512, dtype=q.dtype) if given else None
+    lse = torch.empty(3, heads) if given else None
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_triton.decode(q, cache, table, lens, softmax_scale=SCALE, quant=quant,
+                                 workspace=ws, out=out, lse=lse, max_seq_len=128,
+                                 check_values=False)  # fmt: skip
+
+    return call, [t for t in (q, cache, table, lens, ws, out, lse) if t is not None]
+
+
+def _shadow_case(
+    heads: int, quant: AttentionQuant, storage: str, dtype: torch.dtype = torch.float16
+) -> tuple[Call, list]:
+    q = torch.randn(3, heads, 576, dtype=dtype)
+    cache = torch.randn(6, 64, 576, dtype=dtype)
+    shadow = mla_triton.allocate_shadow(6, 64, quant, storage=storage)
+    table = torch.randperm(6, dtype=torch.int32).reshape(3, 2)
+    lens = torch.tensor([5, 64, 128], dtype=torch.int32)
+    ws = torch.empty(mla_triton.decode_workspace_size(3, heads, 128), dtype=torch.uint8)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_triton.decode_shadow(q, cache, shadow, table, lens, softmax_scale=SCALE,
+                                        quant=quant, storage=storage, workspace=ws,
+                                        max_seq_len=128, check_values=False)  # fmt: skip
+
+    return call, [q, cache, shadow, table, lens, ws]
+
+
+def _prefill_case(
+    heads: int, quant: AttentionQuant | None, lse: bool, dtype: torch.dtype = torch.float16
+) -> tuple[Call, list]:
+    q, k = torch.randn(80, heads, 192, dtype=dtype), torch.randn(80, heads, 192, dtype=dtype)
+    v = torch.randn(80, heads, 128, dtype=dtype)
+    cu = torch.tensor([0, 30, 80], dtype=torch.int32)
+
+    def call() -> Any:
+        return mla_triton.prefill(q, k, v, cu, cu, softmax_scale=SCALE, quant=quant,
+                                  return_lse=lse, max_seqlen_q=50, max_seqlen_k=50)  # fmt: skip
+
+    return call, [q, k, v, cu]
+
+
+CASES = [
+    *[("decode", h, r, g) for h in (128, 16) for r in (None, FP8, NVFP4) for g in (True, False)],
+    *[("shadow", h, r, s) for h in (128, 16) for r in (FP8, NVFP4) for s in ("fp16", "packed")],
+]
+
+
+def _case(case: tuple[str, int, Any, Any], dtype: torch.dtype) -> tuple[Call, list]:
+    op, heads, quant, extra = case
+    if op == "decode":
+        return _decode_case(heads, quant, extra, dtype)
+    if op == "prefill":
+        return _prefill_case(heads, quant, extra, dtype)
+    return _shadow_case(heads, quant, extra, dtype)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "sm90"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c)[:40])
+def test_replayed_launches_are_the_full_calls(
+    case: tuple[str, int, Any, Any], platform: str, stubbed: list, request: pytest.FixtureRequest
+) -> None:
+    """After a call and two recorded calls, a fourth call on other tensors of the same metadata is
+    replayed and launches exactly what the full call launches on those tensors (bfloat16
+    as on an H200; float16 on the CPU, where the interpreter runs bfloat16 on copies,
+    which are never replayed)."""
+    dtype = torch.float16
+    if platform == "sm90":
+        request.getfixturevalue("as_sm90")
+        dtype = torch.bfloat16
+    first, _ = _case(case, dtype)
+    for _ in range(3):  # seen, recorded, recorded and compared: a plan
+        first()
+    call, inputs = _case(case, dtype)  # new tensors: other addresses, same metadata
+    stubbed.clear()
+    result = call()
+    result = result if isinstance(result, tuple) else (result,)
+    assert len(REPLAY._plans) == 1 and REPLAY.planned(next(iter(REPLAY._plans)))
+    replayed = _plain(list(stubbed), [*inputs, *result])
+    REPLAY.clear()
+    stubbed.clear()
+    full_result = call()
+    full_result = full_result if isinstance(full_result, tuple) else (full_result,)
+    full = _plain(list(stubbed), [*inputs, *full_result])
+    assert replayed == full
+    assert replayed
+    assert [(t.shape, t.dtype, t.stride()) for t in result] == [
+        (t.shape, t.dtype, t.stride()) for t in full_result
+    ]
+
+
+def test_replayed_output_is_bit_identical() -> None:
+    """Under Triton's interpreter: the replayed kernels compute the full call's output, and
+    a ``max_seq_len`` that moves within one split-policy step (an engine's growing batch
+    maximum) keeps the plan."""
+    q = torch.randn(2, 16, 576, dtype=torch.float16)
+    cache = torch.randn(4, 16, 576, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([20, 32], dtype=torch.int32)
+    ws = torch.empty(mla_triton.decode_workspace_size(2, 16, 32), dtype=torch.uint8)
+
+    def call(x: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_triton.decode(x, cache, table, lens, softmax_scale=SCALE, quant=FP8,
+                                 workspace=ws, max_seq_len=bound, check_values=False)  # fmt: skip
+
+    for bound in (30, 31, 32):
+        call(q, bound)
+    q2 = torch.randn(2, 16, 576, dtype=torch.float16)
+    out, lse = call(q2, 32)
+    assert len(REPLAY._plans) == 1 and REPLAY.planned(next(iter(REPLAY._plans)))
+    REPLAY.clear()
+    ref_out, ref_lse = call(q2, 32)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert not torch.equal(out, call(q, 32)[0])  # the replay read the new q
+
+
+def test_value_checks_and_recipes_are_never_skipped(stubbed: list) -> None:
+    """Host value checks (``check_values``, CPU ``seq_lens`` by default) always run, and a
+    shadow stamped for another recipe is refused after its shape was replayed."""
+    call, (q, cache, table, lens, ws, _, _) = _decode_case(16, FP8, True)
+    for _ in range(3):
+        mla_triton.decode(q, cache, table, lens, softmax_scale=SCALE, quant=FP8, workspace=ws)
+    assert not REPLAY._plans  # values checked on the host: no plan
+    call()
+    call()
+    bad = torch.tensor([5, 64, 10**6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_triton.decode(q, cache, table, bad, softmax_scale=SCALE, quant=FP8, workspace=ws,
+                          max_seq_len=128, check_values=True)  # fmt: skip
+
+    call, (q, cache, shadow, table, lens, ws) = _shadow_case(16, FP8, "fp16")
+    call()
+    call()
+    scaled = AttentionQuant(q="fp8", k=FP8.k.__class__("fp8", 2.0), v=FP8.v.__class__("fp8", 2.0),
+                            p="fp8")  # fmt: skip
+    other = mla_triton.allocate_shadow(6, 64, scaled, storage="fp16")
+    assert other.shape == shadow.shape
+    with pytest.raises(ValueError, match="quant"):
+        mla_triton.decode_shadow(q, cache, other, table, lens, softmax_scale=SCALE, quant=FP8,
+                                 storage="fp16", workspace=ws, max_seq_len=128,
+                                 check_values=False)  # fmt: skip
+
+
+def test_misaligned_workspace_is_still_refused(stubbed: list) -> None:
+    """The key holds each address modulo 16: a workspace the launch paths refuse is
+    refused after its aligned twin was replayed."""
+    call, (q, cache, table, lens, ws, out, lse) = _decode_case(128, FP8, True)
+    call()
+    call()
+    call()
+    big = torch.empty(ws.numel() + 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="workspace"):
+        mla_triton.decode(q, cache, table, lens, softmax_scale=SCALE, quant=FP8,
+                          workspace=big[1 : 1 + ws.numel()], out=out, lse=lse, max_seq_len=128,
+                          check_values=False)  # fmt: skip
