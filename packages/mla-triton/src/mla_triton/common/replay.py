@@ -251,73 +251,66 @@ def _same(a: _Recording, b: _Recording) -> bool:
     )
 
 
-Leaf = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], list[Any]], Any]
-Get = Callable[[list[Any]], Any]
-
-
-def _view_leaf(t: _View) -> Leaf:
-    kind, i = t.src
-    pick_new = kind == "new"
-    if t.whole:
-        if pick_new:
-            return lambda ins, news, vals: news[i]
-        return lambda ins, news, vals: ins[i]
-    dtype, shape, stride = t.dtype, t.shape, t.stride
-    offset = t.offset // dtype.itemsize
-
-    def view(ins: Sequence[torch.Tensor], news: Sequence[torch.Tensor], vals: list[Any]) -> Any:
-        x = news[i] if pick_new else ins[i]
-        if x.dtype != dtype:
-            x = x.view(dtype)
-        return x.as_strided(shape, stride, x.storage_offset() + offset)
-
-    return view
-
-
-class _Leaves:
-    """The distinct tensors and objects of a plan's launches, built once per call in
-    order (``vals``); ``get(template)`` reads a value from them."""
+class _Gen:
+    """Writes a plan's build as one Python function of (inputs, allocations): each
+    distinct view once, objects rebuilt, constants bound by name (no per-element calls)."""
 
     def __init__(self) -> None:
-        self.leaves: list[Leaf] = []
-        self._index: dict[_View, int] = {}
+        self.lines: list[str] = []
+        self.names: dict[str, Any] = {"_new": object.__new__, "_set": object.__setattr__}
+        self._views: dict[_View, str] = {}
 
-    def _add(self, leaf: Leaf) -> Get:
-        k = len(self.leaves)
-        self.leaves.append(leaf)
-        return lambda vals: vals[k]
+    def const(self, value: Any) -> str:
+        name = f"c{len(self.names)}"
+        self.names[name] = value
+        return name
 
-    def get(self, t: Any) -> Get:
+    def _view(self, t: _View) -> str:
+        if t in self._views:
+            return self._views[t]
+        kind, i = t.src
+        src = f"news[{i}]" if kind == "new" else f"ins[{i}]"
+        name = f"v{len(self._views)}"
+        self._views[t] = name
+        if t.whole:
+            self.lines.append(f"{name} = {src}")
+        else:
+            d = self.const(t.dtype)
+            shape, stride = self.const(t.shape), self.const(t.stride)
+            offset = t.offset // t.dtype.itemsize
+            self.lines.append(f"x = {src}")
+            self.lines.append(f"x = x if x.dtype is {d} else x.view({d})")
+            self.lines.append(
+                f"{name} = x.as_strided({shape}, {stride}, x.storage_offset() + {offset})"
+            )
+        return name
+
+    def expr(self, t: Any) -> str:
+        """An expression for the value ``t`` stands for (lines it needs are written)."""
         if isinstance(t, _View):
-            if t not in self._index:
-                self._index[t] = len(self.leaves)
-                self.leaves.append(_view_leaf(t))
-            k = self._index[t]
-            return lambda vals: vals[k]
+            return self._view(t)
         if isinstance(t, _Const):
-            tensor = t.tensor
-            return lambda vals: tensor
+            return self.const(t.tensor)
         if isinstance(t, _Obj):
-            kind, state, new = t.kind, dict(vars(t.proto)), object.__new__
-            fields = [(n, self.get(f)) for n, f in t.fields if _dynamic(f)]
-
-            def obj(
-                ins: Sequence[torch.Tensor], news: Sequence[torch.Tensor], vals: list[Any]
-            ) -> Any:
-                built: Any = new(kind)  # the checked object, its tensors replaced
-                built.__dict__.update(state)
-                for name, get in fields:
-                    object.__setattr__(built, name, get(vals))
-                return built
-
-            return self._add(obj)
-        if isinstance(t, tuple) and _dynamic(t):
-            parts = [self.get(x) for x in t]
-            return lambda vals: tuple(p(vals) for p in parts)
+            fields = [(n, self.expr(f)) for n, f in t.fields if _dynamic(f)]
+            name = f"o{len(self.lines)}"
+            kind, state = self.const(t.kind), self.const(dict(vars(t.proto)))
+            self.lines.append(f"{name} = _new({kind})")  # the checked object, tensors replaced
+            self.lines.append(f"{name}.__dict__.update({state})")
+            self.lines += [f"_set({name}, {field!r}, {e})" for field, e in fields]
+            return name
         if isinstance(t, _List):
-            items = [self.get(x) for x in t.items]
-            return lambda vals: [p(vals) for p in items]
-        return lambda vals: t
+            return "[" + "".join(f"{self.expr(x)}, " for x in t.items) + "]"
+        if isinstance(t, tuple) and _dynamic(t):
+            return "(" + "".join(f"{self.expr(x)}, " for x in t) + ")"
+        return self.const(t)
+
+    def function(self, body: str) -> Callable[..., Any]:
+        source = "def build(ins, news):\n" + "".join(f"    {ln}\n" for ln in self.lines)
+        source += f"    return {body}\n"
+        space = dict(self.names)
+        exec(compile(source, "<mla_triton replay plan>", "exec"), space)
+        return space["build"]  # type: ignore[no-any-return]
 
 
 def _dynamic(template: Any) -> bool:
@@ -328,20 +321,19 @@ def _dynamic(template: Any) -> bool:
 
 
 class _Plan:
-    """A key's launches as builders: run them on a new call's tensors."""
+    """A key's launches, built by one generated function on a new call's tensors."""
 
     def __init__(self, rec: _Recording) -> None:
-        leaves = _Leaves()
-        self.launches = []
+        gen = _Gen()
+        launches = []
         for kernel, grid, args, kwargs in rec.launches:
             static = {k: v for k, v in kwargs if not _dynamic(v)}
-            dynamic = [(k, leaves.get(v)) for k, v in kwargs if _dynamic(v)]
-            self.launches.append((kernel, leaves.get(grid), leaves.get(args), static, dynamic))
-        results = rec.result if isinstance(rec.result, tuple) else (rec.result,)
+            dynamic = "".join(f"{k!r}: {gen.expr(v)}, " for k, v in kwargs if _dynamic(v))
+            kw = f"{{**{gen.const(static)}, {dynamic}}}"
+            launches.append(f"({gen.const(kernel)}, {gen.expr(grid)}, {gen.expr(args)}, {kw})")
+        result = gen.expr(rec.result)
+        self.build_fn = gen.function(f"[{', '.join(launches)}], {result}")
         self.allocs = rec.allocs
-        self.result = [leaves.get(r) for r in results]
-        self.leaves = leaves.leaves
-        self.single = not isinstance(rec.result, tuple)
 
     def build(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], Any]:
         """Every launch's arguments on ``inputs`` and the result (no launch yet)."""
@@ -349,17 +341,7 @@ class _Plan:
             torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device)
             for a in self.allocs
         ]
-        vals: list[Any] = []
-        for leaf in self.leaves:
-            vals.append(leaf(inputs, news, vals))
-        calls = []
-        for kernel, grid, args, static, dynamic in self.launches:
-            kwargs = dict(static)
-            for name, get in dynamic:
-                kwargs[name] = get(vals)
-            calls.append((kernel, grid(vals), args(vals), kwargs))
-        out = [get(vals) for get in self.result]
-        return calls, out[0] if self.single else tuple(out)
+        return self.build_fn(inputs, news)  # type: ignore[no-any-return]
 
 
 def _launch(calls: list[Any]) -> None:
