@@ -75,3 +75,23 @@ def _fresh_replay_plans() -> None:
     from mla_triton.common.replay import REPLAY
 
     REPLAY.clear()
+
+
+@pytest.fixture
+def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dispatch CPU tensors as on an H200 (decode's facts, prefill's capability), for tests
+    that look at launches without running them."""
+    from dataclasses import replace
+
+    from mla_triton.common import device as dev
+    from mla_triton.ops.decode import gluon as gd
+
+    real = gd.gluon_facts
+
+    def facts(*args: object) -> gd.GluonFacts:
+        return replace(real(*args), device_type="cuda", capability=(9, 0), interpreting=False,
+                       api_missing=None)  # fmt: skip
+
+    monkeypatch.setattr(gd, "gluon_facts", facts)
+    monkeypatch.setattr(dev, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(dev, "interpreted_bf16", lambda dtype: False)

@@ -20,7 +20,7 @@ import torch
 import mla_triton
 from mla_formats import AttentionQuant
 from mla_triton import tuning
-from mla_triton.precompile import _intercept
+from mla_triton.common.intercept import intercept
 
 PACKAGE = Path(mla_triton.__file__).parent
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -138,7 +138,7 @@ def _launches(call: Any, run: bool = False) -> list[tuple[str, dict[str, Any]]]:
             return original(kernel, *args, grid=grid, warmup=False, **kwargs)
         return None
 
-    with _intercept(record):
+    with intercept(record):
         call()
     return seen
 

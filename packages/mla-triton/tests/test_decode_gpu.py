@@ -43,9 +43,9 @@ import mla_reference
 from mla_formats import AttentionQuant, OperandQuant, e4m3_round, qdq_factored
 from mla_triton import decode_workspace_size
 from mla_triton.common import qdq as dev
+from mla_triton.common.intercept import intercept
 from mla_triton.common.splitk_kernels import decode_q_kernel
 from mla_triton.ops.decode.gluon import GluonRecipe, gluon_recipe
-from mla_triton.precompile import _intercept
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
@@ -227,7 +227,7 @@ def test_auto_runs_the_gluon_kernel_on_sm90() -> None:
         seen.append(kernel.fn.__name__)  # type: ignore[attr-defined]
 
     q, cache, table, seq = make_inputs([100, 3000], 128, 64, seed=9)
-    with _intercept(spy):
+    with intercept(spy):
         for recipe in ("none", "fp8", "nvfp4"):
             decode(q, cache, table, seq, softmax_scale=SCALE, quant=RECIPES[recipe])
         decode(q[:, :16], cache, table, seq, softmax_scale=SCALE)

@@ -379,14 +379,14 @@ def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _launched(call: Any) -> list[tuple[str, dict[str, Any], Any]]:
     """The ``(kernel, keyword arguments, grid)`` of every launch ``call()`` makes (none run)."""
-    from mla_triton.precompile import _intercept
+    from mla_triton.common.intercept import intercept
 
     seen: list[tuple[str, dict[str, Any], Any]] = []
 
     def action(run: Any, kernel: Any, args: Any, kwargs: dict[str, Any], grid: Any) -> None:
         seen.append((kernel.fn.__name__, kwargs, grid))
 
-    with _intercept(action):
+    with intercept(action):
         call()
     return seen
 

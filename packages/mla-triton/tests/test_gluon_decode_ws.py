@@ -240,8 +240,8 @@ def test_refusals_before_any_launch() -> None:
 def test_launch_arguments() -> None:
     """Through the decode core: the ws kernel with exactly its parameters, 64 heads and
     64 tokens a CTA, 4 warps, the config's registers, then the merge (several splits)."""
+    from mla_triton.common.intercept import intercept
     from mla_triton.ops.decode.gluon_ws_kernels import gluon_decode_ws_kernel
-    from mla_triton.precompile import _intercept
 
     seen: list[tuple[str, dict[str, Any], Any]] = []
 
@@ -249,7 +249,7 @@ def test_launch_arguments() -> None:
         seen.append((kernel.fn.__name__, kwargs, grid))
 
     q, cache, table, seq = _cpu_case(128)
-    with _intercept(action):
+    with intercept(action):
         decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=3, config=VARIANTS[2])
     assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel", "decode_merge_kernel"]
     _, args, grid = seen[0]
@@ -261,7 +261,7 @@ def test_launch_arguments() -> None:
     assert args["split"][1][0] is cache and args["out_scale"] == 1.0
     assert args["split"][12] == pytest.approx(SCALE * 1.4426950408889634)
     seen.clear()
-    with _intercept(action):
+    with intercept(action):
         decode(q, cache, table, seq, softmax_scale=SCALE, num_splits=1, config=WsConfig())
     assert [n for n, _, _ in seen] == ["gluon_decode_ws_kernel"]
     one = seen[0][1]
@@ -278,7 +278,7 @@ def test_tma_and_ring_arguments() -> None:
     and ``STAGES``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from mla_triton.precompile import _intercept
+    from mla_triton.common.intercept import intercept
 
     seen: list[dict[str, Any]] = []
 
@@ -294,7 +294,7 @@ def test_tma_and_ring_arguments() -> None:
     cases = [(VARIANTS[3], cache, table), (VARIANTS[5], cache, table), (VARIANTS[3], wide, table),
              (VARIANTS[3], gapped, table), (VARIANTS[5], page16, table.repeat(1, 4)),
              (ring, cache, table)]  # fmt: skip
-    with _intercept(action):
+    with intercept(action):
         for cfg, kv, tab in cases:
             decode(q, kv, tab, seq, softmax_scale=SCALE, num_splits=2, config=cfg)
     descs = [a["kv_desc"] for a in seen]
@@ -590,8 +590,8 @@ def test_shadow_refusals() -> None:
     from test_shadow import RECIPES as TEST_SHADOW_RECIPES
 
     from mla_triton import allocate_shadow
+    from mla_triton.common.intercept import intercept
     from mla_triton.ops.shadow import gluon_shadow_recipe, shadow_layout
-    from mla_triton.precompile import _intercept
 
     q, cache, table, seq = _cpu_case(128)
     nvfp4 = AttentionQuant.uniform("nvfp4")
@@ -612,7 +612,7 @@ def test_shadow_refusals() -> None:
     def action(run: Any, kernel: Any, args: Any, kwargs: dict[str, Any], grid: Any) -> None:
         seen.append(kernel.fn.__name__)
 
-    with _intercept(action):
+    with intercept(action):
         for quant, storage, qq, says in cases:
             shadow = allocate_shadow(7, 64, quant, storage=storage)
             with pytest.raises(ValueError, match=rf"^quant: .*{re.escape(says)}"):

@@ -19,6 +19,7 @@ import torch
 import mla_triton
 from mla_formats import AttentionQuant, OperandQuant
 from mla_triton.common import splitk
+from mla_triton.common.intercept import intercept
 from mla_triton.common.memo import by_identity
 from mla_triton.common.replay import REPLAY
 from mla_triton.ops.decode import dispatch
@@ -26,7 +27,6 @@ from mla_triton.ops.decode import gluon as gd
 from mla_triton.ops.prefill import core as prefill_core
 from mla_triton.ops.prefill import gluon as prefill_gluon
 from mla_triton.ops.shadow import gluon_shadow_taken, shadow_layout
-from mla_triton.precompile import _intercept
 
 FP8 = AttentionQuant.uniform("fp8")
 NVFP4 = AttentionQuant.uniform("nvfp4")
@@ -70,7 +70,7 @@ def _launches(call: Callable[[], Any]) -> list[tuple[str, Any, Any, dict[str, An
         plain = {k: _plain(x) for k, x in kwargs.items()}
         seen.append((kernel.fn.__name__, grid, _plain(tuple(args)), plain))
 
-    with _intercept(action):
+    with intercept(action):
         call()
     return seen
 
@@ -83,23 +83,6 @@ def _same_as_uncached(calls: list[Callable[[], Any]]) -> None:
         _clear()
         assert got == _launches(call)
         assert got  # something was launched
-
-
-@pytest.fixture
-def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dispatch CPU tensors as on an H200 (decode's facts, prefill's capability)."""
-    from mla_triton.common import device as dev
-
-    real = gd.gluon_facts
-
-    def facts(*args: Any) -> gd.GluonFacts:
-        f = real(*args)
-        return replace(f, device_type="cuda", capability=(9, 0), interpreting=False,
-                       api_missing=None)  # fmt: skip
-
-    monkeypatch.setattr(gd, "gluon_facts", facts)
-    monkeypatch.setattr(dev, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(dev, "interpreted_bf16", lambda dtype: False)
 
 
 def _decode_inputs(heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

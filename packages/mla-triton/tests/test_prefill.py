@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 import mla_reference
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant, e2m1_round, qdq, qdq_factored
 from mla_triton.common import qdq as dev
+from mla_triton.common.intercept import intercept
 from mla_triton.ops.prefill.triton import PrefillConfig
-from mla_triton.precompile import _intercept
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -688,7 +688,7 @@ def _spied_prefill(kwargs: dict[str, Any]) -> tuple[Any, list[str]]:
         launches.append(kernel.fn.__name__)
         return run(kernel, *args, grid=grid, warmup=False, **kw)
 
-    with _intercept(spy):
+    with intercept(spy):
         try:
             return prefill(**kwargs, return_lse=True), launches
         except ValueError as error:

@@ -43,10 +43,10 @@ from calls import prefill  # mla_triton.prefill, with ``impl``/``config`` forced
 import mla_reference
 from mla_formats import AttentionQuant, NMSparsity, OperandQuant, e2m1_round, e4m3_round
 from mla_triton.common import qdq as dev
+from mla_triton.common.intercept import intercept
 from mla_triton.ops.prefill import gluon as gluon_prefill
 from mla_triton.ops.prefill.core import Recipe
 from mla_triton.ops.prefill.triton import PrefillConfig
-from mla_triton.precompile import _intercept
 
 torch.set_num_threads(2)  # one of several xdist workers sharing the host's cores
 
@@ -503,7 +503,7 @@ def test_auto_runs_gluon_on_sm90() -> None:
         return run(kernel, *args, grid=grid, warmup=False, **kwargs)
 
     q, k, v, cu_q, cu_k, scale = make_batch([300], [300], 8, 8, seed=9)
-    with _intercept(spy):
+    with intercept(spy):
         prefill(q, k, v, cu_q, cu_k, softmax_scale=scale)
         prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, sparsity=NMSparsity(2, 4))
     assert launched.count("gluon_prefill_kernel") == 2 and "prefill_fwd_kernel" not in launched

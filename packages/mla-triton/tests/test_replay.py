@@ -11,7 +11,6 @@ shadow's recipe) is never replayed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,10 +20,8 @@ from triton.runtime.jit import JITFunction
 
 import mla_triton
 from mla_formats import AttentionQuant
-from mla_triton.common import device as dev
 from mla_triton.common.intercept import ours
 from mla_triton.common.replay import REPLAY
-from mla_triton.ops.decode import gluon as gd
 
 SCALE = 192**-0.5
 FP8 = AttentionQuant.uniform("fp8")
@@ -53,20 +50,6 @@ def stubbed() -> Iterator[list[tuple[str, Any, Any, Any]]]:
     finally:
         for cls, original in originals.items():
             cls.run = original  # type: ignore[method-assign]
-
-
-@pytest.fixture
-def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dispatch CPU tensors as on an H200 (the Gluon kernels' arguments, TMA descriptors)."""
-    real = gd.gluon_facts
-
-    def facts(*args: Any) -> gd.GluonFacts:
-        return replace(real(*args), device_type="cuda", capability=(9, 0), interpreting=False,
-                       api_missing=None)  # fmt: skip
-
-    monkeypatch.setattr(gd, "gluon_facts", facts)
-    monkeypatch.setattr(dev, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(dev, "interpreted_bf16", lambda dtype: False)
 
 
 def _plain(v: Any, places: list[torch.Tensor], seen: dict[int, int] | None = None) -> Any:

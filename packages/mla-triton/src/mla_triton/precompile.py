@@ -35,7 +35,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,8 +47,8 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 
 from mla_formats import AttentionQuant, NMSparsity
 from mla_triton.common import device as dev
-from mla_triton.common.intercept import Action, Args, Kwargs, Run, intercept, ours
-from mla_triton.common.splitk import decode_num_splits
+from mla_triton.common.intercept import Args, Kwargs, Run, intercept, ours
+from mla_triton.common.splitk import _MAX_SPLITS, _MIN_SPLIT_TOKENS, decode_num_splits
 from mla_triton.ops.decode import decode
 from mla_triton.ops.decode.triton import default_config as decode_config
 from mla_triton.ops.prefill import prefill
@@ -64,14 +64,6 @@ __all__ = [
     "warmup_prefill",
     "warmup_update_cache",
 ]
-
-_SPLIT_TOKENS = 256  # decode_num_splits reads max_seq_len only as max_seq_len // 256
-_MAX_SPLITS = 64
-
-
-def _intercept(action: Action) -> AbstractContextManager[bool]:
-    """``common.intercept.intercept``: raises while another interception is active."""
-    return intercept(action)
 
 
 def _threads(threads: int | None) -> int:
@@ -100,7 +92,7 @@ def compile_only(threads: int | None = None) -> Iterator[None]:
     def compile_kernel(run: Run, kernel: Any, args: Args, kwargs: Kwargs, grid: Any) -> Any:
         return run(kernel, *args, grid=grid, warmup=True, **kwargs)
 
-    with _intercept(compile_kernel):
+    with intercept(compile_kernel):
         async_mode = getattr(triton, "AsyncCompileMode", None)
         if workers <= 1 or async_mode is None or dev.interpreting():
             yield
@@ -135,7 +127,7 @@ def record_keys(target: Any = None) -> Iterator[set[tuple[str, str]]]:
         name = f"{kernel.fn.__module__}.{kernel.fn.__qualname__}"
         keys.add((name, compute_cache_key({}, specialization, options)))
 
-    with _intercept(record):
+    with intercept(record):
         yield keys
 
 
@@ -201,7 +193,11 @@ def _splits_per_batch(
     longest = _positive(max_seq_len, "max_seq_len")
     lengths = sorted(
         {1, longest}
-        | {c * _SPLIT_TOKENS for c in range(1, _MAX_SPLITS + 1) if c * _SPLIT_TOKENS <= longest}
+        | {
+            c * _MIN_SPLIT_TOKENS
+            for c in range(1, _MAX_SPLITS + 1)
+            if c * _MIN_SPLIT_TOKENS <= longest
+        }  # the policy reads max_seq_len // this
     )
     return {
         batch: {

@@ -4,14 +4,15 @@ A serving engine calls ``decode`` (or ``decode_shadow``) every step with tensors
 same shapes, strides, dtypes and devices; only their addresses and values change. The
 argument checks, the dispatch and the building of the kernels' arguments then decide the
 same launches every time, and they are most of an eager call's host time. ``Replay``
-records the launches of the first two calls with one *key* (the tensors' metadata, their
-addresses modulo 16 and the scalar arguments), proves that they are the same function
-of the inputs, and then replays them: the same kernels, grids and arguments on the new
-call's tensors, without running the Python that chose them.
+notes a call's *key* (the tensors' metadata, their addresses modulo 16 and the other
+arguments), records the launches of the key's next two calls, proves that they are the
+same function of the inputs, and then replays them: the same kernels, grids and
+arguments on the new call's tensors, without running the Python that chose them.
 
 The proof, from the two recordings: every tensor a launch takes is a view of an input at
-a fixed byte offset from that input's address, or of an output the call allocated and
-returned, or one object that both calls passed (a cached placeholder); every other
+a fixed byte offset from that input's address, or of memory the call allocated
+(allocated again by the replay), or one object that both calls passed (a cached
+placeholder); every other
 argument is equal; and the call ran no torch operation other than reading metadata,
 taking views and allocating (``_PURE``): nothing that reads values. Anything else (a
 copy, a value read on the host, a launch by another thread's warm-up) leaves the key
@@ -73,7 +74,7 @@ class _Watch(TorchFunctionMode):
 @dataclass(frozen=True)
 class _View:
     """A tensor at ``offset`` bytes from source ``src``'s address: ``("in", i)`` the call's
-    input ``i``, ``("new", j)`` the output ``j`` it allocated."""
+    input ``i``, ``("new", j)`` its ``j``-th allocation."""
 
     src: tuple[str, int]
     offset: int
@@ -96,7 +97,7 @@ class _Const:
 
 @dataclass(frozen=True)
 class _Alloc:
-    """An output the call allocated and returned: allocated again by the replay."""
+    """Memory the call allocated (``torch.empty``): allocated again by the replay."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -127,11 +128,11 @@ class _NotReplayableError(Exception):
 class _Sources:
     """The storages of a call's inputs and of what it allocated, to place a tensor."""
 
-    def __init__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, inputs: Sequence[torch.Tensor], allocated: Sequence[torch.Tensor]) -> None:
         self.inputs = inputs
-        self.outputs = outputs
+        self.allocated = allocated
         self.input_storages = [t.untyped_storage().data_ptr() for t in inputs]
-        self.output_storages = [t.untyped_storage().data_ptr() for t in outputs]
+        self.allocated_storages = [t.untyped_storage().data_ptr() for t in allocated]
 
     def template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -156,7 +157,7 @@ class _Sources:
         meta = (t.dtype, tuple(t.shape), tuple(t.stride()))
         for kind, storages, tensors in (
             ("in", self.input_storages, self.inputs),
-            ("new", self.output_storages, self.outputs),
+            ("new", self.allocated_storages, self.allocated),
         ):
             same = [i for i, s in enumerate(storages) if s == storage]
             exact = [i for i in same if tensors[i].data_ptr() == t.data_ptr()]
@@ -212,7 +213,7 @@ def _record(
             raise _NotReplayableError("an allocation at an offset")
         src = _Sources(inputs, allocated)
         launches = tuple(
-            (kernel, src.template(grid), src.template(args), src.template(kwargs_items(kwargs)))
+            (kernel, src.template(grid), src.template(args), src.template(tuple(kwargs.items())))
             for kernel, grid, args, kwargs in log
         )
         allocs = tuple(
@@ -222,10 +223,6 @@ def _record(
     except _NotReplayableError:
         return result, None, True
     return result, rec, True
-
-
-def kwargs_items(kwargs: Kwargs) -> tuple[tuple[str, Any], ...]:
-    return tuple(kwargs.items())
 
 
 def _result_template(result: Any, src: _Sources) -> Any:
@@ -293,8 +290,10 @@ class _Gen:
             return self.const(t.tensor)
         if isinstance(t, _Obj):
             fields = [(n, self.expr(f)) for n, f in t.fields if _dynamic(f)]
+            replaced = {n for n, _ in fields}  # the recorded call's tensors are not kept
+            static = {k: v for k, v in vars(t.proto).items() if k not in replaced}
             name = f"o{len(self.lines)}"
-            kind, state = self.const(t.kind), self.const(dict(vars(t.proto)))
+            kind, state = self.const(t.kind), self.const(static)
             self.lines.append(f"{name} = _new({kind})")  # the checked object, tensors replaced
             self.lines.append(f"{name}.__dict__.update({state})")
             self.lines += [f"_set({name}, {field!r}, {e})" for field, e in fields]
@@ -449,8 +448,9 @@ def capacity(block_table: object, kv_cache: object) -> int:
 
 def key_of(head: tuple[object, ...], *values: object) -> tuple[list[torch.Tensor], Hashable | None]:
     """The tensors among ``values`` (a pair's members too) and the key of a call: ``head``
-    (the op and its other arguments, each with its type) and each value's metadata
-    (``meta``). The key is None where something in it cannot be hashed."""
+    (the op and its other arguments, each with its type) and each tensor's shape, strides,
+    dtype, device and address modulo 16 (the alignment the launch paths check). The key
+    is None where something in it cannot be hashed."""
     inputs: list[torch.Tensor] = []
     parts: list[Hashable] = [tuple((type(h), h) for h in head)]
     for v in values:
