@@ -15,13 +15,15 @@ from typing import Any
 
 import pytest
 import torch
+from triton.backends.compiler import BaseBackend
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, native_specialize_impl
 
 import mla_triton
 from mla_formats import AttentionQuant
+from mla_triton.common import replay
 from mla_triton.common.intercept import ours
-from mla_triton.common.replay import REPLAY
+from mla_triton.common.replay import REPLAY, Pointer
 
 SCALE = 192**-0.5
 FP8 = AttentionQuant.uniform("fp8")
@@ -52,25 +54,33 @@ def stubbed() -> Iterator[list[tuple[str, Any, Any, Any]]]:
             cls.run = original  # type: ignore[method-assign]
 
 
-def _plain(v: Any, places: list[torch.Tensor], seen: dict[int, int] | None = None) -> Any:
+def _plain(
+    v: Any, places: list[torch.Tensor], seen: dict[int, int] | None = None, pointers: bool = False
+) -> Any:
     """A launch argument as data; a tensor as its metadata and its place: which of
     ``places`` holds its memory and at which byte offset, else the order in which its
-    memory first appeared (scratch the call allocated, a cached placeholder)."""
+    memory first appeared (scratch the call allocated, a cached placeholder).
+    ``pointers``: a tensor or ``Pointer`` as what a compiled launch reads of it, its
+    dtype and place."""
     seen = {} if seen is None else seen
-    if isinstance(v, torch.Tensor):
-        meta = (v.dtype, tuple(v.shape), v.stride())
-        storage = v.untyped_storage().data_ptr()
+    if isinstance(v, (torch.Tensor, Pointer)):
+        meta = (v.dtype,) if pointers else (v.dtype, tuple(v.shape), v.stride())
+        address = v.data_ptr()
         for i, p in enumerate(places):
-            if p.untyped_storage().data_ptr() == storage:
-                return (*meta, i, v.data_ptr() - p.data_ptr())
-        return (*meta, "other", seen.setdefault(storage, len(seen)), v.data_ptr() - storage)
+            lo = p.data_ptr()
+            if lo <= address < lo + max(p.untyped_storage().nbytes(), 1):
+                return (*meta, i, address - lo)
+        if pointers or isinstance(v, Pointer):
+            return (*meta, "other", seen.setdefault(address, len(seen)))
+        storage = v.untyped_storage().data_ptr()
+        return (*meta, "other", seen.setdefault(storage, len(seen)), address - storage)
     if hasattr(v, "block_shape") and hasattr(v, "base"):
         shapes = (tuple(x) for x in (v.shape, v.strides, v.block_shape))
-        return (_plain(v.base, places, seen), *shapes)
+        return (_plain(v.base, places, seen, pointers), *shapes)
     if isinstance(v, (tuple, list)):
-        return type(v)(_plain(x, places, seen) for x in v)
+        return type(v)(_plain(x, places, seen, pointers) for x in v)
     if isinstance(v, dict):
-        return {k: _plain(x, places, seen) for k, x in v.items()}
+        return {k: _plain(x, places, seen, pointers) for k, x in v.items()}
     return v
 
 
@@ -150,11 +160,15 @@ def test_replayed_launches_are_the_full_calls(
 ) -> None:
     """After a call and two recorded calls, a fourth call on other tensors of the same metadata is
     replayed and launches exactly what the full call launches on those tensors (bfloat16
-    as on an H200; float16 on the CPU, where the interpreter runs bfloat16 on copies,
-    which are never replayed)."""
+    as on an H200, where the kernels are compiled and a replay passes views as ``Pointer``;
+    float16 on the CPU, where the interpreter runs bfloat16 on copies, which are never
+    replayed)."""
     dtype = torch.float16
-    if platform == "sm90":
+    pointers = platform == "sm90"
+    if pointers:
         request.getfixturevalue("as_sm90")
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setattr(replay, "InterpretedFunction", type("NoInterpreter", (), {}))
         dtype = torch.bfloat16
     first, _ = _case(case, dtype)
     for _ in range(3):  # seen, recorded, recorded and compared: a plan
@@ -164,17 +178,45 @@ def test_replayed_launches_are_the_full_calls(
     result = call()
     result = result if isinstance(result, tuple) else (result,)
     assert len(REPLAY._plans) == 1 and REPLAY.planned(next(iter(REPLAY._plans)))
-    replayed = _plain(list(stubbed), [*inputs, *result])
+    launched = [arg for _, _, args, kwargs in stubbed for arg in (*args, *kwargs.values())]
+    replayed = _plain(list(stubbed), [*inputs, *result], pointers=pointers)
     REPLAY.clear()
     stubbed.clear()
     full_result = call()
     full_result = full_result if isinstance(full_result, tuple) else (full_result,)
-    full = _plain(list(stubbed), [*inputs, *full_result])
+    full = _plain(list(stubbed), [*inputs, *full_result], pointers=pointers)
     assert replayed == full
     assert replayed
+    assert _has_pointer(launched) == pointers
     assert [(t.shape, t.dtype, t.stride()) for t in result] == [
         (t.shape, t.dtype, t.stride()) for t in full_result
     ]
+
+
+def _has_pointer(v: Any) -> bool:
+    if isinstance(v, Pointer):
+        return True
+    if isinstance(v, (tuple, list)):
+        return any(_has_pointer(x) for x in v)
+    return _has_pointer(v.base) if hasattr(v, "block_shape") and hasattr(v, "base") else False
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int32]
+)
+def test_pointer_specializes_as_the_tensor(dtype: torch.dtype) -> None:
+    """What a replay on a GPU relies on: Triton types a ``Pointer`` as it types the tensor
+    view it stands for (element type, 16-byte alignment), so the replay launches the
+    kernel the full call compiled."""
+    base = torch.empty(64, dtype=dtype)
+    for offset in (0, 1, 4, 8):
+        view = base[offset:]
+        pointer = Pointer(view.data_ptr(), view.dtype)
+        for const in (False, True):
+            assert native_specialize_impl(BaseBackend, pointer, const, True, True) == (
+                native_specialize_impl(BaseBackend, view, const, True, True)
+            )
+    assert pointer.data_ptr() == view.data_ptr()
 
 
 def test_replayed_output_is_bit_identical() -> None:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
+from triton.runtime.interpreter import InterpretedFunction
 
 from mla_triton.common.intercept import Args, Kwargs, Run, intercept
 
@@ -248,29 +249,62 @@ def _same(a: _Recording, b: _Recording) -> bool:
     )
 
 
+class Pointer:
+    """What a compiled launch needs of a tensor argument: its address and dtype.
+
+    Triton's launch path reads only ``data_ptr()`` and ``dtype`` of a pointer argument
+    (to specialize and to launch), so a replay on a GPU passes this instead of a tensor
+    view: a few hundred nanoseconds instead of microseconds for ``as_strided``. It keeps
+    no reference to the memory, like the address a launch records.
+    """
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address = address
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
 class _Gen:
     """Writes a plan's build as one Python function of (inputs, allocations): each
-    distinct view once, objects rebuilt, constants bound by name (no per-element calls)."""
+    distinct view once, objects rebuilt, constants bound by name (no per-element calls).
 
-    def __init__(self) -> None:
+    With ``pointers``, a launch argument that is a view (not an input passed whole) is a
+    ``Pointer``; the result is always made of tensors."""
+
+    def __init__(self, pointers: bool) -> None:
         self.lines: list[str] = []
-        self.names: dict[str, Any] = {"_new": object.__new__, "_set": object.__setattr__}
-        self._views: dict[_View, str] = {}
+        self.names: dict[str, Any] = {
+            "_new": object.__new__, "_set": object.__setattr__, "_ptr": Pointer,
+        }  # fmt: skip
+        self._views: dict[tuple[_View, bool], str] = {}
+        self._bases: dict[tuple[str, int], str] = {}
+        self.pointers = pointers
 
     def const(self, value: Any) -> str:
         name = f"c{len(self.names)}"
         self.names[name] = value
         return name
 
-    def _view(self, t: _View) -> str:
-        if t in self._views:
-            return self._views[t]
+    def _view(self, t: _View, tensor: bool) -> str:
+        pointer = self.pointers and not tensor and not t.whole
+        if (t, pointer) in self._views:
+            return self._views[t, pointer]
         kind, i = t.src
         src = f"news[{i}]" if kind == "new" else f"ins[{i}]"
         name = f"v{len(self._views)}"
-        self._views[t] = name
+        self._views[t, pointer] = name
         if t.whole:
             self.lines.append(f"{name} = {src}")
+        elif pointer:
+            if t.src not in self._bases:
+                self._bases[t.src] = f"a{len(self._bases)}"
+                self.lines.append(f"{self._bases[t.src]} = {src}.data_ptr()")
+            d = self.const(t.dtype)
+            self.lines.append(f"{name} = _ptr({self._bases[t.src]} + {t.offset}, {d})")
         else:
             d = self.const(t.dtype)
             shape, stride = self.const(t.shape), self.const(t.stride)
@@ -282,10 +316,11 @@ class _Gen:
             )
         return name
 
-    def expr(self, t: Any) -> str:
-        """An expression for the value ``t`` stands for (lines it needs are written)."""
+    def expr(self, t: Any, tensor: bool = False) -> str:
+        """An expression for the value ``t`` stands for (lines it needs are written);
+        ``tensor``: views as tensors even with ``pointers``."""
         if isinstance(t, _View):
-            return self._view(t)
+            return self._view(t, tensor)
         if isinstance(t, _Const):
             return self.const(t.tensor)
         if isinstance(t, _Obj):
@@ -299,9 +334,9 @@ class _Gen:
             self.lines += [f"_set({name}, {field!r}, {e})" for field, e in fields]
             return name
         if isinstance(t, _List):
-            return "[" + "".join(f"{self.expr(x)}, " for x in t.items) + "]"
+            return "[" + "".join(f"{self.expr(x, tensor)}, " for x in t.items) + "]"
         if isinstance(t, tuple) and _dynamic(t):
-            return "(" + "".join(f"{self.expr(x)}, " for x in t) + ")"
+            return "(" + "".join(f"{self.expr(x, tensor)}, " for x in t) + ")"
         return self.const(t)
 
     def function(self, body: str) -> Callable[..., Any]:
@@ -320,17 +355,19 @@ def _dynamic(template: Any) -> bool:
 
 
 class _Plan:
-    """A key's launches, built by one generated function on a new call's tensors."""
+    """A key's launches, built by one generated function on a new call's tensors
+    (``pointers``: views passed to launches as ``Pointer``, for compiled kernels; the
+    interpreter reads the tensors)."""
 
-    def __init__(self, rec: _Recording) -> None:
-        gen = _Gen()
+    def __init__(self, rec: _Recording, pointers: bool) -> None:
+        gen = _Gen(pointers)
         launches = []
         for kernel, grid, args, kwargs in rec.launches:
             static = {k: v for k, v in kwargs if not _dynamic(v)}
             dynamic = "".join(f"{k!r}: {gen.expr(v)}, " for k, v in kwargs if _dynamic(v))
             kw = f"{{**{gen.const(static)}, {dynamic}}}"
             launches.append(f"({gen.const(kernel)}, {gen.expr(grid)}, {gen.expr(args)}, {kw})")
-        result = gen.expr(rec.result)
+        result = gen.expr(rec.result, tensor=True)
         self.build_fn = gen.function(f"[{', '.join(launches)}], {result}")
         self.allocs = rec.allocs
 
@@ -341,6 +378,12 @@ class _Plan:
             for a in self.allocs
         ]
         return self.build_fn(inputs, news)  # type: ignore[no-any-return]
+
+
+def _compiled(rec: _Recording) -> bool:
+    """Whether every launch of ``rec`` goes to a compiled kernel (not the interpreter,
+    which reads its tensor arguments' memory through the tensors)."""
+    return not any(isinstance(kernel, InterpretedFunction) for kernel, *_ in rec.launches)
 
 
 def _launch(calls: list[Any]) -> None:
@@ -378,12 +421,13 @@ class Replay:
         return entry is not None and isinstance(entry[0], _Plan)
 
     def __call__(
-        self, key: Hashable | None, inputs: Sequence[torch.Tensor], call: Callable[[], R],
+        self, key: Hashable, inputs: Sequence[torch.Tensor], call: Callable[[], R],
         keep: object = None,
     ) -> R:  # fmt: skip
-        if key is None:
+        try:
+            held = self._plans.get(key)
+        except TypeError:  # an unhashable argument: nothing to key by
             return call()
-        held = self._plans.get(key)
         entry = held[0] if held is not None else None
         if isinstance(entry, _Plan):
             try:
@@ -410,7 +454,7 @@ class Replay:
             elif not isinstance(entry, _Recording):
                 new = rec  # the first clean recording: a plan once a second one agrees
             else:
-                new = _Plan(rec) if _same(entry, rec) else _NEVER
+                new = _Plan(rec, _compiled(rec)) if _same(entry, rec) else _NEVER
             self._plans[key] = (new, keep)
             self._plans.move_to_end(key)
             self._evict()
@@ -446,26 +490,21 @@ def capacity(block_table: object, kv_cache: object) -> int:
     return int(block_table.shape[1] * kv_cache.shape[1])
 
 
-def key_of(head: tuple[object, ...], *values: object) -> tuple[list[torch.Tensor], Hashable | None]:
+def key_of(head: tuple[object, ...], *values: object) -> tuple[list[torch.Tensor], Hashable]:
     """The tensors among ``values`` (a pair's members too) and the key of a call: ``head``
     (the op and its other arguments, each with its type) and each tensor's shape, strides,
-    dtype, device and address modulo 16 (the alignment the launch paths check). The key
-    is None where something in it cannot be hashed."""
+    dtype, device and address modulo 16 (the alignment the launch paths check).
+    The key may hold an unhashable argument: ``Replay`` then runs the call in full."""
     inputs: list[torch.Tensor] = []
-    parts: list[Hashable] = [tuple((type(h), h) for h in head)]
+    parts: list[Hashable] = [tuple([(type(h), h) for h in head])]
     for v in values:
         if isinstance(v, torch.Tensor):
             inputs.append(v)
-            parts.append((v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16))
+            parts.append((v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15))
         elif isinstance(v, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in v):
             inputs.extend(v)
-            parts.append(tuple((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
-                               for x in v))  # fmt: skip
+            parts.append(tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15)
+                                for x in v]))  # fmt: skip
         else:
             parts.append((type(v), v if isinstance(v, Hashable) else id(v)))
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:
-        return inputs, None
-    return inputs, key
+    return inputs, tuple(parts)
