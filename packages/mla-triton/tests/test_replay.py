@@ -10,19 +10,24 @@ shadow's recipe) is never replayed.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from triton.backends.compiler import BaseBackend
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler.compiler import CompiledKernel, LazyDict
+from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
 import mla_triton
 from mla_formats import AttentionQuant
 from mla_triton.common import replay
-from mla_triton.common.intercept import ours
+from mla_triton.common.intercept import LOCK, ours
 from mla_triton.common.replay import REPLAY, Pointer
 
 SCALE = 192**-0.5
@@ -283,3 +288,127 @@ def test_misaligned_workspace_is_still_refused(stubbed: list) -> None:
         mla_triton.decode(q, cache, table, lens, softmax_scale=SCALE, quant=FP8,
                           workspace=big[1 : 1 + ws.numel()], out=out, lse=lse, max_seq_len=128,
                           check_values=False)  # fmt: skip
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the direct-launch test runs in this process")
+def test_direct_launch_test_in_child() -> None:
+    """The direct-launch test passes in a child pytest with TRITON_INTERPRET=0 (compiled
+    kernels' launch path, not the interpreter's)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    done = subprocess.run(
+        [*cmd, "-k", "test_direct_launches_are_what_run_launches"],
+        env=os.environ | {"TRITON_INTERPRET": "0"}, capture_output=True, text=True,
+        check=False, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert f"{len(DIRECT_CASES)} passed" in done.stdout, done.stdout[-2000:]
+
+
+class _Driver:
+    """Triton's active driver as on an H200, on a CPU: device 0, a fixed stream."""
+
+    device = 0
+
+    def get_current_device(self) -> int:
+        return self.device
+
+    def get_current_stream(self, device: int) -> int:
+        return 0x5EED
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+
+class _Compiled:
+    """A compiled kernel whose launcher logs what it is given; launched as Triton
+    launches its compiled kernels (``CompiledKernel.__getitem__`` and
+    ``launch_metadata``, the real ones)."""
+
+    __getitem__ = CompiledKernel.__getitem__
+    launch_metadata = CompiledKernel.launch_metadata
+
+    def __init__(self, name: str, log: list[Any]) -> None:
+        self.name, self.log = name, log
+        self.function, self.packed_metadata = hash(name), ("metadata", name)
+        self.src = None  # not an ASTSource: no launch_metadata function of the kernel
+
+    def _init_handles(self) -> None:
+        pass
+
+    def run(self, *args: Any) -> None:
+        self.log.append((self.name, *args))
+
+
+def _launcher_args(log: list[Any], places: list[torch.Tensor]) -> list[Any]:
+    """What each launcher was given, its memory arguments placed in ``places`` (as
+    ``_plain`` does), the launch metadata as its items and Triton's hooks by identity."""
+    seen: dict[int, int] = {}
+    return [
+        tuple(
+            ("metadata", sorted(x.get().items())) if isinstance(x, LazyDict)
+            else _plain(x, places, seen, pointers=True)
+            for x in launch
+        )
+        for launch in log
+    ]  # fmt: skip
+
+
+DIRECT_CASES = [
+    ("decode", 128, FP8, True), ("decode", 16, NVFP4, False), ("decode", 128, None, True),
+    ("shadow", 128, FP8, "fp16"), ("shadow", 128, NVFP4, "packed"), ("shadow", 16, NVFP4, "fp16"),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(INTERPRETED, reason="run in a child process without the interpreter")
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: "-".join(str(x) for x in c)[:40])
+def test_direct_launches_are_what_run_launches(
+    case: tuple[str, int, Any, Any], as_sm90: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan's direct launches hand each compiled kernel's launcher exactly what Triton's
+    ``JITFunction.run`` hands it for the full call on the same tensors: grid, stream,
+    function, metadata and every argument (the oracle is Triton's own binding, with the
+    compiles replaced by launch logs)."""
+    log: list[Any] = []
+    runs: list[str] = []
+    real_run = JITFunction.run
+
+    def compile_logged(self: Any, key: Any, signature: Any, device: Any, *rest: Any) -> Any:
+        compiled = _Compiled(self.fn.__name__, log)
+        self.device_caches[device][0][key] = compiled
+        return compiled
+
+    def run_counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runs.append(self.fn.__name__)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", compile_logged)
+    monkeypatch.setattr(JITFunction, "run", run_counted)
+    active = _Driver()
+    monkeypatch.setattr(driver, "_active", active)
+    first, _ = _case(case, torch.bfloat16)
+    for _ in range(4):  # seen, recorded, recorded (a plan), replayed through run
+        first()
+    call, inputs = _case(case, torch.bfloat16)  # other tensors, the same metadata
+    log.clear()
+    runs.clear()
+    result = call()
+    result = result if isinstance(result, tuple) else (result,)
+    direct = _launcher_args(log, [*inputs, *result])
+    assert not runs and direct  # launched directly, not through run
+    with LOCK:  # launches intercepted (a warm-up's compile-only pass): through run
+        call()
+    assert runs
+    runs.clear()
+    active.device = 1
+    call()  # another current device: through run (its own compiled kernels)
+    assert runs
+    active.device = 0
+    REPLAY.clear()
+    log.clear()
+    full_result = call()
+    full_result = full_result if isinstance(full_result, tuple) else (full_result,)
+    assert runs  # the full call went through run
+    assert direct == _launcher_args(log, [*inputs, *full_result])

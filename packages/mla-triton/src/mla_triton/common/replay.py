@@ -30,9 +30,13 @@ from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
+from triton import knobs
+from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
-from mla_triton.common.intercept import Args, Kwargs, Run, intercept
+from mla_triton.common.device import GLUON_TRITON, triton_release
+from mla_triton.common.intercept import LOCK, Args, Kwargs, Run, intercept
 
 R = TypeVar("R")
 
@@ -354,10 +358,48 @@ def _dynamic(template: Any) -> bool:
     return isinstance(template, tuple) and any(_dynamic(t) for t in template)
 
 
+def _bound(kernel: Any, args: Args, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A launch's arguments as Triton binds them: every parameter of ``kernel`` in order
+    (constexprs included, defaults applied), what a compiled kernel's launcher takes;
+    None where ``kernel`` is not a ``JITFunction`` or the arguments do not bind."""
+    params = getattr(kernel, "params", None) if isinstance(kernel, JITFunction) else None
+    if params is None or len(args) > len(params):
+        return None
+    bound = []
+    for i, param in enumerate(params):
+        if i < len(args):
+            bound.append(args[i])
+        elif param.name in kwargs:
+            bound.append(kwargs[param.name])
+        elif param.has_default:
+            bound.append(param.default)
+        else:
+            return None
+    return tuple(bound)
+
+
+def _grid3(grid: Any) -> tuple[int, int, int] | None:
+    """``grid`` as the three dimensions a launcher takes (None: not a constant grid)."""
+    if not isinstance(grid, tuple) or not 1 <= len(grid) <= 3:
+        return None
+    if not all(type(g) is int for g in grid):
+        return None
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
 class _Plan:
     """A key's launches, built by one generated function on a new call's tensors
     (``pointers``: views passed to launches as ``Pointer``, for compiled kernels; the
-    interpreter reads the tensors)."""
+    interpreter reads the tensors).
+
+    Launching: the first replays go through each kernel's ``run`` (Triton binds the
+    arguments, looks up the compiled kernel and launches it), which returns the compiled
+    kernels; ``adopt`` keeps them, and later replays on the same device launch them
+    directly (``direct``) with the arguments bound by the plan itself, in the order
+    ``_bound`` gives: what ``run`` would have launched, without binding the arguments
+    and computing the cache key again at every call. Direct launches need the Triton
+    release the kernels are tested with and no launch hook of Triton's that binding
+    would run."""
 
     def __init__(self, rec: _Recording, pointers: bool) -> None:
         gen = _Gen(pointers)
@@ -370,14 +412,51 @@ class _Plan:
         result = gen.expr(rec.result, tensor=True)
         self.build_fn = gen.function(f"[{', '.join(launches)}], {result}")
         self.allocs = rec.allocs
+        self.direct_fn: Callable[..., Any] | None = None
+        self.compiled: tuple[Any, ...] = ()
+        self.device: object = None
+        direct = []
+        for kernel, grid, args, kwargs in rec.launches:
+            bound, grid3 = _bound(kernel, args, dict(kwargs)), _grid3(grid)
+            if not pointers or bound is None or grid3 is None or kernel.pre_run_hooks:
+                return
+            direct.append(f"({gen.const(grid3)}, {gen.expr(bound)})")
+        self.direct_fn = gen.function(f"[{', '.join(direct)}], {result}")
 
-    def build(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], Any]:
-        """Every launch's arguments on ``inputs`` and the result (no launch yet)."""
-        news = [
+    def _news(self) -> list[torch.Tensor]:
+        return [
             torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device)
             for a in self.allocs
         ]
-        return self.build_fn(inputs, news)  # type: ignore[no-any-return]
+
+    def build(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], Any]:
+        """Every launch's arguments on ``inputs`` and the result (no launch yet)."""
+        return self.build_fn(inputs, self._news())  # type: ignore[no-any-return]
+
+    def adopt(self, compiled: Sequence[Any]) -> None:
+        """Keep the compiled kernels ``run`` returned (for this device) for direct launches."""
+        if self.direct_fn is None or triton_release() != GLUON_TRITON:
+            return
+        if not all(hasattr(c, "function") and hasattr(c, "__getitem__") for c in compiled):
+            return
+        if knobs.runtime.add_stages_inspection_hook is not None:
+            return
+        self.compiled = tuple(compiled)
+        self.device = driver.active.get_current_device()
+
+    def direct(self, inputs: Sequence[torch.Tensor]) -> Any:
+        """Launch the adopted compiled kernels on ``inputs``; the result, or ``_RUN``
+        where this call must go through ``run`` (another device; launches intercepted)."""
+        if LOCK.locked():
+            return _RUN
+        device = driver.active.get_current_device()
+        if device != self.device:
+            return _RUN
+        stream = driver.active.get_current_stream(device)
+        calls, result = self.direct_fn(inputs, self._news())  # type: ignore[misc]
+        for compiled, (grid, bound) in zip(self.compiled, calls, strict=True):
+            compiled[grid](*bound, stream=stream)
+        return result
 
 
 def _compiled(rec: _Recording) -> bool:
@@ -386,9 +465,16 @@ def _compiled(rec: _Recording) -> bool:
     return not any(isinstance(kernel, InterpretedFunction) for kernel, *_ in rec.launches)
 
 
-def _launch(calls: list[Any]) -> None:
-    for kernel, grid, args, kwargs in calls:  # ``run`` looked up now: a warm-up may patch it
-        kernel.run(*args, grid=grid, warmup=False, **kwargs)
+def _launch(calls: list[Any]) -> list[Any]:
+    """Launch through each kernel's ``run`` (looked up now: a warm-up may patch it);
+    what each returned (the compiled kernel, where Triton compiled one)."""
+    return [
+        kernel.run(*args, grid=grid, warmup=False, **kwargs) for kernel, grid, args, kwargs in calls
+    ]
+
+
+_RUN = object()
+"""``_Plan.direct``'s answer where the call goes through ``run``."""
 
 
 _NEVER = object()
@@ -431,10 +517,16 @@ class Replay:
         entry = held[0] if held is not None else None
         if isinstance(entry, _Plan):
             try:
+                if entry.compiled:
+                    result = entry.direct(inputs)
+                    if result is not _RUN:
+                        return result  # type: ignore[no-any-return]
                 calls, result = entry.build(inputs)
             except RuntimeError:  # a view the new addresses cannot take: the full call
                 return call()
-            _launch(calls)
+            compiled = _launch(calls)
+            if not entry.compiled:
+                entry.adopt(compiled)
             return result  # type: ignore[no-any-return]
         if entry is _NEVER:
             return call()
