@@ -1,9 +1,10 @@
 """The host (Python) time of an eager ``decode``/``decode_shadow`` call, on a CPU, as on
 an H200: dispatch as on sm90, Triton's own launch path (argument binding, cache key,
 the compiled kernel's runner), compiles replaced by a launcher that does nothing. Times
-the full call (no replay plan), a replayed call through each kernel's ``run``, and a
-replayed call with direct launches (``common.replay``), each the best of five rounds.
-What a GPU adds on top: the CUDA launches themselves. Run from the repository root::
+the full call (no replay plan; prefill is never replayed), a replayed call through each
+kernel's ``run``, and a replayed call with direct launches (``common.replay``), each the
+best of five rounds. What a GPU adds on top: the CUDA launches themselves. Run from the
+repository root::
 
     PYTHONPATH=packages/mla-formats/src:packages/mla-triton/src \\
         python packages/mla-triton/tools/host_time.py
@@ -39,6 +40,9 @@ CASES: dict[str, tuple[str, int, AttentionQuant | None, str]] = {
     "decode nvfp4 h16": ("decode", 16, NVFP4, ""),
     "shadow fp8 h128": ("shadow", 128, FP8, "fp16"),
     "shadow nvfp4 h128 packed": ("shadow", 128, NVFP4, "packed"),
+    "prefill none h128": ("prefill", 128, None, ""),
+    "prefill fp8 h128": ("prefill", 128, FP8, ""),
+    "prefill nvfp4 h128": ("prefill", 128, NVFP4, ""),
 }
 
 
@@ -101,6 +105,14 @@ def _call(
     }  # fmt: skip
     if op == "decode":
         return lambda: mla_triton.decode(q, cache, table, lens, **common)
+    if op == "prefill":  # batch sequences of 128 tokens, DeepSeek's head dims 192 and 128
+        os.environ["TRITON_INTERPRET"] = "1"  # its checks take CPU tensors (kernels compiled)
+        tokens = batch * 128
+        qp, kp = (torch.randn(tokens, heads, 192, dtype=dt) for _ in range(2))
+        vp = torch.randn(tokens, heads, 128, dtype=dt)
+        cu = torch.arange(0, tokens + 1, 128, dtype=torch.int32)
+        return lambda: mla_triton.prefill(qp, kp, vp, cu, cu, softmax_scale=0.1, quant=quant,
+                                          max_seqlen_q=128, max_seqlen_k=128)  # fmt: skip
     shadow = mla_triton.allocate_shadow(cache.shape[0], 64, quant, storage=storage)
     return lambda: mla_triton.decode_shadow(q, cache, shadow, table, lens, storage=storage,
                                             **common)  # fmt: skip
@@ -134,6 +146,9 @@ def main() -> None:
             f()
 
         t_full = _best(full, max(args.calls // 4, 1))
+        if case[0] == "prefill":  # not replayed
+            print(f"{name:26s} {t_full:9.1f}")
+            continue
         replay.REPLAY.clear()
         replay._Plan.adopt = lambda self, compiled: None  # type: ignore[method-assign]
         t_run = _best(f, args.calls)
