@@ -48,6 +48,7 @@ def _clear() -> None:
     prefill_core._UNIT_SCALES.clear()
     prefill_gluon._q_as_k.cache_clear()
     prefill_gluon._block_layout.cache_clear()
+    prefill_gluon._proto_descriptor.cache_clear()
 
 
 def _plain(v: Any) -> Any:
@@ -244,3 +245,21 @@ def test_unit_scale_stays_one() -> None:
         mla_triton.prefill(x, x, x, cu, cu, softmax_scale=0.125, quant=quant)
     unit = prefill_core.unit_scale(x.device)
     assert unit is prefill_core.unit_scale(x.device) and torch.equal(unit, torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_descriptors_equal_validated_ones(dtype: torch.dtype) -> None:
+    """The Gluon prefill's TMA descriptors, copies of one validated descriptor per row
+    stride, width, block and dtype, equal descriptors Triton makes and validates for
+    each tensor: over token counts, head strides (a slice of wider heads) and blocks."""
+    _clear()
+    wide = torch.empty(300, 16, 256, dtype=dtype)
+    for x in (wide[:, :, :192], wide[:17, :8, :128], wide[:1], torch.empty(5, 2, 64, dtype=dtype)):
+        for block in ([128, 64], [64, 64], [128, 128]):
+            tokens, heads, dim = x.shape
+            cols = (heads - 1) * x.stride(1) + dim
+            made = prefill_gluon._descriptor(x, block)
+            fresh = prefill_gluon.TensorDescriptor(
+                x, [tokens, cols], [x.stride(0), 1], block, prefill_gluon._layout(block, dtype)
+            )
+            assert made == fresh and made.base is x

@@ -199,10 +199,28 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
 
 def _descriptor(x: torch.Tensor, block: list[int]) -> object:
     """TMA descriptor of ``x [T, H, D]`` as ``[T, (H - 1) * stride_h + D]`` rows of
-    stride ``stride_t`` (column ``h * stride_h + d`` is ``x[t, h, d]``)."""
+    stride ``stride_t`` (column ``h * stride_h + d`` is ``x[t, h, d]``); ``x`` as
+    ``_tma_ready`` leaves it and ``T > 0``.
+
+    Triton validates a descriptor when it is made: the base's 16-byte alignment
+    (``_tma_ready`` ensures it), positive sizes, and what depends only on the row
+    stride, width, block and dtype. So the first descriptor of each of those is made
+    and validated; later ones are copies of it with their own base and token count."""
     tokens, heads, dim = x.shape
     cols = (heads - 1) * x.stride(1) + dim
-    return TensorDescriptor(x, [tokens, cols], [x.stride(0), 1], block, _layout(block, x.dtype))
+    proto = _proto_descriptor(cols, x.stride(0), tuple(block), x.dtype)
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(proto.__dict__)
+    desc.base, desc.shape = x, [tokens, cols]
+    return desc
+
+
+@functools.lru_cache(maxsize=256)
+def _proto_descriptor(cols: int, stride: int, block: tuple[int, ...], dtype: torch.dtype) -> Any:
+    """A validated descriptor of ``[1, cols]`` rows of ``stride`` elements of ``dtype``
+    (on an empty placeholder, address 0, never launched): ``_descriptor``'s template."""
+    base = torch.empty(0, dtype=dtype)
+    return TensorDescriptor(base, [1, cols], [stride, 1], list(block), _layout(list(block), dtype))
 
 
 def _layout(block: list[int], dtype: torch.dtype) -> object:
