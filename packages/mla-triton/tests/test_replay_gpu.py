@@ -90,3 +90,38 @@ def test_direct_launches_compute_the_full_call(case: tuple[Any, ...]) -> None:
     assert torch.isfinite(ref_out).all()
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert not torch.equal(out, first()[0])  # the replay read the new tensors
+
+
+@pytest.mark.parametrize(
+    ("quant", "storage"), [(FP8, "fp16"), (NVFP4, "fp16"), (NVFP4, "packed")],
+    ids=["fp8-fp16", "nvfp4-fp16", "nvfp4-packed"],
+)  # fmt: skip
+def test_direct_update_cache_writes_what_the_full_call_writes(
+    quant: AttentionQuant, storage: str
+) -> None:
+    """``update_cache`` of decode steps (8 tokens, each completing or opening 16-token
+    blocks), replayed with direct launches, writes the raw cache and the shadow bit for
+    bit as the full calls do."""
+    REPLAY.clear()
+    dev, bf16 = "cuda", torch.bfloat16
+    caches = [torch.zeros(16, PAGE, 576, dtype=bf16, device=dev) for _ in range(2)]
+    shadows = [mla_triton.allocate_shadow(16, PAGE, quant, storage=storage, device=dev)
+               for _ in range(2)]  # fmt: skip
+    gen = torch.Generator(device=dev).manual_seed(3)
+    steps = []
+    for step in range(24):  # request r writes position ``step`` of its page: slot r * 128 + step
+        kv_c = torch.randn(8, 512, dtype=bf16, device=dev, generator=gen)
+        k_pe = torch.randn(8, 64, dtype=bf16, device=dev, generator=gen)
+        steps.append((kv_c, k_pe, torch.arange(8, device=dev) * 2 * PAGE + step))
+    for kv_c, k_pe, slots in steps:  # replayed from the fourth step on
+        mla_triton.update_cache(kv_c, k_pe, caches[0], slots, shadows[0], quant=quant,
+                                storage=storage)  # fmt: skip
+    (plan,) = (entry for entry, _ in REPLAY._plans.values())
+    if triton_release() == GLUON_TRITON:
+        assert plan.compiled, "the replay did not launch the compiled kernels directly"
+    for kv_c, k_pe, slots in steps:  # values checked on the host: every call in full
+        mla_triton.update_cache(kv_c, k_pe, caches[1], slots, shadows[1], quant=quant,
+                                storage=storage, check_values=True)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(shadows[0], shadows[1])

@@ -231,7 +231,10 @@ def _record(
 
 
 def _result_template(result: Any, src: _Sources) -> Any:
-    """The returned tensor (or tuple of tensors) as views of inputs or allocations."""
+    """The returned tensor (or tuple of tensors) as views of inputs or allocations; None
+    for a call that returns None."""
+    if result is None:
+        return None
 
     def one(t: object) -> _View:
         view = src.template(t) if isinstance(t, torch.Tensor) else None
@@ -558,7 +561,8 @@ class Replay:
 
 
 REPLAY = Replay()
-"""The plans of ``decode`` and ``decode_shadow`` (keys start with the op's name)."""
+"""The plans of ``decode``, ``decode_shadow`` and ``update_cache`` (keys start with the
+op's name)."""
 
 
 def replayable(check_values: object, seq_lens: object) -> bool:

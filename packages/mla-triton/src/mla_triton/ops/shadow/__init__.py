@@ -483,6 +483,29 @@ def update_cache(
     Non-finite input is written as is; its K̂ and V̂ are NaN (with the token's nvfp4
     block, or its row for a dynamic K scale), never saturated (docs/numerics.md).
     """
+
+    def call() -> None:
+        _update_cache(kv_c, k_pe, kv_cache, slot_mapping, shadow, quant, storage, check_values)
+
+    if not replayable(check_values, slot_mapping) or not isinstance(shadow, torch.Tensor):
+        return call()
+    # the stamp check and stamping are host work a replay skips: only a shadow stamped
+    # already (``held``, in the key) is replayed, so that the full call stamps every shadow
+    held = _stamps(shadow).get(shadow.data_ptr())
+    if held is None:
+        return call()
+    inputs, key = key_of(
+        ("update_cache", id(quant), storage, check_values, dev.interpreting(), id(held)),
+        kv_c, k_pe, kv_cache, slot_mapping, shadow,
+    )  # fmt: skip
+    REPLAY(key, inputs, call, keep=(quant, held))
+    return None
+
+
+def _update_cache(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    shadow: torch.Tensor, quant: AttentionQuant, storage: str, check_values: bool | None,
+) -> None:
     q = _check_quant(quant)
     st = _check_storage(storage)
     x1 = tensor_arg(kv_c, "kv_c", 2)
