@@ -23,6 +23,8 @@ through the Gluon kernels against the Triton shadow kernel and on-read decode wi
 same split count (``_agree``'s bounds: the quantized operands are the same bits, the
 summation order differs), and against
 ``mla_reference.decode`` (float64, CPU) with test_decode_gpu's bounds, after each step.
+The packed shadow's pipelined producer (a forced ``WsConfig``) equals, bit for bit, the
+packed shadow's default producer and the fp16 storage of the same cache.
 """
 
 from __future__ import annotations
@@ -256,3 +258,53 @@ def test_gluon_shadow_bf16(case: str, impl: str, heads: int) -> None:
                 check(got[0], got[1], ref[0].cuda(), ref[1].cuda(), pool.quant)
     check_contents(pool)
     print(f"\n{impl} {case} h{heads}: {same} of {rows} rows bit-identical to the Triton shadow")
+
+
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 CUDA GPU")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_packed_pipelined_bf16(heads: int) -> None:
+    """The packed shadow's pipelined producer (``gluon_ws.NVFP4_PACKED_PIPELINED_CONFIG``,
+    forced): each step and split count (1, 4, the default), bit for bit the packed shadow
+    through ``NVFP4_PACKED_CONFIG`` (the same values, tiles and order) and the ``fp16``
+    shadow of the same cache through ``NVFP4_CONFIG``; against the float64 oracle at the
+    default count."""
+    from test_decode_gpu import check
+
+    from mla_triton.ops.decode.gluon_ws import (
+        NVFP4_CONFIG,
+        NVFP4_PACKED_CONFIG,
+        NVFP4_PACKED_PIPELINED_CONFIG,
+    )
+
+    pool = _pool("nvfp4-packed")
+    twin = Pool(NVFP4, "fp16", page=pool.page, max_len=max(LENS), batch=len(LENS), seed=11,
+                dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    _prefill(pool)
+    _prefill(twin)
+    assert torch.equal(pool.cache.nan_to_num(), twin.cache.nan_to_num())  # the same cache
+    q = _query(heads)
+    default = decode_num_splits(len(LENS), heads, max(LENS), device=torch.device("cuda"))
+    for step in range(STEPS):
+        pool.append([1] * len(LENS), pad=1)
+        twin.append([1] * len(LENS), pad=1)
+        seq = pool.seq_lens()
+        for splits in sorted({1, 4, default}):
+            kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": NVFP4, "num_splits": splits}
+            args = (q, pool.cache, pool.shadow, pool.table, seq)
+            got = decode_shadow(*args, storage="packed", config=NVFP4_PACKED_PIPELINED_CONFIG,
+                                **kw)  # fmt: skip
+            old = decode_shadow(*args, storage="packed", config=NVFP4_PACKED_CONFIG, **kw)
+            f16 = decode_shadow(q, twin.cache, twin.shadow, twin.table, seq, storage="fp16",
+                                config=NVFP4_CONFIG, **kw)  # fmt: skip
+            label = f"pipelined h{heads} step {step}, {splits} splits"
+            for name, want in (("packed", old), ("fp16 storage", f16)):
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (
+                    f"{label}: not bit for bit the {name}"
+                )
+            if splits == default:
+                ref = mla_reference.decode(
+                    q.cpu(), pool.cache.cpu(), pool.table.cpu(), seq.cpu(), softmax_scale=SCALE,
+                    quant=NVFP4,
+                )  # fmt: skip
+                check(got[0], got[1], ref[0].cuda(), ref[1].cuda(), NVFP4)
+    check_contents(pool)

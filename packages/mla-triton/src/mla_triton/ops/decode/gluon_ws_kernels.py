@@ -309,6 +309,220 @@ def _producer_packed(
     mbarrier.arrive(done)
 
 
+# the pipelined packed producer (``PIPELINED``): a tile is four units of 16 rows (K̂'s rows
+# 0-15 and 16-31, then V̂'s: a 16-row V̂ unit is one V block, its 512 scales in its own rows),
+# each unit's packed bytes copied by ``cp.async`` into one of ``_PKB`` staging buffers two
+# units ahead of its decode; the code words, a word a thread, as ``_PK``
+_PKU: gl.constexpr = gl.constexpr(16)  # rows a unit
+_PKB: gl.constexpr = gl.constexpr(3)  # staging buffers: two units in flight, one decoded
+_PK4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [2, 2, 8, 1], [NUM_WARPS, 1, 1, 1],
+                                      [3, 2, 1, 0])  # fmt: skip
+_PK4_ROPE: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 1, 8, 1], [NUM_WARPS, 1, 1, 1],
+                                           [3, 2, 1, 0])  # fmt: skip
+# the copies' [16, W] words, a row every 8 threads (one row index a thread: ptxas spills
+# thread-index values the worker's entry computes for its partition): 32, 8 and 4 bytes a
+# thread (the rope's scales, 16 bytes a row: 4 of the 8 threads)
+_CP64: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+_CP16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NUM_WARPS, 1], [1, 0])
+_CP8: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [NUM_WARPS, 1], [1, 0])
+_CP4: gl.constexpr = _CP8
+_FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a buffer's layout
+
+
+@gluon.jit
+def _pk4_arange(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """``arange(0, n)`` along ``dim`` of a 4-D tensor of ``layout`` (size 1 along the others)."""
+    if dim == 0:
+        x = gl.arange(0, n, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+        return x[:, None, None, None]
+    elif dim == 1:  # noqa: RET505  (static branches)
+        x = gl.arange(0, n, gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+        return x[None, :, None, None]
+    elif dim == 2:
+        x = gl.arange(0, n, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
+        return x[None, None, :, None]
+    else:
+        x = gl.arange(0, n, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+        return x[None, None, None, :]
+
+
+@gluon.jit
+def _pk_values4(words, scales, layout: gl.constexpr):
+    """``_pk_values`` of code words ``[R, A, B]`` (``SliceLayout(3, layout)``; word ``B a +
+    b`` of a row) and their E4M3 block scales (uint8, broadcast to ``[R, A, B, 8]``): the
+    ``[R, 8 A B]`` float16 factored values, the same arithmetic."""
+    R: gl.constexpr = words.shape[0]
+    A: gl.constexpr = words.shape[1]
+    B: gl.constexpr = words.shape[2]
+    nib = (words[:, :, :, None] >> (_pk4_arange(8, 3, layout) * 4)) & 15
+    scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    return gl.reshape(_e2m1_f16(nib) * scale, [R, A * B * 8])
+
+
+@gluon.jit
+def _pku_base(ptr, entry, start, hi, num_blocks, stride_page, stride_row, PAGE: gl.constexpr):
+    """The unit of tokens ``[start, start + 16)`` (one page: pages hold whole 16-token
+    blocks): its first row (``ptr`` uint8, a section of the shadow) and whether its
+    block-table ``entry`` is outside ``[0, num_blocks)`` (then page 0 is read; an entry
+    from ``hi`` on is not looked up, and not bad)."""
+    bad = (start < hi) & ((entry < 0) | (entry >= num_blocks))
+    page = gl.where(bad, 0, entry).to(gl.int64)
+    return ptr + (page * stride_page + (start % PAGE).to(gl.int64) * stride_row), bad
+
+
+@gluon.jit
+def _pku_copy(dst, base, start, bound, stride_row, B0: gl.constexpr, layout: gl.constexpr):
+    """``cp.async`` of bytes ``[B0, B0 + 4 W)`` of the unit's rows (``base``: its first row)
+    into the staging words ``dst [16, W]`` (int32), rows at or past ``bound`` zero."""
+    R: gl.constexpr = dst.shape[0]
+    W: gl.constexpr = dst.shape[1]
+    r = gl.arange(0, R, gl.SliceLayout(1, layout))
+    w = gl.arange(0, W, gl.SliceLayout(0, layout))
+    rows = (base + B0 + r.to(gl.int64) * stride_row).to(gl.pointer_type(gl.int32))
+    cp.async_copy_global_to_shared(dst, rows[:, None] + w[None, :],
+                                   mask=((start + r) < bound)[:, None])  # fmt: skip
+
+
+@gluon.jit
+def _pku_issue(stage, j, ptr, entry, start, bound, geo, PAGE: gl.constexpr, V: gl.constexpr):
+    """Copy unit ``j``'s packed bytes into staging buffer ``j % _PKB`` (one commit group;
+    ``geo = (hi, num_blocks, stride_page, stride_row)``):
+    K̂ (``V`` False; ``ptr`` its section): the 256 code bytes, then 64 (latent block scales
+    and the rope's codes) and 16 (the rope's scales and padding); V̂: the 256 code bytes and
+    the row's 32 of the block's scales. Rows at or past ``bound`` zero. Returns the page
+    guard's flag (``_pku_base``)."""
+    codes, ext, rope_sc = stage
+    hi, num_blocks, stride_page, stride_row = geo
+    b = j % _PKB
+    base, bad = _pku_base(ptr, entry, start, hi, num_blocks, stride_page, stride_row, PAGE)
+    _pku_copy(codes.index(b), base, start, bound, stride_row, 0, _CP64)
+    if V:  # the block's scales, row by row: the first 128 words of ``ext``
+        _pku_copy(ext.index(b).reshape([2 * _PKU, 8]).slice(0, _PKU), base, start, bound,
+                  stride_row, 256, _CP8)  # fmt: skip
+    else:
+        _pku_copy(ext.index(b), base, start, bound, stride_row, 256, _CP16)
+        _pku_copy(rope_sc.index(b), base, start, bound, stride_row, 320, _CP4)
+    cp.commit_group()
+    return bad
+
+
+@gluon.jit
+def _pku_k(kv, kpe, stage, j):
+    """Decode staged K̂ unit ``j`` into ``kv [16, 512]`` and ``kpe [16, 64]`` (rows of the
+    slot): 128 latent features at a time, each word's block scale (one a 16 features: a
+    word pair) a byte of the row's scale words, as ``_pk_k_chunk``."""
+    codes, ext, rope_sc = stage
+    b = j % _PKB
+    words = codes.index(b).reshape([_PKU, 8, 8])
+    extra = ext.index(b)
+    shift = (_pk4_arange(8, 2, _PK4) // 2) * 8
+    for c in gl.static_range(4):
+        w = words.slice(2 * c, 2, dim=1).load(gl.SliceLayout(3, _PK4))
+        sw = extra.slice(2 * c, 2, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, _PK4)))
+        sc = ((sw[:, :, None, None] >> shift) & 255).to(gl.uint8)
+        kv.slice(128 * c, 128, dim=1).store(_pk_values4(w, sc, _PK4))
+    rw = extra.slice(8, 8, dim=1).load(gl.SliceLayout(1, gl.SliceLayout(3, _PK4_ROPE)))
+    rs = rope_sc.index(b).slice(0, 1, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, _PK4_ROPE)))
+    sc = (rs[:, :, None, None] >> ((_pk4_arange(8, 2, _PK4_ROPE) // 2) * 8)) & 255
+    kpe.store(_pk_values4(rw[:, None, :], sc.to(gl.uint8), _PK4_ROPE))
+
+
+@gluon.jit
+def _pku_v(vh, stage, j):
+    """Decode staged V̂ unit ``j`` (one 16-token V block) into ``vh [16, 512]``: feature
+    ``f``'s scale is byte ``f`` of the block's 512 (its rows' 32 bytes in row order), so
+    the 128 scales of a chunk are 32 staged words every row of the unit reads, as
+    ``_pk_v_chunk``'s two words of a code word."""
+    codes, ext, _rope_sc = stage
+    b = j % _PKB
+    words = codes.index(b).reshape([_PKU, 8, 8])
+    # chunk c's 128 scales: staged words [32 c, 32 c + 32) as (1, a, b, word of 8)
+    scales = ext.index(b).reshape([8, 2, 8, 2])
+    k = _pk4_arange(8, 3, _PK4)
+    for c in gl.static_range(4):
+        w = words.slice(2 * c, 2, dim=1).load(gl.SliceLayout(3, _PK4))
+        lo = scales.slice(c, 1, dim=0).slice(0, 1, dim=3).load(_PK4)
+        hi = scales.slice(c, 1, dim=0).slice(1, 1, dim=3).load(_PK4)
+        sc = (gl.where(k < 4, lo, hi) >> ((k % 4) * 8)) & 255
+        vh.slice(128 * c, 128, dim=1).store(_pk_values4(w, sc.to(gl.uint8), _PK4))
+
+
+@gluon.jit
+def _producer_packed_pipelined(
+    kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, stage, k_ptr, v_ptr, bt_row, lo,
+    hi, v_hi, n_tiles, stride_bt_p, stride_page, stride_row, num_blocks, PAGE: gl.constexpr,
+):  # fmt: skip
+    """``_producer_packed`` with the global loads in flight ahead of the decode: a tile is
+    four units of 16 rows (its K̂ halves, then its V̂ halves), ``stage = (codes, ext,
+    rope_sc)`` ``_PKB`` staging buffers (int32 ``[_PKB, 16, 64]``, ``[_PKB, 16, 16]``,
+    ``[_PKB, 16, 4]``). Unit ``j``'s bytes (codes and scales: one copy group, one round trip)
+    are issued while unit ``j - 2`` is decoded, the block-table entries of tile ``t + 1``
+    at the start of tile ``t`` (used two units later); each unit is decoded from shared
+    memory once its group has landed (``wait_group(1)`` and the producer's barrier, which
+    also frees the buffer the next copy overwrites). The values, the slots, the zero rows
+    (K̂ at or past ``hi``, V̂ at or past ``v_hi``: the copies zero-fill them), the page
+    guard and the barriers (K̂ on the slot's first, V̂ on its second) are
+    ``_producer_packed``'s."""
+    ST: gl.constexpr = kv_ring.shape[0]
+    N: gl.constexpr = kv_ring.shape[1]
+    D1: gl.constexpr = kv_ring.shape[2]
+    D2: gl.constexpr = kpe_ring.shape[2]
+    gl.static_assert((D1 == 512) & (D2 == 64), "PIPELINED: the staging holds 512 + 64 features")
+    gl.static_assert(N == 2 * _PKU, "PIPELINED: 32-token tiles, two units a section")
+    gl.static_assert(PAGE % _PKU == 0, "PIPELINED: a unit's rows in one page")
+    n_bad = lo - lo  # an int32 0
+    geo = (hi, num_blocks, stride_page, stride_row)
+    e0 = gl.load(bt_row + (lo // PAGE) * stride_bt_p, mask=lo < hi, other=0)
+    e1 = gl.load(bt_row + ((lo + _PKU) // PAGE) * stride_bt_p, mask=lo + _PKU < hi, other=0)
+    n_bad |= _pku_issue(stage, 0, k_ptr, e0, lo, hi, geo, PAGE, False).to(gl.int32)
+    n_bad |= _pku_issue(stage, 1, k_ptr, e1, lo + _PKU, hi, geo, PAGE, False).to(gl.int32)
+    for t in range(n_tiles):
+        s = t % ST
+        j = 4 * t
+        start = lo + t * N
+        nx = start + N  # tile t + 1: its entries, used by its K̂ copies (steps 2 and 3)
+        f0 = gl.load(bt_row + (nx // PAGE) * stride_bt_p, mask=nx < hi, other=0)
+        f1 = gl.load(bt_row + ((nx + _PKU) // PAGE) * stride_bt_p, mask=nx + _PKU < hi,
+                     other=0)  # fmt: skip
+        kv = kv_ring.index(s)
+        kpe = kpe_ring.index(s)
+        vh = vh_ring.index(s)
+        # K̂ rows 0-15 (V̂ rows 0-15 issued first: its loads in flight under the slot wait)
+        cp.wait_group(1)
+        gl.barrier()
+        _pku_issue(stage, j + 2, v_ptr, e0, start, v_hi, geo, PAGE, True)
+        if t >= ST:
+            mbarrier.wait(free.index(s), ((t // ST) - 1) & 1)
+        _pku_k(kv.slice(0, _PKU, dim=0), kpe.slice(0, _PKU, dim=0), stage, j)
+        # K̂ rows 16-31, then K̂ lands
+        cp.wait_group(1)
+        gl.barrier()
+        _pku_issue(stage, j + 3, v_ptr, e1, start + _PKU, v_hi, geo, PAGE, True)
+        _pku_k(kv.slice(_PKU, _PKU, dim=0), kpe.slice(_PKU, _PKU, dim=0), stage, j + 1)
+        fence_async_shared()
+        gl.barrier()
+        mbarrier.arrive(landed.index(s * _NCH))
+        # V̂ rows 0-15 (tile t + 1's K̂ rows 0-15 issued)
+        cp.wait_group(1)
+        gl.barrier()
+        n_bad |= _pku_issue(stage, j + 4, k_ptr, f0, nx, hi, geo, PAGE, False).to(gl.int32)
+        _pku_v(vh.slice(0, _PKU, dim=0), stage, j + 2)
+        # V̂ rows 16-31, then V̂ lands
+        cp.wait_group(1)
+        gl.barrier()
+        n_bad |= _pku_issue(stage, j + 5, k_ptr, f1, nx + _PKU, hi, geo, PAGE, False).to(gl.int32)
+        _pku_v(vh.slice(_PKU, _PKU, dim=0), stage, j + 3)
+        fence_async_shared()
+        gl.barrier()
+        mbarrier.arrive(landed.index(s * _NCH + 1))
+        e0 = f0
+        e1 = f1
+    cp.wait_group(0)
+    bad_smem.store(gl.full([N], n_bad, gl.int32, gl.SliceLayout(1, _LD)))
+    gl.barrier()
+    mbarrier.arrive(done)
+
+
 @gluon.jit
 def _producer_tma(
     kv_ring, kpe_ring, landed, free, done, bad_smem, kv_desc, bt_row, lo, n_tiles, stride_bt_p,
@@ -734,6 +948,7 @@ def gluon_decode_ws_kernel(
     P_FMT: gl.constexpr,
     V_SEP: gl.constexpr,
     PACKED: gl.constexpr,
+    PIPELINED: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
     Q/K/P/V through the float16 shadow (V̂ = K̂).
@@ -772,6 +987,9 @@ def gluon_decode_ws_kernel(
     stride pair for both, in bytes); the producer decodes its E2M1 codes and E4M3 block
     scales into the same float16 K̂ and V̂ tiles (``_producer_packed``), so the math
     warpgroups run unchanged and the outputs are the ``fp16`` storage's bit for bit.
+    ``PIPELINED`` (with ``PACKED``): the same values by ``_producer_packed_pipelined``,
+    which keeps the next 16-row units' packed bytes in flight (``cp.async`` into three
+    staging buffers, 16128 bytes of shared memory beside the rings).
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     if V_SEP:  # (K̂ tiles, V̂ section, raw rows, K scales) and their (page, row) strides
@@ -801,6 +1019,7 @@ def gluon_decode_ws_kernel(
                      "V_SEP: whole-tile loads, pages of whole 16-token V blocks")  # fmt: skip
     gl.static_assert((not PACKED) or (V_SEP and not TMA and not CHUNKED),
                      "PACKED: a V̂ section decoded by the producer, whole tiles")  # fmt: skip
+    gl.static_assert((not PIPELINED) or PACKED, "PIPELINED: the packed shadow's producer")
     # the tiles' type (PACKED: the decoded float16)
     dtype: gl.constexpr = gl.float16 if PACKED else kv_ptr.dtype.element_ty
 
@@ -873,6 +1092,25 @@ def gluon_decode_ws_kernel(
                     kv_ring, kpe_ring, landed, free, done, bad_smem, k_desc,
                     bt_ptr + b * stride_bt_b, lo, n_tiles, stride_bt_p, num_blocks, D1, PAGE,
                     CHUNKED, vsec_tma, V_SEP,
+                )),
+            ],
+            [_WARPS, _WARPS],
+            [MATH_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+    elif PACKED and PIPELINED:  # staging: two units of packed bytes in flight, one decoded
+        stage = (
+            gl.allocate_shared_memory(gl.int32, [_PKB, _PKU, 64], _FLAT),
+            gl.allocate_shared_memory(gl.int32, [_PKB, _PKU, 16], _FLAT),
+            gl.allocate_shared_memory(gl.int32, [_PKB, _PKU, 4], _FLAT),
+        )
+        gl.warp_specialize(
+            [
+                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
+                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
+                (_producer_packed_pipelined, (
+                    kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, stage, kv_ptr,
+                    v_ptr, bt_ptr + b * stride_bt_b, lo, hi, (hi // 16) * 16, n_tiles,
+                    stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE,
                 )),
             ],
             [_WARPS, _WARPS],
