@@ -97,9 +97,9 @@ class WsConfig:
     chunked: bool = False
     tma: bool = False
     block_n: int = 64
+    pipelined: bool = False
     stages: int = 2
     early_s: bool = False
-    pipelined: bool = False
 
     def __post_init__(self) -> None:
         for name in ("math_regs", "producer_regs"):
