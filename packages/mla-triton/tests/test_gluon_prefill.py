@@ -591,7 +591,6 @@ def test_quantize_kv_codes_are_e4m3_of_the_factored_values() -> None:
     zero and non-finite elements (NaN: 0x7F, its row NaN under a dynamic amax); V
     transposed, the token axis padded to 16."""
     from mla_formats import OperandQuant, qdq_factored
-
     from mla_triton.ops.prefill.core import quantize_kv, quantize_kv_codes
 
     gen = torch.Generator().manual_seed(1)
@@ -602,8 +601,10 @@ def test_quantize_kv_codes_are_e4m3_of_the_factored_values() -> None:
     k[6, 1, 7] = float("inf")
     v[8, 0, 9] = float("nan")
     cu = torch.tensor([0, 13, 13, 40], dtype=torch.int32)
-    for quant in (AttentionQuant.uniform("fp8"), AttentionQuant(
-            k=OperandQuant("fp8", "dynamic"), p="fp8", v=OperandQuant("fp8", 5.0))):
+    for quant in (
+        AttentionQuant.uniform("fp8"),
+        AttentionQuant(k=OperandQuant("fp8", "dynamic"), p="fp8", v=OperandQuant("fp8", 5.0)),
+    ):
         k_codes, vt, ks = quantize_kv_codes(k, v, cu, quant, max_seqlen_k=27)
         k_hat, v_hat, ks_hat = quantize_kv(k, v, cu, quant, max_seqlen_k=27)
         assert vt is not None and tuple(vt.shape) == (2, 128, 48)
@@ -614,7 +615,7 @@ def test_quantize_kv_codes_are_e4m3_of_the_factored_values() -> None:
             nan = hat.isnan()
             assert torch.equal(codes.view(torch.uint8)[~nan], want[~nan])
             assert (codes.view(torch.uint8)[nan] == 0x7F).all() and nan.any()
-            ref, gs = qdq_factored(x, op, axis=axis)
+            ref, _ = qdq_factored(x, op, axis=axis)
             torch.testing.assert_close(codes.float(), ref, atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(ks, ks_hat, atol=0, rtol=0, equal_nan=True)
     # K alone (Q's pass): the codes of the K path above

@@ -599,3 +599,109 @@ def test_nvfp4_qdq_p_hardware_path_bit_for_bit(amax: float) -> None:
         assert torch.equal(new.isnan(), other.isnan())
         assert torch.equal(new.nan_to_num().view(torch.int32), other.nan_to_num().view(torch.int32))
     assert int((old != 0).sum()) > p.numel() // 4  # not a tile of zeros
+
+
+_FP8_MMA = [
+    replace(_AUTO["fp8"], fp8_mma=True),
+    gluon_prefill.GluonPrefillConfig(128, 64, 3, True, True, turns=False, fp8_mma=True),
+]
+_FP8_MMA_IDS = ["pp128-ek", "nt64"]
+
+
+def _fp8_mma_batches() -> list[tuple[bool, tuple[Any, ...]]]:
+    """Varlen causal with GQA (16 query heads on 4 KV heads; sequences of 1 to 2500
+    keys), and a chunked context (not causal, fewer queries than keys)."""
+    return [(True, make_batch(LENS, [n + 7 * (n % 2) for n in LENS], 16, 4, seed=11)),
+            (False, make_batch([1, 200, 64], [300, 1000, 64], 16, 16, seed=12))]  # fmt: skip
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
+@pytest.mark.parametrize("name", ["fp8", "fp8-dynamic-k"])
+@pytest.mark.parametrize("config", _FP8_MMA, ids=_FP8_MMA_IDS)
+def test_fp8_mma_against_the_exact_mode_and_the_oracle(
+    config: gluon_prefill.GluonPrefillConfig, name: str
+) -> None:
+    """``fp8_mma`` (E4M3 wgmma) against the exact fp8 mode (the same tiling, 16-bit
+    wgmma on the same quantized values) and against ``mla_reference.prefill`` in float64.
+
+    The operands are the same codes, so every difference comes from the FP8 MMA's
+    accumulation: Hopper adds the products of one wgmma k-step (32 codes) and the
+    accumulator aligned to the largest exponent, keeping about 13 fraction bits (FP8
+    GEMM studies and DeepSeek-V3 report 13-14), so each k-step errs by at most a few
+    2^-13 of its largest term (truncation, up to 33 terms each).
+
+    - Scores: 6 k-steps over Dqk = 192; at these data (|q̂ k̂| partial sums up to a
+      few hundred, softmax_scale * log2(e) about 0.31) that moves a base-2 score by
+      about 1e-2 at worst, typically 1e-3: the LSE (a softmax-weighted mean of the
+      score errors, ln 2 of them) within 0.05, and P moves by under 1%, so a
+      P code (E4M3: 2^-4 to 2^-3 apart, relative) flips to its neighbour for a few
+      percent of the keys, each flip changing that P̂ by at most 2^-3 of itself.
+    - Outputs: the flipped codes move a row by at most 2^-3 times their share of P̂'s
+      mass times max |v̂|; P V's accumulator is carried across the key tiles inside
+      the MMA (4 or 2 k-steps a tile, up to 80 for 2500 keys), each erring by about
+      2^-13 of the row's accumulator: 80 * 2^-13 < 1%. Bound: every row within 3% of
+      max |v| of the exact mode, their mean within 0.5%, and the LSE within 0.05.
+    - Against the oracle: the exact mode's contract (``check``: 0.5% of elements
+      off, the worst within 0.35 of max |ref|) loosened to 2% of elements off for the
+      flipped P codes, the LSE within 0.05.
+    The measured maxima are printed."""
+    quant = QUANTS[name]
+    exact = replace(config, fp8_mma=False)
+    for causal, (q, k, v, cu_q, cu_k, scale) in _fp8_mma_batches():
+        kwargs = {"softmax_scale": scale, "return_lse": True, "causal": causal,
+                  "quant": quant, "impl": "gluon"}  # fmt: skip
+        out, lse = prefill(q, k, v, cu_q, cu_k, config=config, **kwargs)
+        want, want_lse = prefill(q, k, v, cu_q, cu_k, config=exact, **kwargs)
+        what = f"{name} {config.tiling} causal={causal}"
+        assert torch.equal(out.isnan(), want.isnan()) and not out.isnan().any(), what
+        assert torch.equal(lse.isneginf(), want_lse.isneginf()), what
+        vmax = v.abs().max().float()
+        row = ((out.float() - want.float()).abs().amax(-1) / vmax).cpu()
+        finite = want_lse.isfinite()
+        dlse = (lse[finite] - want_lse[finite]).abs().max().item()
+        print(f"{what} vs exact: row err max {row.max():.3g} mean {row.mean():.3g} of "
+              f"max|v|, lse err max {dlse:.3g}")  # fmt: skip
+        assert row.max() <= 0.03 and row.mean() <= 0.005, what
+        assert dlse <= 0.05, what
+        cpu = [t.cpu() for t in (q, k, v, cu_q, cu_k)]
+        ref, ref_lse = mla_reference.prefill(
+            *cpu, softmax_scale=scale, return_lse=True, causal=causal, quant=quant,
+            compute_dtype=torch.float64, out_dtype=torch.float64,
+        )  # fmt: skip
+        o, r = out.cpu().double(), ref.double()
+        err = (o - r).abs()
+        off = (err > 5e-3 * r.abs().max() + 1e-2 * r.abs()).double().mean().item()
+        worst = (err.max() / r.abs().max()).item()
+        fin = ref_lse.isfinite()
+        dlse_ref = (lse.cpu().double()[fin] - ref_lse.double()[fin]).abs().max().item()
+        print(f"{what} vs oracle: max err {worst:.3g} of max|ref|, {off:.4%} elements off, "
+              f"lse err max {dlse_ref:.3g}")  # fmt: skip
+        assert off <= 0.02 and worst <= 0.35 and dlse_ref <= 0.05, what
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Gluon prefill needs an sm90 (H100/H200) GPU")
+@pytest.mark.parametrize("config", _FP8_MMA, ids=_FP8_MMA_IDS)
+def test_fp8_mma_nan_rule(config: gluon_prefill.GluonPrefillConfig) -> None:
+    """The NaN rule with E4M3 codes (NaN is code 0x7F, no infinity): a NaN in Q poisons
+    its row, an infinite K element the rows that see its key (out and LSE), a -inf in V
+    (static amax: that element's code alone) the rows that see its key (out only); the
+    transposed V tiles are checked and zeroed by warpgroup 0 for both."""
+    lens = [300, 200]
+    q, k, v, cu_q, cu_k, scale = make_batch(lens, lens, 16, 16, seed=7)
+    q[10, 3, 5] = float("nan")
+    k[300 + 70, 5, 100] = float("inf")
+    v[300 + 130, 7, 2] = float("-inf")
+    for causal in (True, False):
+        out, lse = prefill(
+            q, k, v, cu_q, cu_k, softmax_scale=scale, quant=QUANTS["fp8"], causal=causal,
+            return_lse=True, impl="gluon", config=config,
+        )  # fmt: skip
+        want = torch.zeros(500, 16, dtype=torch.bool)
+        want[10, 3] = True
+        want[300 + (70 if causal else 0) :, 5] = True
+        want[300 + (130 if causal else 0) :, 7] = True
+        assert torch.equal(out.isnan().all(-1).cpu(), want), causal
+        assert bool(out[~want.cuda()].isfinite().all()), causal
+        lse_nan = want.clone()
+        lse_nan[:, 7] = False
+        assert torch.equal(lse.isnan().T.cpu(), lse_nan), causal

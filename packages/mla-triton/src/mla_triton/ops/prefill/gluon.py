@@ -346,7 +346,6 @@ class _Gluon(PrefillFamily):
             c.lse.stride(0), **variant.constexprs(q.shape[2], dim_v, config),
         )  # fmt: skip
 
-
     def _launch_fp8_mma(self, c: Checked, r: Recipe, config: GluonPrefillConfig) -> None:
         """``launch`` with ``config.fp8_mma`` (an all-fp8 recipe, ``check_fp8_mma``): Q's
         and K's E4M3 codes and V's transposed (``quantize_kv_codes``), then the kernel on

@@ -316,10 +316,10 @@ def _v_operand(v_smem, stage):
     """The ``P V`` MMA's B operand ``[BLOCK_N, DV]`` in ring slot ``stage``: the V tile,
     or (E4M3 codes, FP8 MMA) the transposed tile ``[DV, BLOCK_N]`` permuted, K-major as
     FP8 wgmma needs it."""
+    tile = v_smem.index(stage)
     if v_smem.dtype.is_fp8():
-        return v_smem.index(stage).permute((1, 0))
-    else:
-        return v_smem.index(stage)
+        tile = tile.permute((1, 0))
+    return tile
 
 
 @gluon.jit
@@ -880,7 +880,8 @@ def gluon_prefill_kernel(
     SCHED: gl.constexpr = (TURNS, EARLY_K)
     pv_dtype: gl.constexpr = v_desc.dtype  # P and V
     FP8: gl.constexpr = pv_dtype.is_fp8()  # FP8 MMA: E4M3 codes (Q, K, P, V transposed)
-    gl.static_assert(FP8 == q_desc.dtype.is_fp8() and FP8 == k_desc.dtype.is_fp8())
+    gl.static_assert(q_desc.dtype.is_fp8() == FP8)
+    gl.static_assert(k_desc.dtype.is_fp8() == FP8)
     gl.static_assert(not FP8 or Q_FMT == 0)  # Q's codes come from the pass
     MMA_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K step: 32 bytes of operand
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
