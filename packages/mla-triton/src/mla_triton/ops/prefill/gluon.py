@@ -161,7 +161,7 @@ class GluonPrefillConfig:
 FP8_MMA_TILINGS = ((128, 128, 2, True, True), (128, 64, 3, True, True))
 """The tilings ``fp8_mma`` takes, as ``GluonPrefillConfig.tiling``: the ping-pong ones
 (two consumer warpgroups and a producer warp; with or without turns and early K), which
-compile for sm_90a without spills with P's E4M3 codes in registers."""
+compile for sm_90a with P's E4M3 codes in registers and no local memory."""
 
 
 def check_fp8_mma(config: GluonPrefillConfig, recipe: Recipe) -> None:
