@@ -357,6 +357,25 @@ def as_sm90(monkeypatch: pytest.MonkeyPatch, capture: _Capture) -> None:
     monkeypatch.setattr(dev, "hw_fp8", lambda device: False)
 
 
+def _fp8_case(
+    k_amax: Literal["dynamic"] | float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionQuant]:
+    """Two sequences (3 and 18 tokens, 2 query heads on 1 KV head) and an fp8 recipe:
+    dynamic Q, K ``k_amax``, static P and V."""
+    from mla_formats import OperandQuant
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(21, 2, 192, generator=gen).to(dtype)
+    k = torch.randn(21, 1, 192, generator=gen).to(dtype)
+    v = torch.randn(21, 1, 128, generator=gen).to(dtype)
+    cu = torch.tensor([0, 3, 21], dtype=torch.int32)
+    quant = AttentionQuant(
+        q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
+        v=OperandQuant("fp8", 3.0),
+    )  # fmt: skip
+    return q, k, v, cu, quant
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the K/V pass on CPU")
 @pytest.mark.parametrize("k_amax", ["dynamic", 896.0])
 def test_launch_passes_factored_operands_and_scales(
@@ -365,20 +384,12 @@ def test_launch_passes_factored_operands_and_scales(
     """fp8 (dynamic Q, K dynamic or static, static P and V) with Q's pass (``q_in_kernel``
     off; ``test_q_in_kernel_launches_raw_q`` has it on): the kernel gets Q, K and V
     factored by the pass, the dynamic per-token scales, the static ones folded in."""
-    from mla_formats import OperandQuant, qdq_factored
+    from mla_formats import qdq_factored
 
     capture = _Capture()
     as_sm90(monkeypatch, capture)
-    gen = torch.Generator().manual_seed(0)
     lens = [3, 18]
-    q = torch.randn(21, 2, 192, generator=gen).half()
-    k = torch.randn(21, 1, 192, generator=gen).half()
-    v = torch.randn(21, 1, 128, generator=gen).half()
-    cu = torch.tensor([0, 3, 21], dtype=torch.int32)
-    quant = AttentionQuant(
-        q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
-        v=OperandQuant("fp8", 3.0),
-    )  # fmt: skip
+    q, k, v, cu, quant = _fp8_case(k_amax, torch.float16)
     # auto's tiling for P fp8 with Q's pass (sm90 patched in above)
     config = replace(gp.AUTO_CONFIGS["fp8"], q_in_kernel=False)
     prefill(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, quant=quant,
@@ -530,6 +541,10 @@ def test_fp8_mma_refuses_other_recipes_before_any_launch(
     with pytest.raises(ValueError, match=r"^config: fp8_mma needs a recipe whose Q, K, P"):
         prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, config=FP8_MMA)
     assert capture.grid is None and not ran
+    with pytest.raises(ValueError, match=r"^config: fp8_mma runs without N:M sparsity"):
+        prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=AttentionQuant.uniform("fp8"),
+                sparsity=NMSparsity(2, 4), config=FP8_MMA)  # fmt: skip
+    assert capture.grid is None and not ran
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the passes on CPU")
@@ -541,19 +556,11 @@ def test_fp8_mma_launches_e4m3_codes(
     E4M3 codes and V's transposed ``[Hkv * Dv, Tk_padded]`` (``quantize_kv_codes``), codes
     times scales equal to ``mla_formats``' QDQ; the scales and switches as the exact
     mode's, Q's QDQ in the pass whatever ``q_in_kernel`` says."""
-    from mla_formats import OperandQuant, qdq_factored
+    from mla_formats import qdq_factored
 
     capture = _Capture()
     as_sm90(monkeypatch, capture)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(21, 2, 192, generator=gen).bfloat16()
-    k = torch.randn(21, 1, 192, generator=gen).bfloat16()
-    v = torch.randn(21, 1, 128, generator=gen).bfloat16()
-    cu = torch.tensor([0, 3, 21], dtype=torch.int32)
-    quant = AttentionQuant(
-        q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
-        v=OperandQuant("fp8", 3.0),
-    )  # fmt: skip
+    q, k, v, cu, quant = _fp8_case(k_amax, torch.bfloat16)
     assert FP8_MMA.q_in_kernel
     prefill(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, quant=quant,
             max_seqlen_q=18, max_seqlen_k=18, config=FP8_MMA)  # fmt: skip

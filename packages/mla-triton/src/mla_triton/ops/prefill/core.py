@@ -16,7 +16,7 @@ from mla_formats import AttentionQuant, NMSparsity, OperandQuant
 from mla_triton.common import device as dev
 from mla_triton.common.memo import by_identity
 from mla_triton.common.qdq import FORMAT_CODES
-from mla_triton.ops.prefill.triton_kernels import kv_fp8_codes_kernel, kv_qdq_kernel
+from mla_triton.ops.prefill.triton_kernels import kv_qdq_kernel
 
 __all__ = [
     "MAX_HEAD_DIM_QK",
@@ -257,14 +257,14 @@ def quantize_kv_codes(
         v_fast = v is not None and fast_qdq_exact(v, v_gs)
         vt = vt_codes if vt_codes is not None else k_codes
         v_in = v if v is not None else k
-        kv_fp8_codes_kernel[(cdiv(max(max_seqlen_k, 1), block_t), kv_heads, batch)](
+        kv_qdq_kernel[(cdiv(max(max_seqlen_k, 1), block_t), kv_heads, batch)](
             k, v_in, k_codes, vt, k_scales, cu_seqlens_k, tokens_k, k_gs, v_gs, 1.0 / k_gs,
             1.0 / v_gs, k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
             k_codes.stride(0), k_codes.stride(1), dim_v * padded, padded,
             k_scales.stride(0) if k_dynamic else 0,
             D1=d1, D2=d2, D2_VALID=dim - d1, DV=dim_v, DVP=next_power_of_2(dim_v),
-            BLOCK_T=block_t, K_DYNAMIC=k_dynamic, WITH_V=v is not None, K_FAST=k_fast,
-            V_FAST=v_fast, HW_FP8=dev.hw_fp8(device),
+            BLOCK_T=block_t, K_FMT=1, K_DYNAMIC=k_dynamic, V_FMT=1 if v is not None else 0,
+            K_FAST=k_fast, V_FAST=v_fast, HW_FP8=dev.hw_fp8(device), CODES=True,
             num_warps=4 if max(dim, dim_v) <= 256 else 8,
         )  # fmt: skip
     f8 = torch.float8_e4m3fn

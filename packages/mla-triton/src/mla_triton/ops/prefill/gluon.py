@@ -164,9 +164,11 @@ FP8_MMA_TILINGS = ((128, 128, 2, True, True), (128, 64, 3, True, True))
 compile for sm_90a with P's E4M3 codes in registers and no local memory."""
 
 
-def check_fp8_mma(config: GluonPrefillConfig, recipe: Recipe) -> None:
+def check_fp8_mma(config: GluonPrefillConfig, recipe: Recipe, sparse: bool) -> None:
     """A ValueError naming ``config`` when ``config.fp8_mma`` is asked for a recipe
-    whose Q, K, P and V are not all fp8."""
+    whose Q, K, P and V are not all fp8, or with N:M sparsity (not built for it)."""
+    if config.fp8_mma and sparse:
+        raise ValueError("config: fp8_mma runs without N:M sparsity; got a sparsity")
     if config.fp8_mma and (recipe.q_fmt, recipe.k_fmt, recipe.p_fmt, recipe.v_fmt) != (1,) * 4:
         names = [_P_FORMATS[f] for f in (recipe.q_fmt, recipe.k_fmt, recipe.p_fmt, recipe.v_fmt)]
         raise ValueError("config: fp8_mma needs a recipe whose Q, K, P and V are all fp8, "
@@ -294,7 +296,7 @@ class _Gluon(PrefillFamily):
             raise ValueError(
                 f"config: expected None or a GluonPrefillConfig, got {type(config).__name__}"
             )
-        check_fp8_mma(config, Recipe.of(c.quant))
+        check_fp8_mma(config, Recipe.of(c.quant), c.sparsity is not None)
         return self.check_key_tile(config, c)
 
     def launch(self, c: Checked, recipe: Recipe, config: GluonPrefillConfig) -> None:

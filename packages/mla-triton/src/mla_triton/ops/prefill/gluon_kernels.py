@@ -255,28 +255,26 @@ def _sanitize_v(
                 masked_before = tile - mid // BLOCK_N
                 mbarrier.wait(turn_bars.index(stage), (masked_before // NUM_STAGES) & 1)
             first_bad = gl.min(bad_smem.index(stage).load(bad_layout), axis=0)
-        elif v_smem.dtype.is_fp8():  # E4M3 codes, V transposed: keys are columns
-            first_bad = _sanitize_vt(v_smem.index(stage), start_n, seq_len_k, BLOCK_N, num_warps)
-            if WG == 0:
-                bad_smem.index(stage).store(gl.full([1], first_bad, gl.int32, bad_layout))
-            fence_async_shared()
-            gl.barrier()
-            if WG == 0 and not TURNS:
-                mbarrier.arrive(turn_bars.index(stage), count=1)
         else:
-            SUB: gl.constexpr = 32
-            v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-            buf = v_smem.index(stage)
-            first_bad = seq_len_k  # the first visible key with a non-finite v row
-            for c in gl.static_range(BLOCK_N // SUB):
-                sub = buf.slice(c * SUB, SUB, dim=0)
-                v = sub.load(v_layout)
-                key_pos = start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
-                row = gl.sum(v - v, axis=1)  # NaN for a non-finite row (a sum of zeros else)
-                bad = row != row
-                sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
-                bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
-                first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
+            if v_smem.dtype.is_fp8():  # E4M3 codes, V transposed: keys are columns
+                first_bad = _sanitize_vt(v_smem.index(stage), start_n, seq_len_k, BLOCK_N,
+                                         num_warps)  # fmt: skip
+            else:
+                SUB: gl.constexpr = 32
+                v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+                buf = v_smem.index(stage)
+                first_bad = seq_len_k  # the first visible key with a non-finite v row
+                for c in gl.static_range(BLOCK_N // SUB):
+                    sub = buf.slice(c * SUB, SUB, dim=0)
+                    v = sub.load(v_layout)
+                    key_pos = (
+                        start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
+                    )
+                    row = gl.sum(v - v, axis=1)  # NaN for a non-finite row (sum of zeros else)
+                    bad = row != row
+                    sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
+                    bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
+                    first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
             if WG == 0:
                 bad_smem.index(stage).store(gl.full([1], first_bad, gl.int32, bad_layout))
             fence_async_shared()

@@ -664,9 +664,10 @@ def _kv_qdq_tile(
     stride_vqh, stride_kst, D1: tl.constexpr, D2: tl.constexpr, D2_VALID: tl.constexpr,
     DV: tl.constexpr, DVP: tl.constexpr, BLOCK_T: tl.constexpr, K_FMT: tl.constexpr,
     K_DYNAMIC: tl.constexpr, V_FMT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr,
-    HW_FP8: tl.constexpr,
+    HW_FP8: tl.constexpr, CODES: tl.constexpr,
 ):  # fmt: skip
-    """``kv_qdq_kernel``'s work on the tokens ``t0 .. t0 + BLOCK_T`` of one sequence."""
+    """``kv_qdq_kernel``'s work on the tokens ``t0 .. t0 + BLOCK_T`` of one sequence
+    (``CODES``: E4M3 codes of the same values, V transposed)."""
     rows = t0 + tl.arange(0, BLOCK_T)  # token positions in the sequence
     row_ok = rows < seq_len
     if K_FMT != 0:
@@ -684,14 +685,14 @@ def _kv_qdq_tile(
             k1, k2, gs = _qdq_split(k1, k2, k_gs, K_FMT, K_DYNAMIC, BLOCK_T, D1, D2, HW_FP8)
         tl.store(
             kq_base + rows[:, None] * stride_kqt + offs_d1[None, :],
-            k1.to(KQ.dtype.element_ty),
+            _stored(k1, KQ.dtype.element_ty, CODES),
             mask=row_ok[:, None],
         )
         if D2 > 0:
             offs_d2 = tl.arange(0, D2)
             tl.store(
                 kq_base + D1 + rows[:, None] * stride_kqt + offs_d2[None, :],
-                k2.to(KQ.dtype.element_ty),
+                _stored(k2, KQ.dtype.element_ty, CODES),
                 mask=row_ok[:, None] & (offs_d2[None, :] < D2_VALID),
             )
         if K_DYNAMIC:
@@ -702,11 +703,18 @@ def _kv_qdq_tile(
         vq_base = VQ + k_start.to(tl.int64) * stride_vqt + kv_head * stride_vqh
         v = _load_tile(v_base, rows, offs_dv, stride_vt, seq_len, DV, True, DVP != DV)
         v = _qdq_tokens(v.to(tl.float32), v_gs, v_inv, V_FMT, BLOCK_T, DVP, V_FAST, HW_FP8)
-        tl.store(
-            vq_base + rows[:, None] * stride_vqt + offs_dv[None, :],
-            v.to(VQ.dtype.element_ty),
-            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-        )
+        if CODES:  # transposed: (head, feature, token) at strides (stride_vqt, stride_vqh, 1)
+            vt_base = VQ + kv_head.to(tl.int64) * stride_vqt + k_start
+            tl.store(
+                vt_base + offs_dv[None, :] * stride_vqh + rows[:, None], e4m3_bits(v),
+                mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+            )  # fmt: skip
+        else:
+            tl.store(
+                vq_base + rows[:, None] * stride_vqt + offs_dv[None, :],
+                v.to(VQ.dtype.element_ty),
+                mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+            )
 
 
 @triton.jit(do_not_specialize=["rows_k"])
@@ -743,6 +751,7 @@ def kv_qdq_kernel(
     K_FAST: tl.constexpr,
     V_FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
+    CODES: tl.constexpr = False,
 ):
     """QDQ the fresh keys and values of one KV head of one sequence, once.
 
@@ -764,8 +773,17 @@ def kv_qdq_kernel(
             K, V, KQ, VQ, KS, k_start, seq_len, t0, kv_head, k_gs, v_gs, k_inv, v_inv,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_kqt, stride_kqh, stride_vqt,
             stride_vqh, stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_T, K_FMT, K_DYNAMIC,
-            V_FMT, K_FAST, V_FAST, HW_FP8,
+            V_FMT, K_FAST, V_FAST, HW_FP8, CODES,
         )  # fmt: skip
+
+
+@triton.jit
+def _stored(x, dtype: tl.constexpr, CODES: tl.constexpr):
+    """What ``kv_qdq_kernel`` stores of factored values ``x``: ``x`` in ``dtype``, or with
+    ``CODES`` their E4M3 codes (uint8)."""
+    if CODES:
+        return e4m3_bits(x)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -780,105 +798,3 @@ def e4m3_bits(y):
     code = tl.where(a >= 0.015625, normal, (a * 512.0).to(tl.int32))
     code = tl.where(y == y, code | ((bits >> 24) & 0x80), 0x7F)
     return code.to(tl.uint8)
-
-
-@triton.jit
-def _kv_codes_tile(
-    K, V, KC, VT, KS, k_start, seq_len, t0, kv_head, k_gs, v_gs, k_inv, v_inv,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kct, stride_kch, stride_vth,
-    stride_vtd, stride_kst, D1: tl.constexpr, D2: tl.constexpr, D2_VALID: tl.constexpr,
-    DV: tl.constexpr, DVP: tl.constexpr, BLOCK_T: tl.constexpr, K_DYNAMIC: tl.constexpr,
-    WITH_V: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr, HW_FP8: tl.constexpr,
-):  # fmt: skip
-    """``kv_fp8_codes_kernel``'s work on the tokens ``t0 .. t0 + BLOCK_T`` of one sequence:
-    ``_kv_qdq_tile``'s fp8 values (the same helpers), stored as E4M3 codes."""
-    rows = t0 + tl.arange(0, BLOCK_T)  # token positions in the sequence
-    row_ok = rows < seq_len
-    offs_d1 = tl.arange(0, D1)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-    kc_base = KC + k_start.to(tl.int64) * stride_kct + kv_head * stride_kch
-    k1, k2 = _load_split(k_base, rows, stride_kt, seq_len, D1, D2, D2_VALID, True)
-    k1 = k1.to(tl.float32)
-    k2 = k2.to(tl.float32)
-    if K_FAST:
-        k1 = _qdq_features_fast(k1, k_gs, k_inv, 1, BLOCK_T, D1, HW_FP8)
-        if D2 > 0:
-            k2 = _qdq_features_fast(k2, k_gs, k_inv, 1, BLOCK_T, D2, HW_FP8)
-    else:
-        k1, k2, gs = _qdq_split(k1, k2, k_gs, 1, K_DYNAMIC, BLOCK_T, D1, D2, HW_FP8)
-    tl.store(
-        kc_base + rows[:, None] * stride_kct + offs_d1[None, :], e4m3_bits(k1),
-        mask=row_ok[:, None],
-    )  # fmt: skip
-    if D2 > 0:
-        offs_d2 = tl.arange(0, D2)
-        tl.store(
-            kc_base + D1 + rows[:, None] * stride_kct + offs_d2[None, :], e4m3_bits(k2),
-            mask=row_ok[:, None] & (offs_d2[None, :] < D2_VALID),
-        )  # fmt: skip
-    if K_DYNAMIC:
-        tl.store(KS + (k_start + rows) * stride_kst + kv_head, gs, mask=row_ok)
-    if WITH_V:
-        offs_dv = tl.arange(0, DVP)
-        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-        v = _load_tile(v_base, rows, offs_dv, stride_vt, seq_len, DV, True, DVP != DV)
-        v = _qdq_tokens(v.to(tl.float32), v_gs, v_inv, 1, BLOCK_T, DVP, V_FAST, HW_FP8)
-        vt_base = VT + kv_head.to(tl.int64) * stride_vth + k_start
-        tl.store(
-            vt_base + offs_dv[None, :] * stride_vtd + rows[:, None], e4m3_bits(v),
-            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-        )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["rows_k"])
-def kv_fp8_codes_kernel(
-    K,
-    V,
-    KC,
-    VT,
-    KS,
-    cu_seqlens_k,
-    rows_k,
-    k_gs,
-    v_gs,
-    k_inv,
-    v_inv,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kct,
-    stride_kch,
-    stride_vth,
-    stride_vtd,
-    stride_kst,
-    D1: tl.constexpr,
-    D2: tl.constexpr,
-    D2_VALID: tl.constexpr,
-    DV: tl.constexpr,
-    DVP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    K_DYNAMIC: tl.constexpr,
-    WITH_V: tl.constexpr,
-    K_FAST: tl.constexpr,
-    V_FAST: tl.constexpr,
-    HW_FP8: tl.constexpr,
-):
-    """``kv_qdq_kernel`` for an fp8 K and V, writing E4M3 codes instead of factored
-    values: K's codes to ``KC [Tk, Hkv, Dqk]`` (uint8), its per-token global scales to
-    ``KS`` when dynamic, and (``WITH_V``) V's codes transposed to ``VT [Hkv, Dv,
-    Tk_padded]`` (uint8, the token axis contiguous: element ``(h, d, t)`` at ``h *
-    stride_vth + d * stride_vtd + t``). The codes are those of the factored values
-    ``kv_qdq_kernel`` computes (the same helpers): code times scale is the QDQ'd value.
-    Grid and token loop as ``kv_qdq_kernel``'s."""
-    pid_t = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.program_id(2)
-    k_start, seq_len, _ = seq_span(cu_seqlens_k, seq, rows_k)
-    for t0 in range(pid_t * BLOCK_T, seq_len, tl.num_programs(0) * BLOCK_T):
-        _kv_codes_tile(
-            K, V, KC, VT, KS, k_start, seq_len, t0, kv_head, k_gs, v_gs, k_inv, v_inv,
-            stride_kt, stride_kh, stride_vt, stride_vh, stride_kct, stride_kch, stride_vth,
-            stride_vtd, stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_T, K_DYNAMIC, WITH_V,
-            K_FAST, V_FAST, HW_FP8,
-        )  # fmt: skip
