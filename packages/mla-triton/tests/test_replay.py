@@ -165,6 +165,13 @@ CASES = [
 ]
 
 
+def _tensors(result: Any) -> tuple[torch.Tensor, ...]:
+    """A call's result as a tuple of tensors (``update_cache`` returns None)."""
+    if result is None:
+        return ()
+    return result if isinstance(result, tuple) else (result,)
+
+
 def _case(case: tuple[str, int, Any, Any], dtype: torch.dtype) -> tuple[Call, list]:
     op, heads, quant, extra = case
     if op == "decode":
@@ -201,17 +208,14 @@ def test_replayed_launches_are_the_full_calls(
         call()  # a shadow is replayed once stamped by a full call
     stubbed.clear()
     result = call()
-    result = () if result is None else result if isinstance(result, tuple) else (result,)
+    result = _tensors(result)
     assert len(REPLAY._plans) == 1 and REPLAY.planned(next(iter(REPLAY._plans)))
     launched = [arg for _, _, args, kwargs in stubbed for arg in (*args, *kwargs.values())]
     replayed = _plain(list(stubbed), [*inputs, *result], pointers=pointers)
     REPLAY.clear()
     stubbed.clear()
     full_result = call()
-    full_result = (
-        () if full_result is None
-        else full_result if isinstance(full_result, tuple) else (full_result,)
-    )  # fmt: skip
+    full_result = _tensors(full_result)
     full = _plain(list(stubbed), [*inputs, *full_result], pointers=pointers)
     assert replayed == full
     assert replayed
@@ -422,7 +426,7 @@ def test_direct_launches_are_what_run_launches(
     log.clear()
     runs.clear()
     result = call()
-    result = () if result is None else result if isinstance(result, tuple) else (result,)
+    result = _tensors(result)
     direct = _launcher_args(log, [*inputs, *result])
     assert not runs and direct  # launched directly, not through run
     with LOCK:  # launches intercepted (a warm-up's compile-only pass): through run
@@ -436,9 +440,6 @@ def test_direct_launches_are_what_run_launches(
     REPLAY.clear()
     log.clear()
     full_result = call()
-    full_result = (
-        () if full_result is None
-        else full_result if isinstance(full_result, tuple) else (full_result,)
-    )  # fmt: skip
+    full_result = _tensors(full_result)
     assert runs  # the full call went through run
     assert direct == _launcher_args(log, [*inputs, *full_result])

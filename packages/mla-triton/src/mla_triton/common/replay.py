@@ -437,29 +437,29 @@ class _Plan:
         return self.build_fn(inputs, self._news())  # type: ignore[no-any-return]
 
     def adopt(self, compiled: Sequence[Any]) -> None:
-        """Keep the compiled kernels ``run`` returned (for this device) for direct launches."""
-        if self.direct_fn is None or triton_release() != GLUON_TRITON:
+        """Keep the compiled kernels ``run`` returned (for this device) for direct launches;
+        tried once: a plan that cannot launch directly keeps going through ``run``."""
+        direct_fn, self.direct_fn = self.direct_fn, None
+        if direct_fn is None or triton_release() != GLUON_TRITON:
             return
         if not all(hasattr(c, "function") and hasattr(c, "__getitem__") for c in compiled):
             return
         if knobs.runtime.add_stages_inspection_hook is not None:
             return
+        self.direct_fn = direct_fn
         self.compiled = tuple(compiled)
         self.device = driver.active.get_current_device()
 
-    def direct(self, inputs: Sequence[torch.Tensor]) -> Any:
-        """Launch the adopted compiled kernels on ``inputs``; the result, or ``_RUN``
-        where this call must go through ``run`` (another device; launches intercepted)."""
-        if LOCK.locked():
-            return _RUN
-        device = driver.active.get_current_device()
-        if device != self.device:
-            return _RUN
-        stream = driver.active.get_current_stream(device)
-        calls, result = self.direct_fn(inputs, self._news())  # type: ignore[misc]
-        for compiled, (grid, bound) in zip(self.compiled, calls, strict=True):
-            compiled[grid](*bound, stream=stream)
-        return result
+    def direct(self) -> bool:
+        """Whether this call may launch the adopted compiled kernels directly (not while
+        launches are intercepted, nor on another device)."""
+        if not self.compiled or LOCK.locked():
+            return False
+        return bool(driver.active.get_current_device() == self.device)
+
+    def build_direct(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], Any]:
+        """``(grid, bound arguments)`` of each adopted kernel on ``inputs``, and the result."""
+        return self.direct_fn(inputs, self._news())  # type: ignore[misc,no-any-return]
 
 
 def _compiled(rec: _Recording) -> bool:
@@ -474,10 +474,6 @@ def _launch(calls: list[Any]) -> list[Any]:
     return [
         kernel.run(*args, grid=grid, warmup=False, **kwargs) for kernel, grid, args, kwargs in calls
     ]
-
-
-_RUN = object()
-"""``_Plan.direct``'s answer where the call goes through ``run``."""
 
 
 _NEVER = object()
@@ -519,16 +515,18 @@ class Replay:
             return call()
         entry = held[0] if held is not None else None
         if isinstance(entry, _Plan):
+            direct = entry.direct()
             try:
-                if entry.compiled:
-                    result = entry.direct(inputs)
-                    if result is not _RUN:
-                        return result  # type: ignore[no-any-return]
-                calls, result = entry.build(inputs)
+                calls, result = entry.build_direct(inputs) if direct else entry.build(inputs)
             except RuntimeError:  # a view the new addresses cannot take: the full call
                 return call()
+            if direct:
+                stream = driver.active.get_current_stream(entry.device)
+                for compiled, (grid, bound) in zip(entry.compiled, calls, strict=True):
+                    compiled[grid](*bound, stream=stream)
+                return result  # type: ignore[no-any-return]
             compiled = _launch(calls)
-            if not entry.compiled:
+            if entry.direct_fn is not None and not entry.compiled:
                 entry.adopt(compiled)
             return result  # type: ignore[no-any-return]
         if entry is _NEVER:
