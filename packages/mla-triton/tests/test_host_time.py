@@ -29,5 +29,5 @@ def test_host_time_reports_every_case() -> None:
         "shadow nvfp4 h128 packed", "prefill none h128", "prefill fp8 h128", "prefill nvfp4 h128",
     }  # fmt: skip
     for name, times in rows.items():
-        assert len(times) == (1 if name.startswith("prefill") else 3), (name, times)
+        assert len(times) == 3, (name, times)
         assert all(float(t) > 0 for t in times)

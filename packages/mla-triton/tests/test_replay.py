@@ -162,6 +162,7 @@ CASES = [
     *[("decode", h, r, g) for h in (128, 16) for r in (None, FP8, NVFP4) for g in (True, False)],
     *[("shadow", h, r, s) for h in (128, 16) for r in (FP8, NVFP4) for s in ("fp16", "packed")],
     *[("update", t, r, s) for t in (1, 20) for r in (FP8, NVFP4) for s in ("fp16", "packed")],
+    *[("prefill", h, r, x) for h in (128, 16) for r in (None, FP8, NVFP4) for x in (True, False)],
 ]
 
 
@@ -219,7 +220,7 @@ def test_replayed_launches_are_the_full_calls(
     full = _plain(list(stubbed), [*inputs, *full_result], pointers=pointers)
     assert replayed == full
     assert replayed
-    if case[0] != "update":  # decode reads views of its inputs (update: some cases none)
+    if case[0] in ("decode", "shadow"):  # they read views of their inputs (others: not all)
         assert _has_pointer(launched) == pointers
     assert [(t.shape, t.dtype, t.stride()) for t in result] == [
         (t.shape, t.dtype, t.stride()) for t in full_result
@@ -302,6 +303,24 @@ def test_value_checks_and_recipes_are_never_skipped(stubbed: list) -> None:
         mla_triton.decode_shadow(q, cache, other, table, lens, softmax_scale=SCALE, quant=FP8,
                                  storage="fp16", workspace=ws, max_seq_len=128,
                                  check_values=False)  # fmt: skip
+
+
+def test_prefill_replays_only_vouched_offsets(stubbed: list) -> None:
+    """A prefill that reads its offsets on the host (no ``max_seqlen_q``/``max_seqlen_k``)
+    is never replayed: its checks run at every call; a vouched one is, per bound."""
+    q, k = (torch.randn(80, 16, 192, dtype=torch.float16) for _ in range(2))
+    v = torch.randn(80, 16, 128, dtype=torch.float16)
+    cu = torch.tensor([0, 30, 80], dtype=torch.int32)
+    for _ in range(3):
+        mla_triton.prefill(q, k, v, cu, cu, softmax_scale=SCALE, quant=FP8)
+    assert not REPLAY._plans
+    bad = torch.tensor([0, 30, 81], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        mla_triton.prefill(q, k, v, bad, cu, softmax_scale=SCALE, quant=FP8)
+    for bound in (50, 50, 50, 64):
+        mla_triton.prefill(q, k, v, cu, cu, softmax_scale=SCALE, quant=FP8, max_seqlen_q=bound,
+                           max_seqlen_k=bound)  # fmt: skip
+    assert sorted(REPLAY.planned(key) for key in REPLAY._plans) == [False, True]
 
 
 def test_misaligned_workspace_is_still_refused(stubbed: list) -> None:
@@ -388,6 +407,7 @@ DIRECT_CASES = [
     ("decode", 128, FP8, True), ("decode", 16, NVFP4, False), ("decode", 128, None, True),
     ("shadow", 128, FP8, "fp16"), ("shadow", 128, NVFP4, "packed"), ("shadow", 16, NVFP4, "fp16"),
     ("update", 20, NVFP4, "packed"), ("update", 20, FP8, "fp16"),
+    ("prefill", 16, FP8, True), ("prefill", 128, NVFP4, False), ("prefill", 16, None, True),
 ]  # fmt: skip
 
 
@@ -417,6 +437,8 @@ def test_direct_launches_are_what_run_launches(
     monkeypatch.setattr(JITFunction, "run", run_counted)
     active = _Driver()
     monkeypatch.setattr(driver, "_active", active)
+    if case[0] == "prefill":  # its checks take CPU tensors under the interpreter's flag only
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the kernels stay compiled ones)
     first, _ = _case(case, torch.bfloat16)
     for _ in range(4):  # seen, recorded, recorded (a plan), replayed through run
         first()

@@ -32,15 +32,25 @@ CASES = [
     ("decode", 128, None, ""), ("decode", 128, FP8, ""), ("decode", 16, NVFP4, ""),
     ("decode", 128, NVFP4, ""), ("shadow", 128, FP8, "fp16"), ("shadow", 128, NVFP4, "fp16"),
     ("shadow", 128, NVFP4, "packed"), ("shadow", 16, NVFP4, "fp16"),
+    ("prefill", 128, None, ""), ("prefill", 128, FP8, ""), ("prefill", 16, NVFP4, ""),
 ]  # fmt: skip
 
 
 def _case(
     op: str, heads: int, quant: AttentionQuant | None, storage: str, seed: int
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """A decode step of 6 requests (lengths across pages and 16-token blocks) on new tensors."""
+    """A decode step of 6 requests (lengths across pages and 16-token blocks) on new
+    tensors; prefill: 4 sequences (1 to 700 tokens) with vouched bounds, and its LSE."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev, bf16 = "cuda", torch.bfloat16
+    if op == "prefill":
+        cu = torch.tensor([0, 1, 130, 830, 1024], dtype=torch.int32, device=dev)
+        qp, kp = (torch.randn(1024, heads, 192, dtype=bf16, device=dev, generator=gen)
+                  for _ in range(2))  # fmt: skip
+        vp = torch.randn(1024, heads, 128, dtype=bf16, device=dev, generator=gen)
+        return lambda: mla_triton.prefill(qp, kp, vp, cu, cu, softmax_scale=SCALE, quant=quant,
+                                          return_lse=True, max_seqlen_q=700,
+                                          max_seqlen_k=700)  # fmt: skip
     lens = torch.tensor([1, 17, 64, 300, 511, 1000], dtype=torch.int32, device=dev)
     width = 16  # pages a row: 1024 tokens
     blocks = 6 * width
@@ -73,7 +83,7 @@ def _case(
 def test_direct_launches_compute_the_full_call(case: tuple[Any, ...]) -> None:
     """The fourth call of a key replays through ``run``, the fifth launches directly;
     its output and LSE equal the full call's bit for bit (the same kernels, grid and
-    split count, so the same summation order)."""
+    split count, so the same summation order; prefill: the same kernels and grids)."""
     REPLAY.clear()
     first = _case(*case, seed=1)
     for _ in range(4):  # seen, recorded, recorded (a plan), replayed through run

@@ -1,7 +1,7 @@
 """The host (Python) time of an eager ``decode``/``decode_shadow`` call, on a CPU, as on
 an H200: dispatch as on sm90, Triton's own launch path (argument binding, cache key,
 the compiled kernel's runner), compiles replaced by a launcher that does nothing. Times
-the full call (no replay plan; prefill is never replayed), a replayed call through each
+the full call (no replay plan), a replayed call through each
 kernel's ``run``, and a replayed call with direct launches (``common.replay``), each the
 best of five rounds. What a GPU adds on top: the CUDA launches themselves. Run from the
 repository root::
@@ -146,9 +146,6 @@ def main() -> None:
             f()
 
         t_full = _best(full, max(args.calls // 4, 1))
-        if case[0] == "prefill":  # not replayed
-            print(f"{name:26s} {t_full:9.1f}")
-            continue
         replay.REPLAY.clear()
         replay._Plan.adopt = lambda self, compiled: None  # type: ignore[method-assign]
         t_run = _best(f, args.calls)
