@@ -201,21 +201,11 @@ def prefill(
     return REPLAY(key, inputs, call, keep=(quant, sparsity))
 
 
-def _prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    quant: AttentionQuant | None,
-    sparsity: NMSparsity | None,
-    return_lse: bool,
-    out: torch.Tensor | None,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _prefill(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T, softmax_scale: float,
+             causal: bool, quant: AttentionQuant | None, sparsity: NMSparsity | None,
+             return_lse: bool, out: _T | None, max_seqlen_q: int | None,
+             max_seqlen_k: int | None) -> _T | tuple[_T, _T]:  # fmt: skip
+    """``prefill``'s checks, dispatch and launches (its arguments as given)."""
     q = check_tensor(q, "q")
     device = q.device
     k = check_tensor(k, "k", device)
