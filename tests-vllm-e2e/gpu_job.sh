@@ -72,6 +72,9 @@ case "$stage" in
     ;;
   vbackends)
     versions
+    # tests-vllm-backends/README.md: offline, the backends this GPU machine runs
+    export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_HOME=${HF_HOME:-/tmp/hf-home}
+    export MLA_BACKENDS=${MLA_BACKENDS:-FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA,MLA_QUANT,MLA_QUANT_SHADOW}
     run_pytest vbackends -n "$N" --dist worksteal tests-vllm-backends "$@"
     ;;
   memcheck)
