@@ -22,8 +22,9 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 N=${N:-8}
 T=${T:-540}
-src=packages/mla-formats/src:packages/mla-reference/src:packages/mla-triton/src
-src=$src:packages/mla-report/src:packages/mla-vllm/src
+root=$(pwd)
+src=$root/packages/mla-formats/src:$root/packages/mla-reference/src:$root/packages/mla-triton/src
+src=$src:$root/packages/mla-report/src:$root/packages/mla-vllm/src
 export PYTHONPATH=$SITE:$src${PYTHONPATH:+:$PYTHONPATH}
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 # NVLink multicast stays off on multi-GPU machines (the device notes say why)
@@ -56,7 +57,7 @@ case "$stage" in
     ;;
   suites)
     versions
-    MLA_REQUIRE_GPU=1 run_pytest suites -n "$N" --dist worksteal $(gpu_suites) "$@"
+    MLA_REQUIRE_GPU=1 run_pytest suites -p no:benchmark -n "$N" --dist worksteal $(gpu_suites) "$@"
     ;;
   bench)
     op=${1:?bench OP: decode, shadow or prefill}

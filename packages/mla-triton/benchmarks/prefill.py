@@ -11,8 +11,7 @@ From the repository root, on a CUDA GPU (vLLM 0.33 importable for the anchor)::
 Per shape (``b<sequences>-h<heads>-L<tokens each>``, queries = keys, causal, one varlen
 batch; random bf16 q, k ``[T, H, 192]`` and v ``[T, H, 128]``) and recipe
 (``AttentionQuant.uniform(fmt)``, ``+N:M`` adding ``NMSparsity(N, M)``), each ``--impl``:
-``auto`` (the shipped dispatch), ``gluon-fp8mma`` (the Gluon kernel with
-``GluonPrefill.fp8_mma``, outside the dispatch), a forced implementation of
+``auto`` (the shipped dispatch), a forced implementation of
 ``mla_triton.tuning.IMPLS["prefill"]`` (``tuning.use``), ``fa3`` (recipe none, bf16);
 with ``--baseline DIR``, also ``baseline``: another tree's ``mla_triton.prefill`` (its
 auto dispatch) in the same process, to measure what a change costs.
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -56,18 +55,12 @@ from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
 
 import mla_reference
 import mla_triton
-from mla_formats import AttentionQuant
 from mla_triton import tuning
-from mla_triton.ops.prefill.core import Recipe
-from mla_triton.ops.prefill.gluon import auto_config
 
 OP = "prefill"
 SHAPES = "b4-h128-L4096,b1-h16-L16384,b16-h128-L1024"
 SMOKE_SHAPE = Shape(2, 4, 48)
-MODES = {"gluon-fp8mma": "fp8_mma"}
-"""Forced configs outside the dispatch, to time: the Gluon kernel with auto's tiling for
-the recipe and this ``GluonPrefill`` field on (``fp8_mma``: E4M3 tensor cores)."""
-OURS = ("auto", *tuning.IMPLS["prefill"], *MODES)
+OURS = ("auto", *tuning.IMPLS["prefill"])
 ANCHORS = ("fa3",)
 ANCHOR = "fa3"
 D_QK, D_V = 192, 128
@@ -115,9 +108,6 @@ def ours(x: PrefillInputs, recipe: str, impl: str, module: Any = mla_triton) -> 
         )  # fmt: skip
 
     def context() -> Any:
-        if impl in MODES:
-            tiles = auto_config(Recipe.of(quant or AttentionQuant()), sparsity is not None)
-            return tuning.use(replace(tiles, **{MODES[impl]: True}))
         return tuning.use(impl)
 
     return Case(recipe, impl, run, flops=x.flops, tokens=s.batch * s.seq,

@@ -63,15 +63,11 @@ from harness import (  # before mla_triton: --smoke sets TRITON_INTERPRET=1
 
 import mla_triton
 from mla_triton import tuning
-from mla_triton.ops.decode.gluon_ws import NVFP4_PACKED_PIPELINED_CONFIG
 
 OP = "shadow"
 SHAPES = "b128-h128-L8192,b128-h16-L8192,b8-h128-L32768,b32-h128-L32768"
 SMOKE_SHAPE = Shape(2, 16, 80, 16)
-MODES = {"gluon_ws-pipelined": NVFP4_PACKED_PIPELINED_CONFIG}
-"""Forced configs outside the dispatch, to time (the packed nvfp4 shadow's pipelined
-producer; other recipes and storages refuse it, and the row says so)."""
-OURS = ("auto", *tuning.IMPLS.get("shadow", tuning.IMPLS["decode"]), *MODES)
+OURS = ("auto", *tuning.IMPLS.get("shadow", tuning.IMPLS["decode"]))
 STORAGES = ("fp16", "packed")
 ANCHOR = "flashmla"
 TOL = 1e-2  # relative L2 error against the oracle (bf16 output)
@@ -118,7 +114,7 @@ def ours(
         )  # fmt: skip
 
     def context() -> Any:
-        return tuning.use(MODES.get(impl, impl))
+        return tuning.use(impl)
 
     return Case(f"{recipe}-{storage}", impl, run, view=lambda r: r[0], flops=x.flops,
                 nbytes=x.nbytes(token_bytes), tokens=s.batch,

@@ -46,7 +46,6 @@ from mla_triton.ops.decode.gluon_ws import (
     NVFP4_CONFIG,
     NVFP4_PACKED,
     NVFP4_PACKED_CONFIG,
-    NVFP4_PACKED_PIPELINED_CONFIG,
     NVFP4_SHADOW,
     NVFP4_TMA_CONFIG,
     VARIANTS,
@@ -65,12 +64,12 @@ chunked ones, ``[1:3]``: compiled by the GPU script's check; each compile is 3 t
 UNQ = GluonRecipe()
 COMPILE_CASES = [(cfg, UNQ) for cfg in COMPILED] + [
     (VARIANTS[0], FP8_SHADOW), (NVFP4_CONFIG, NVFP4_SHADOW), (NVFP4_TMA_CONFIG, NVFP4_SHADOW),
-    (NVFP4_PACKED_CONFIG, NVFP4_PACKED), (NVFP4_PACKED_PIPELINED_CONFIG, NVFP4_PACKED),
+    (NVFP4_PACKED_CONFIG, NVFP4_PACKED),
 ]  # fmt: skip
 """``(config, recipe)``: recipe none for every compiled variant, fp8 Q/K/P/V through the
 float16 shadow (V̂ = K̂) for the default (what ``decode_shadow`` forced to ``WsConfig()`` runs),
 nvfp4 Q/K/P/V (its V̂ section, ``V_SEP``) with ``NVFP4_CONFIG`` and ``NVFP4_TMA_CONFIG``,
-and the packed nvfp4 shadow with ``NVFP4_PACKED_CONFIG`` and its pipelined producer."""
+and the packed nvfp4 shadow with ``NVFP4_PACKED_CONFIG``."""
 
 
 def _recipe_id(recipe: GluonRecipe) -> str:
@@ -107,11 +106,10 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     E4M3. The nvfp4 shadow (32-token tiles, two slots): a V̂ ring beside the K̂ ring, its
     rows copied by the producer (``NVFP4_TMA_CONFIG``: K̂'s nine boxes and V̂'s eight, each
     on an expect-tx barrier of its own), P̂'s and the open V block's E4M3 block scales.
-    The packed shadow: no async copies (the producer loads code words into registers) or,
-    pipelined, ``cp.async`` of every unit's bytes (16-byte pieces of its codes) into the
-    staging buffers, at most one 4-byte word spilled (a thread index the worker's entry
-    computes for the producer, live across its ``setmaxnreg``; the registers it uses are
-    far below 104), shared memory within the limit."""
+    The packed shadow: ``cp.async`` of every 16-row unit's bytes (16-byte pieces of its
+    codes) into the staging buffers, at most one 4-byte word spilled (a thread index the
+    worker's entry computes for the producer, live across its ``setmaxnreg``; the
+    registers it uses are far below 104), shared memory within the limit."""
     assert not cfg.chunked
     c = compile_ws(cfg, num_splits=2, recipe=recipe)
     assert c.num_warps == 12  # the default partition and two workers of four warps
@@ -149,11 +147,9 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     elif cfg.tma:  # 8 kv_c boxes and k_pe's, the tile's bytes expected on one barrier
         assert len(boxes) == 9 and not cp_async
         assert expects == [str(9 * cfg.block_n * 64 * 2)], expects
-    elif recipe.packed and cfg.pipelined:  # each unit's bytes by cp.async, 16 bytes a piece
+    elif recipe.packed:  # each unit's bytes by cp.async, 16 bytes a piece
         assert cp_async and not boxes and not expects
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10,", c.ptx)
-    elif recipe.packed:  # the producer loads code words into registers: no async copies
-        assert not cp_async and not boxes and not expects
     else:
         assert cp_async and not boxes and not expects
     assert "mbarrier.try_wait" in c.ptx and "mbarrier.arrive" in c.ptx
@@ -163,10 +159,8 @@ def test_compiles_for_sm90a(cfg: WsConfig, recipe: GluonRecipe) -> None:
     assert "ttg.warp_specialize" in c.ttgir
     spilled = re.search(r"(\d+) bytes spill stores", c.ptxas_info)
     assert spilled is not None, c.ptxas_info
-    if recipe.packed and cfg.pipelined:  # one hoisted thread-index word (measured 4)
+    if recipe.packed:  # one hoisted thread-index word (measured 4)
         assert int(spilled.group(1)) <= 4, c.ptxas_info
-    elif recipe.packed:  # the decoding producer spills a little at 104 registers (measured 84)
-        assert int(spilled.group(1)) <= 256, c.ptxas_info
     else:
         assert "0 bytes spill stores, 0 bytes spill loads" in c.ptxas_info, c.ptxas_info
     assert "C7515" not in c.ptxas_info, c.ptxas_info
@@ -204,14 +198,7 @@ def test_config_checks() -> None:
     assert early.name == "ws-r232-p40-tile-tma-n32s2-es"
     assert ws.twin(early) == NVFP4_TMA_CONFIG  # then tma
     assert ws.twin(NVFP4_TMA_CONFIG) == NVFP4_CONFIG
-    # the pipelined packed producer: the same values as NVFP4_PACKED_CONFIG's, bit for bit
-    assert NVFP4_PACKED_PIPELINED_CONFIG.name == "ws-r200-p104-tile-n32s2-pipe"
-    assert ws.twin(NVFP4_PACKED_PIPELINED_CONFIG) == NVFP4_PACKED_CONFIG
-    assert not NVFP4_PACKED_CONFIG.pipelined and not WsConfig().pipelined
-    for bad in ({}, {"block_n": 32, "stages": 4}, {"block_n": 32, "stages": 2, "tma": True},
-                {"block_n": 32, "stages": 2, "chunked": True}):  # fmt: skip
-        with pytest.raises(ValueError, match=r"^config\.pipelined: .*block_n 32, stages 2"):
-            WsConfig(pipelined=True, **bad)
+    assert NVFP4_PACKED_CONFIG.name == "ws-r200-p104-tile-n32s2"
     assert WsConfig() == VARIANTS[0]  # the default: whole-tile barriers (fastest measured)
     assert (WsConfig().tma, WsConfig().block_n, WsConfig().stages) == (False, 64, 2)
     with pytest.raises(ValueError, match=r"^config\.block_n: expected 32 or 64, got 16"):
@@ -555,9 +542,7 @@ def test_packed_shadow_launch_arguments() -> None:
     (uint8 views of the shadow at the sections' offsets, one stride pair in bytes); every
     other argument as ``NVFP4_CONFIG``'s launch on the fp16 shadow. A config with TMA or
     chunked loads names ``config``; unforced, the dispatch runs it too (it is in
-    ``AUTO_GLUON_SHADOWS``), with ``PIPELINED`` off; ``NVFP4_PACKED_PIPELINED_CONFIG``
-    launches the very same arguments with ``PIPELINED`` on, and names ``config`` on the
-    fp16 shadow and in ``decode``."""
+    ``AUTO_GLUON_SHADOWS``)."""
     from mla_triton import allocate_shadow, shadow_layout
 
     q, cache, table, seq = _cpu_case(128)
@@ -576,7 +561,6 @@ def test_packed_shadow_launch_arguments() -> None:
     ]  # fmt: skip
     args = launched[1][1]
     assert args["PACKED"] and args["V_SEP"] and not args["TMA"] and args["kv_desc"] is None
-    assert not args["PIPELINED"]
     assert (args["MATH_REGS"], args["PRODUCER_REGS"]) == (
         NVFP4_PACKED_CONFIG.math_regs, NVFP4_PACKED_CONFIG.producer_regs,
     )  # fmt: skip
@@ -591,15 +575,6 @@ def test_packed_shadow_launch_arguments() -> None:
         call(packed, "packed", config=NVFP4_PACKED_CONFIG))] == [
         (n, _plain(a), g) for n, a, g in launched
     ]  # fmt: skip
-    piped = _launched(call(packed, "packed", config=NVFP4_PACKED_PIPELINED_CONFIG))
-    assert [n for n, _, _ in piped] == [n for n, _, _ in launched]
-    assert _plain(piped[1][1]) == _plain(args) | {"PIPELINED": True}
-    assert not _launched(call(fp16, "fp16", config=NVFP4_CONFIG))[1][1]["PIPELINED"]
-    for refused in (call(fp16, "fp16", config=NVFP4_PACKED_PIPELINED_CONFIG),
-                    lambda: decode(q, cache, table, seq, softmax_scale=SCALE,
-                                   config=NVFP4_PACKED_PIPELINED_CONFIG)):  # fmt: skip
-        with pytest.raises(ValueError, match=r"^config: pipelined is the packed shadow's"):
-            refused()
     ref = _launched(call(fp16, "fp16", config=NVFP4_CONFIG))[1][1]
     differ = {"PACKED", "MATH_REGS", "PRODUCER_REGS", "split"}
     assert {k: v for k, v in _plain(ref).items() if k not in differ} == {

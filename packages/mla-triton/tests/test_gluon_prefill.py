@@ -87,12 +87,6 @@ VARIANTS = [
     (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
         128, 64, 3, True, early_k=True, q_in_kernel=True), True, True,
      {"p_fmt": 2, "q_fmt": 2} | NM24),
-    # fp8 on FP8 tensor cores (fp8_mma: E4M3 codes of Q, K, P and V transposed), both
-    # tilings it takes: AUTO fp8's (its q_in_kernel has no effect there), and the
-    # ping-pong 128 x 64 x 3 without turns, dynamic K, not causal, without LSE
-    (torch.bfloat16, 192, 128, replace(AUTO["fp8"], fp8_mma=True), True, True, FP8),
-    (torch.bfloat16, 192, 128, gp.GluonPrefillConfig(
-        128, 64, 3, True, True, turns=False, fp8_mma=True), False, False, FP8),
 ]  # fmt: skip
 Q_IN_KERNEL = {15: 4, 16: 5, 17: 7, 18: 12}  # variant: its twin with Q's pass (fp16 Q)
 
@@ -128,7 +122,6 @@ def compile_stats() -> list[dict[str, Any]]:
             "fences": ptx.count("fence.proxy.async.shared::cta"),
             "setmaxnreg": "setmaxnreg" in ptx, "num_warps": kernel.metadata.num_warps,
             "mbarrier_init": ptx.count("mbarrier.init"),
-            "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
         } | _resources(kernel.asm["cubin"]))  # fmt: skip
     return stats
 
@@ -151,11 +144,9 @@ def test_every_variant_compiles_for_sm90a() -> None:
         variant = (dim, config, lse, quant)
         assert got["sm_90a"] and got["tma"] and got["mbarrier"], variant
         # wgmma: Q K^T over Dqk / 16 k-steps and P V over block_n / 16, per warpgroup
-        # (ping-pong: two consumer code paths); fp8_mma: E4M3 wgmma alone, 32-wide k-steps
-        k_step = 32 if config.fp8_mma else 16
-        steps = dim // k_step + config.block_n // k_step
+        # (ping-pong: two consumer code paths)
+        steps = dim // 16 + config.block_n // 16
         assert got["wgmma"] >= steps * (1 + config.pingpong), variant
-        assert got["wgmma_e4m3"] == (got["wgmma"] if config.fp8_mma else 0), variant
         assert 0 < got["shared"] <= SMEM_LIMIT, variant
         assert got["lse_store"] == lse, variant  # LSE stores only if asked
         # P's QDQ: fp8 codes, or the nvfp4 block scales (E4M3 too)
@@ -221,7 +212,6 @@ def test_every_recipe_and_the_deepseek_shapes_are_covered() -> None:
         ("early_k", 1),
         ("nm_pairs", 1),
         ("nm_nan_rank", "no"),
-        ("fp8_mma", 1),
     ],
 )
 def test_config_rejects(field: str, value: object) -> None:
@@ -250,22 +240,6 @@ def test_schedule_options_need_their_schedule(kwargs: dict[str, Any], message: s
     with a producer partition (the one that waits for the K releases)."""
     with pytest.raises(ValueError, match=message):
         gp.GluonPrefillConfig(**kwargs)
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [{}, {"block_m": 64, "block_n": 64}, {"warp_specialize": True},
-     {"warp_specialize": True, "pingpong": True, "num_stages": 2}],
-    ids=["default", "64x64", "ws", "pp64x2"],
-)  # fmt: skip
-def test_fp8_mma_takes_the_pingpong_tilings(kwargs: dict[str, Any]) -> None:
-    """``fp8_mma`` compiles (and is offered) on ``FP8_MMA_TILINGS`` alone."""
-    with pytest.raises(ValueError, match=r"^config\.fp8_mma: needs one of the tilings"):
-        gp.GluonPrefillConfig(**kwargs, fp8_mma=True)
-    for tiling in gp.FP8_MMA_TILINGS:
-        bm, bn, stages, ws, pp = tiling
-        assert gp.GluonPrefillConfig(bm, bn, stages, ws, pp, fp8_mma=True).tiling == tiling
-    assert not any(config.fp8_mma for config in AUTO.values())  # never the dispatch's
 
 
 def test_pingpong_warps_and_q_block() -> None:
@@ -357,25 +331,6 @@ def as_sm90(monkeypatch: pytest.MonkeyPatch, capture: _Capture) -> None:
     monkeypatch.setattr(dev, "hw_fp8", lambda device: False)
 
 
-def _fp8_case(
-    k_amax: Literal["dynamic"] | float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionQuant]:
-    """Two sequences (3 and 18 tokens, 2 query heads on 1 KV head) and an fp8 recipe:
-    dynamic Q, K ``k_amax``, static P and V."""
-    from mla_formats import OperandQuant
-
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(21, 2, 192, generator=gen).to(dtype)
-    k = torch.randn(21, 1, 192, generator=gen).to(dtype)
-    v = torch.randn(21, 1, 128, generator=gen).to(dtype)
-    cu = torch.tensor([0, 3, 21], dtype=torch.int32)
-    quant = AttentionQuant(
-        q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
-        v=OperandQuant("fp8", 3.0),
-    )  # fmt: skip
-    return q, k, v, cu, quant
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the K/V pass on CPU")
 @pytest.mark.parametrize("k_amax", ["dynamic", 896.0])
 def test_launch_passes_factored_operands_and_scales(
@@ -384,12 +339,20 @@ def test_launch_passes_factored_operands_and_scales(
     """fp8 (dynamic Q, K dynamic or static, static P and V) with Q's pass (``q_in_kernel``
     off; ``test_q_in_kernel_launches_raw_q`` has it on): the kernel gets Q, K and V
     factored by the pass, the dynamic per-token scales, the static ones folded in."""
-    from mla_formats import qdq_factored
+    from mla_formats import OperandQuant, qdq_factored
 
     capture = _Capture()
     as_sm90(monkeypatch, capture)
+    gen = torch.Generator().manual_seed(0)
     lens = [3, 18]
-    q, k, v, cu, quant = _fp8_case(k_amax, torch.float16)
+    q = torch.randn(21, 2, 192, generator=gen).half()
+    k = torch.randn(21, 1, 192, generator=gen).half()
+    v = torch.randn(21, 1, 128, generator=gen).half()
+    cu = torch.tensor([0, 3, 21], dtype=torch.int32)
+    quant = AttentionQuant(
+        q="fp8", k=OperandQuant("fp8", k_amax), p=OperandQuant("fp8", 2.0),
+        v=OperandQuant("fp8", 3.0),
+    )  # fmt: skip
     # auto's tiling for P fp8 with Q's pass (sm90 patched in above)
     config = replace(gp.AUTO_CONFIGS["fp8"], q_in_kernel=False)
     prefill(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, quant=quant,
@@ -512,121 +475,3 @@ def test_q_in_kernel_launches_raw_q(
                                   Recipe.of(quant)) == auto_in_kernel  # fmt: skip
         assert capture.kwargs["Q_FMT"] == (code if auto_in_kernel else 0), fmt
         assert (capture.args[0].base is q) == auto_in_kernel, fmt
-
-
-FP8_MMA = replace(AUTO["fp8"], fp8_mma=True)
-
-
-@pytest.mark.parametrize(
-    "quant",
-    [None, AttentionQuant.uniform("nvfp4"), AttentionQuant(q="fp8", k="fp8", p="fp8"),
-     AttentionQuant(q="fp8", k="fp8", p="nvfp4", v="fp8"),
-     AttentionQuant(k="fp8", p="fp8", v="fp8")],
-    ids=["none", "nvfp4", "v-none", "p-nvfp4", "q-none"],
-)  # fmt: skip
-def test_fp8_mma_refuses_other_recipes_before_any_launch(
-    monkeypatch: pytest.MonkeyPatch, quant: AttentionQuant | None
-) -> None:
-    """``fp8_mma`` with a recipe whose Q, K, P and V are not all fp8: a ValueError naming
-    ``config`` before any pass or kernel runs (the passes would write E4M3 codes)."""
-    capture = _Capture()
-    as_sm90(monkeypatch, capture)
-    ran: list[str] = []
-    monkeypatch.setattr(gp, "quantize_kv", lambda *a, **k: ran.append("pass"))
-    monkeypatch.setattr(gp, "quantize_kv_codes", lambda *a, **k: ran.append("codes"))
-    q = torch.randn(5, 2, 192).half()
-    k = torch.randn(5, 1, 192).half()
-    v = torch.randn(5, 1, 128).half()
-    cu = torch.tensor([0, 5], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"^config: fp8_mma needs a recipe whose Q, K, P"):
-        prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=quant, config=FP8_MMA)
-    assert capture.grid is None and not ran
-    with pytest.raises(ValueError, match=r"^config: fp8_mma runs without N:M sparsity"):
-        prefill(q, k, v, cu, cu, softmax_scale=0.1, quant=AttentionQuant.uniform("fp8"),
-                sparsity=NMSparsity(2, 4), config=FP8_MMA)  # fmt: skip
-    assert capture.grid is None and not ran
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the passes on CPU")
-@pytest.mark.parametrize("k_amax", ["dynamic", 896.0])
-def test_fp8_mma_launches_e4m3_codes(
-    monkeypatch: pytest.MonkeyPatch, k_amax: Literal["dynamic"] | float
-) -> None:
-    """``fp8_mma`` (forced through ``mla_triton.tuning``): the kernel gets Q's and K's
-    E4M3 codes and V's transposed ``[Hkv * Dv, Tk_padded]`` (``quantize_kv_codes``), codes
-    times scales equal to ``mla_formats``' QDQ; the scales and switches as the exact
-    mode's, Q's QDQ in the pass whatever ``q_in_kernel`` says."""
-    from mla_formats import qdq_factored
-
-    capture = _Capture()
-    as_sm90(monkeypatch, capture)
-    q, k, v, cu, quant = _fp8_case(k_amax, torch.bfloat16)
-    assert FP8_MMA.q_in_kernel
-    prefill(q, k, v, cu, cu, softmax_scale=0.1, causal=True, return_lse=True, quant=quant,
-            max_seqlen_q=18, max_seqlen_k=18, config=FP8_MMA)  # fmt: skip
-    q_desc, k_desc, v_desc, _, _, qs, ks = capture.args[:7]
-    q_ref, q_gs = qdq_factored(q, quant.q)
-    k_ref, k_gs = qdq_factored(k, quant.k)
-    v_ref, v_gs = qdq_factored(v, quant.v, axis=0)
-    f8 = torch.float8_e4m3fn
-    assert q_desc.base.dtype == k_desc.base.dtype == v_desc.base.dtype == f8
-    torch.testing.assert_close(q_desc.base.float(), q_ref, atol=0, rtol=0)
-    torch.testing.assert_close(k_desc.base.float(), k_ref, atol=0, rtol=0)
-    assert list(v_desc.base.shape) == [128, 32] and list(v_desc.block_shape) == [128, 128]
-    vt = v_desc.base.view(1, 128, 32)[:, :, :21].permute(2, 0, 1)
-    torch.testing.assert_close(vt.float(), v_ref, atol=0, rtol=0)
-    torch.testing.assert_close(qs, q_gs[..., 0], atol=0, rtol=0)
-    dynamic = k_amax == "dynamic"
-    if dynamic:
-        torch.testing.assert_close(ks, k_gs[..., 0], atol=0, rtol=0)
-    qk_scale, p_gs, p_inv_gs, out_scale = capture.args[11:15]
-    assert qk_scale == pytest.approx(0.1 * LOG2E * (1.0 if dynamic else 2.0))
-    assert p_gs == pytest.approx(2.0 / 448.0) and p_inv_gs == pytest.approx(224.0)
-    assert out_scale == pytest.approx(2.0 / 448.0 * float(v_gs.flatten()[0]))
-    assert capture.args[22] == 128  # V's rows per KV head in the transposed view
-    assert capture.kwargs["Q_FMT"] == 0 and capture.kwargs["Q_DYNAMIC"]
-    assert capture.kwargs["K_DYNAMIC"] == dynamic and capture.kwargs["P_FMT"] == 1
-    assert capture.grid == (1, 2, 2)
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the pass on CPU")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter
-def test_quantize_kv_codes_are_e4m3_of_the_factored_values() -> None:
-    """``quantize_kv_codes`` (its codes made by integer arithmetic, the interpreter's fp8
-    casts being wrong): the bytes of torch's E4M3 conversion of ``quantize_kv``'s factored
-    values, so code times scale is ``mla_formats``' QDQ, for normal, subnormal, saturated,
-    zero and non-finite elements (NaN: 0x7F, its row NaN under a dynamic amax); V
-    transposed, the token axis padded to 16."""
-    from mla_formats import OperandQuant, qdq_factored
-    from mla_triton.ops.prefill.core import quantize_kv, quantize_kv_codes
-
-    gen = torch.Generator().manual_seed(1)
-    k = (torch.randn(40, 2, 192, generator=gen) * 3).half()
-    v = (torch.randn(40, 2, 128, generator=gen) * 2).half()
-    k[3, 0, :5] = torch.tensor([1e-5, -3e-3, 0.0, 6e4, -6e4]).half()
-    v[4, 1, :5] = torch.tensor([2e-4, -1e-6, 0.0, 6e4, -7e-3]).half()
-    k[6, 1, 7] = float("inf")
-    v[8, 0, 9] = float("nan")
-    cu = torch.tensor([0, 13, 13, 40], dtype=torch.int32)
-    for quant in (
-        AttentionQuant.uniform("fp8"),
-        AttentionQuant(k=OperandQuant("fp8", "dynamic"), p="fp8", v=OperandQuant("fp8", 5.0)),
-    ):
-        k_codes, vt, ks = quantize_kv_codes(k, v, cu, quant, max_seqlen_k=27)
-        k_hat, v_hat, ks_hat = quantize_kv(k, v, cu, quant, max_seqlen_k=27)
-        assert vt is not None and tuple(vt.shape) == (2, 128, 48)
-        v_codes = vt[:, :, :40].permute(2, 0, 1)
-        for codes, hat, x, axis, op in ((k_codes, k_hat, k, -1, quant.k),
-                                        (v_codes, v_hat, v, 0, quant.v)):  # fmt: skip
-            want = hat.float().to(torch.float8_e4m3fn).view(torch.uint8)
-            nan = hat.isnan()
-            assert torch.equal(codes.view(torch.uint8)[~nan], want[~nan])
-            assert (codes.view(torch.uint8)[nan] == 0x7F).all() and nan.any()
-            ref, _ = qdq_factored(x, op, axis=axis)
-            torch.testing.assert_close(codes.float(), ref, atol=0, rtol=0, equal_nan=True)
-        torch.testing.assert_close(ks, ks_hat, atol=0, rtol=0, equal_nan=True)
-    # K alone (Q's pass): the codes of the K path above
-    unit = AttentionQuant.uniform("fp8")
-    q_codes, none, _ = quantize_kv_codes(k, None, cu, AttentionQuant(k="fp8"), max_seqlen_k=27)
-    k_codes = quantize_kv_codes(k, v, cu, unit, max_seqlen_k=27)[0]
-    assert none is None and torch.equal(q_codes.view(torch.uint8), k_codes.view(torch.uint8))

@@ -23,8 +23,7 @@ through the Gluon kernels against the Triton shadow kernel and on-read decode wi
 same split count (``_agree``'s bounds: the quantized operands are the same bits, the
 summation order differs), and against
 ``mla_reference.decode`` (float64, CPU) with test_decode_gpu's bounds, after each step.
-The packed shadow's pipelined producer (a forced ``WsConfig``) equals, bit for bit, the
-packed shadow's default producer and the fp16 storage of the same cache.
+The packed nvfp4 shadow's decode equals, bit for bit, the fp16 storage of the same cache.
 """
 
 from __future__ import annotations
@@ -262,19 +261,15 @@ def test_gluon_shadow_bf16(case: str, impl: str, heads: int) -> None:
 
 @pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm90 CUDA GPU")
 @pytest.mark.parametrize("heads", [16, 128])
-def test_packed_pipelined_bf16(heads: int) -> None:
-    """The packed shadow's pipelined producer (``gluon_ws.NVFP4_PACKED_PIPELINED_CONFIG``,
-    forced): each step and split count (1, 4, the default), bit for bit the packed shadow
-    through ``NVFP4_PACKED_CONFIG`` (the same values, tiles and order) and the ``fp16``
-    shadow of the same cache through ``NVFP4_CONFIG``; against the float64 oracle at the
+def test_packed_equals_fp16_storage_bf16(heads: int) -> None:
+    """The packed nvfp4 shadow as dispatched (``gluon_ws.NVFP4_PACKED_CONFIG``, its
+    producer decoding 16-row units staged ahead by ``cp.async``): each step and split count
+    (1, 4, the default), bit for bit the ``fp16`` shadow of the same cache through
+    ``NVFP4_CONFIG`` (the same values, tiles and order); against the float64 oracle at the
     default count."""
     from test_decode_gpu import check
 
-    from mla_triton.ops.decode.gluon_ws import (
-        NVFP4_CONFIG,
-        NVFP4_PACKED_CONFIG,
-        NVFP4_PACKED_PIPELINED_CONFIG,
-    )
+    from mla_triton.ops.decode.gluon_ws import NVFP4_CONFIG
 
     pool = _pool("nvfp4-packed")
     twin = Pool(NVFP4, "fp16", page=pool.page, max_len=max(LENS), batch=len(LENS), seed=11,
@@ -291,16 +286,13 @@ def test_packed_pipelined_bf16(heads: int) -> None:
         for splits in sorted({1, 4, default}):
             kw: dict[str, Any] = {"softmax_scale": SCALE, "quant": NVFP4, "num_splits": splits}
             args = (q, pool.cache, pool.shadow, pool.table, seq)
-            got = decode_shadow(*args, storage="packed", config=NVFP4_PACKED_PIPELINED_CONFIG,
-                                **kw)  # fmt: skip
-            old = decode_shadow(*args, storage="packed", config=NVFP4_PACKED_CONFIG, **kw)
+            got = decode_shadow(*args, storage="packed", **kw)
             f16 = decode_shadow(q, twin.cache, twin.shadow, twin.table, seq, storage="fp16",
                                 config=NVFP4_CONFIG, **kw)  # fmt: skip
-            label = f"pipelined h{heads} step {step}, {splits} splits"
-            for name, want in (("packed", old), ("fp16 storage", f16)):
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (
-                    f"{label}: not bit for bit the {name}"
-                )
+            label = f"packed h{heads} step {step}, {splits} splits"
+            assert torch.equal(got[0], f16[0]) and torch.equal(got[1], f16[1]), (
+                f"{label}: not bit for bit the fp16 storage"
+            )
             if splits == default:
                 ref = mla_reference.decode(
                     q.cpu(), pool.cache.cpu(), pool.table.cpu(), seq.cpu(), softmax_scale=SCALE,

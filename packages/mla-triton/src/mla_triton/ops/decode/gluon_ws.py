@@ -36,7 +36,6 @@ __all__ = [
     "NVFP4_CONFIG",
     "NVFP4_PACKED",
     "NVFP4_PACKED_CONFIG",
-    "NVFP4_PACKED_PIPELINED_CONFIG",
     "NVFP4_SHADOW",
     "NVFP4_TMA_CONFIG",
     "VARIANTS",
@@ -82,14 +81,6 @@ class WsConfig:
             for bit. Else (the default) ``P_{t-1} V_{t-1}`` is issued first.
         stages: ring slots, 2 (default) or, with 32-token tiles, 4 (the same 144 KiB:
             three tiles can be landing while one is computed on, against one of two).
-        pipelined: the packed nvfp4 shadow's producer keeps its global loads in flight
-            ahead of its decode (``gluon_ws_kernels._producer_packed_pipelined``: 16-row
-            units, each one round trip of ``cp.async`` into a staging buffer two units
-            ahead, the block-table entries a tile ahead), else (the default) it loads each
-            tile's bytes in dependent round trips as it decodes them
-            (``_producer_packed``); the same values, so the same outputs bit for bit.
-            Only with the packed storage (``decode_shadow`` refuses it elsewhere, naming
-            ``config``) and its ring: 32-token tiles, two slots, ``cp.async`` whole tiles.
     """
 
     math_regs: int = 232
@@ -97,7 +88,6 @@ class WsConfig:
     chunked: bool = False
     tma: bool = False
     block_n: int = 64
-    pipelined: bool = False
     stages: int = 2
     early_s: bool = False
 
@@ -113,20 +103,15 @@ class WsConfig:
                 f"config.stages: expected 2 (or 4 with block_n 32: the ring is 144 KiB at "
                 f"most), got {self.stages} with block_n {self.block_n}"
             )
-        if self.pipelined and ((self.block_n, self.stages) != (32, 2) or self.tma or self.chunked):
-            raise ValueError(
-                f"config.pipelined: the packed shadow's producer fills whole tiles of the "
-                f"ring of block_n 32, stages 2 (no TMA, not chunked), got {self.name}"
-            )
 
     @property
     def name(self) -> str:
         """A short label: ``ws-r232-p40`` (``-tile`` when not chunked, ``-tma`` with TMA
         loads, ``-n32s4`` for tiles and slots other than 64 and 2, ``-es`` with
-        ``early_s``, ``-pipe`` with ``pipelined``)."""
+        ``early_s``)."""
         ring = "" if (self.block_n, self.stages) == (64, 2) else f"-n{self.block_n}s{self.stages}"
         loads = ("" if self.chunked else "-tile") + ("-tma" if self.tma else "")
-        flags = ("-es" if self.early_s else "") + ("-pipe" if self.pipelined else "")
+        flags = "-es" if self.early_s else ""
         return f"ws-r{self.math_regs}-p{self.producer_regs}{loads}{ring}{flags}"
 
 
@@ -147,10 +132,8 @@ early, and with the 4-slot ring of 32-token tiles (compiled for sm_90a, not yet 
 
 def twin(config: WsConfig) -> WsConfig | None:
     """The configuration ``config``'s outputs equal bit for bit with one feature fewer
-    (the same tiles in the same order): without ``pipelined``, else without ``early_s``,
-    else without ``tma``; None for none of them."""
-    if config.pipelined:
-        return replace(config, pipelined=False)
+    (the same tiles in the same order): without ``early_s``, else without ``tma``; None
+    for neither."""
     if config.early_s:
         return replace(config, early_s=False)
     return replace(config, tma=False) if config.tma else None
@@ -183,7 +166,7 @@ class WsFamily(OnRead):
         return {"MATH_REGS": c.math_regs, "PRODUCER_REGS": c.producer_regs, "CHUNKED": c.chunked,
                 "STAGES": c.stages, "TMA": desc is not None, "kv_desc": desc,
                 "EARLY_S": c.early_s, "p_hat_scales": None, "v_tail_scales": None,
-                "V_SEP": False, "PACKED": False, "PIPELINED": False}  # fmt: skip
+                "V_SEP": False, "PACKED": False}  # fmt: skip
 
 
 class WsShadowFamily(WsFamily):
@@ -218,8 +201,7 @@ class WsShadowFamily(WsFamily):
             extra |= {"V_SEP": True, "v_tail_scales": scales(vo.gs)}
         args = super().extra_args(self.tiles, cfg, ops) | extra
         if self.packed:  # the producer decodes the packed bytes (config: no TMA)
-            args |= {"PACKED": True, "TMA": False, "kv_desc": None,
-                     "PIPELINED": self.config.pipelined}  # fmt: skip
+            args |= {"PACKED": True, "TMA": False, "kv_desc": None}
         elif self.sections is not None and args["TMA"]:  # the V̂ section's descriptor too
             v_desc = tma_descriptor(self.sections[0][1], self.config.block_n)
             args["kv_desc"] = None if v_desc is None else (args["kv_desc"], v_desc)
@@ -291,16 +273,11 @@ scales, decoded by the producer into the same float16 tiles): ``compile_ws(recip
 NVFP4_PACKED_CONFIG = WsConfig(block_n=32, stages=2, math_regs=200, producer_regs=104)
 """The configuration the packed nvfp4 shadow runs with (``ws-r200-p104-tile-n32s2``:
 ``NVFP4_CONFIG``'s ring, registers moved from the math warpgroups to the decoding
-producer: the fastest of 208/88, 216/72 and 200/104 on an H200). Its
-reference: ``NVFP4_CONFIG`` on the ``fp16`` shadow of the same cache (the same tiles, the
-same bits). Latency-bound: 4.5 ms at b128 h128 L8192 against the fp16 shadow's 0.92
-(docs/design/decode.md, "The packed shadow")."""
-
-NVFP4_PACKED_PIPELINED_CONFIG = replace(NVFP4_PACKED_CONFIG, pipelined=True)
-"""``NVFP4_PACKED_CONFIG`` with the pipelined producer (``ws-r200-p104-tile-n32s2-pipe``:
-each 16-row unit's packed bytes one ``cp.async`` round trip, issued two units ahead of
-its decode); compiled for sm_90a (no spills), not yet timed, not a default: a forced
-config (``tuning``). ``twin``: ``NVFP4_PACKED_CONFIG``, the same outputs bit for bit."""
+producer). The producer keeps each tile's packed bytes in flight ahead of their decode
+(``gluon_ws_kernels._producer_packed``: 16-row units, each one ``cp.async`` round trip
+into a staging buffer two units ahead, the block-table entries a tile ahead). Its
+reference: ``NVFP4_CONFIG`` on the ``fp16`` shadow of the same cache (the same tiles,
+the same bits). docs/design/shadow.md, "The packed storage, and its bound"."""
 
 
 def ws_shadow_kind(taken: GluonRecipe | str) -> GluonRecipe | str:
@@ -378,11 +355,6 @@ def ws_shadow_config_family(
             f"config: a packed shadow is decoded by the producer into whole tiles (no TMA, "
             f"not chunked), got {config.name}"
         )
-    if config.pipelined and not kind.packed:
-        raise ValueError(
-            f"config: pipelined is the packed shadow's producer (storage 'packed'), got "
-            f"{config.name}"
-        )
     if kind.v_sep and sections is None:
         raise ValueError("quant: a V̂ section's recipe, but the shadow has no V̂ section")
     why = gd.gluon_taken(facts, recipe=lambda _: kind, stride_align=8)
@@ -411,11 +383,6 @@ def ws_config_family(config: WsConfig, facts: gd.GluonFacts, impl: str) -> WsFam
     taken = _recipe_none(facts.quant)
     if isinstance(taken, str):
         raise ValueError(f"quant: {taken}")
-    if config.pipelined:
-        raise ValueError(
-            f"config: pipelined is the packed shadow's producer (decode_shadow, storage "
-            f"'packed'), got {config.name}"
-        )
     why = gd.gluon_taken(facts, recipe=_recipe_none)
     if isinstance(why, gd.Unsupported):
         raise ValueError(f"impl: the warp-specialized Gluon decode does not take this call: "
@@ -486,8 +453,6 @@ def compile_ws(
     """
     if recipe != gd.UNQUANTIZED and isinstance(why := ws_shadow_kind(recipe), str):
         raise ValueError(f"recipe: {why}")
-    if config.pipelined and not recipe.packed:
-        raise ValueError(f"config: pipelined needs the packed recipe, got {config.name}")
     fn = k.gluon_decode_ws_kernel
     div, ptr = gd.SIG_DIV, gd.sig_ptr
     tile = "fp16" if recipe.shadow_f16 else dtype  # q (q̂) and the K tiles: one type
@@ -520,6 +485,6 @@ def compile_ws(
         "MATH_REGS": config.math_regs, "CHUNKED": config.chunked, "STAGES": config.stages,
         "TMA": tma, "EARLY_S": config.early_s, "Q_SCALED": recipe.q_scaled,
         "K_FMT": recipe.k_fmt, "P_FMT": recipe.p_fmt, "V_SEP": recipe.v_sep,
-        "PACKED": recipe.packed, "PIPELINED": config.pipelined,
+        "PACKED": recipe.packed,
     }  # fmt: skip
     return gd.compile_split_sm90(fn, split, scalars, constexprs, k.NUM_WARPS)

@@ -155,34 +155,7 @@ def _producer(
 
 
 # the packed nvfp4 shadow (``PACKED``): 32-bit words of eight E2M1 codes (element ``8 w + k``
-# in bits ``4k..4k+3`` of word ``w``), decoded in chunks of 16 words (128 features) a row:
-# a word a thread, whose eight float16 values it stores as one 16-byte piece of the tile
-_PK: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 16, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
-_PK_ROPE: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
-_PKW: gl.constexpr = gl.constexpr(16)  # words a chunk of the 512 features (8 for the rope)
-
-
-@gluon.jit
-def _pk_rows(x, layout: gl.constexpr):
-    """A per-row ``[N]`` tensor in the row layout of the ``[N, words]`` tensors of ``layout``."""
-    return gl.convert_layout(x, gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-
-
-@gluon.jit
-def _pk_offs(NW: gl.constexpr, layout: gl.constexpr):
-    """Word indices ``[0, NW)`` along dim 1 of the ``[N, NW]`` tensors of ``layout``."""
-    return gl.arange(0, NW, gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-
-
-@gluon.jit
-def _pk_words(ptr, rows, valid, w0, NW: gl.constexpr, layout: gl.constexpr):
-    """Code words ``[w0, w0 + NW)`` (int32 ``[N, NW]``) of the rows at byte ``rows``
-    (int64 ``[N]``) of ``ptr`` (uint8); zeros where not ``valid``."""
-    offs_w = w0 + _pk_offs(NW, layout)
-    wptr = (ptr + _pk_rows(rows, layout)[:, None] + offs_w[None, :] * 4).to(
-        gl.pointer_type(gl.int32)
-    )
-    return gl.load(wptr, mask=_pk_rows(valid, layout)[:, None], other=0)
+# in bits ``4k..4k+3`` of word ``w``) and E4M3 block scales
 
 
 @gluon.jit
@@ -194,125 +167,11 @@ def _e2m1_f16(nib):
     return bits.to(gl.uint16).to(gl.float16, bitcast=True)
 
 
-@gluon.jit
-def _pk_values(words, scales, layout: gl.constexpr):
-    """``[N, 8 NW]`` float16 factored values of code ``words [N, NW]`` times their E4M3
-    block scales (``scales``: uint8 ``[N, NW, 1]`` or ``[N, NW, 8]``, a scale a word or a
-    code), exact in float16."""
-    N: gl.constexpr = words.shape[0]
-    NW: gl.constexpr = words.shape[1]
-    shift = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, layout))) * 4
-    nib = (gl.expand_dims(words, 2) >> shift[None, None, :]) & 15
-    scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    return gl.reshape(_e2m1_f16(nib) * scale, [N, NW * 8])
-
-
-@gluon.jit
-def _pk_k_chunk(dst, words, ptr, rows, valid, w0, SCALES: gl.constexpr, layout: gl.constexpr):
-    """Store K̂ code words ``[w0, w0 + NW)`` decoded into ``dst [N, 8 NW]``: K's E4M3 block
-    scales (one a 16 features: a word pair) start at byte ``SCALES`` of the rows."""
-    NW: gl.constexpr = words.shape[1]
-    offs_w = w0 + _pk_offs(NW, layout)
-    sptr = ptr + _pk_rows(rows, layout)[:, None] + SCALES + offs_w[None, :] // 2
-    sc = gl.load(sptr, mask=_pk_rows(valid, layout)[:, None], other=0)
-    dst.store(_pk_values(words, gl.expand_dims(sc, 2), layout))
-
-
-@gluon.jit
-def _pk_v_chunk(dst, words, ptr, block, stride_row, valid, w0, SCALES: gl.constexpr):
-    """Store V̂ code words ``[w0, w0 + NW)`` decoded into ``dst``: V's block scales are the
-    16-token block's (``block``: byte of its first row), row ``r`` of it holding those of
-    features ``32 r`` onwards from byte ``SCALES``: a code of word ``w`` at row ``w // 4``,
-    byte ``8 (w % 4) + k``."""
-    NW: gl.constexpr = words.shape[1]
-    offs_w = w0 + _pk_offs(NW, _PK)
-    # a word's eight scales: two int32 words of row w // 4 (bytes 8 (w % 4) onwards)
-    srow = (offs_w // 4).to(gl.int64)[None, :] * stride_row + SCALES + 8 * (offs_w % 4)[None, :]
-    sptr = (ptr + _pk_rows(block, _PK)[:, None] + srow).to(gl.pointer_type(gl.int32))
-    keep = _pk_rows(valid, _PK)[:, None]
-    lo = gl.expand_dims(gl.load(sptr, mask=keep, other=0), 2)
-    hi = gl.expand_dims(gl.load(sptr + 1, mask=keep, other=0), 2)
-    offs_k = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, _PK)))[None, None, :]
-    sc = (gl.where(offs_k < 4, lo, hi) >> ((offs_k % 4) * 8)) & 255
-    dst.store(_pk_values(words, sc.to(gl.uint8), _PK))
-
-
-@gluon.jit
-def _producer_packed(
-    kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, k_ptr, v_ptr, bt_row, lo, hi,
-    v_hi, n_tiles, stride_bt_p, stride_page, stride_row, num_blocks, PAGE: gl.constexpr,
-):  # fmt: skip
-    """``_producer`` for the packed nvfp4 shadow (``PACKED``; ``k_ptr``, ``v_ptr``: its K̂
-    and V̂ sections, uint8, one (page, row) stride pair in bytes): for each tile, the code
-    words of its rows are loaded first (their latency under the wait for the slot), then
-    decoded to the factored float16 values the MMAs read (``_pk_values``: exact, the
-    ``fp16`` storage's values), 128 features at a time, into the slot's K̂ tile (latent and
-    rope; rows at or past ``hi`` zero) and V̂ tile (rows at or past ``v_hi``, the open
-    block's, zero: the tile's math warpgroup quantizes it from the raw rows); K̂ arrives on
-    the slot's first barrier, V̂ on its second. At the end ``bad_smem`` and ``done``, as
-    ``_producer``."""
-    ST: gl.constexpr = kv_ring.shape[0]
-    N: gl.constexpr = kv_ring.shape[1]
-    D1: gl.constexpr = kv_ring.shape[2]
-    D2: gl.constexpr = kpe_ring.shape[2]
-    gl.static_assert(D1 == 4 * 8 * _PKW, "PACKED: 512 latent features, four chunks")
-    C: gl.constexpr = 8 * _PKW  # features a chunk
-    K_SC: gl.constexpr = D1 // 2  # K's latent block scales, after the codes
-    R_OFF: gl.constexpr = D1 // 2 + D1 // 16  # the rope's codes, then its scales
-    row_l: gl.constexpr = gl.SliceLayout(1, _LD)
-    n_bad = gl.zeros([N], gl.int32, row_l)
-    for t in range(n_tiles):
-        s = t % ST
-        tok = lo + t * N + gl.arange(0, N, row_l)
-        valid = tok < hi
-        v_valid = tok < v_hi
-        page = gl.load(bt_row + (tok // PAGE) * stride_bt_p, mask=valid, other=0).to(gl.int64)
-        bad = valid & ((page < 0) | (page >= num_blocks))
-        n_bad = n_bad | bad.to(gl.int32)
-        page = gl.where(bad, 0, page)
-        rows = page * stride_page + (tok % PAGE).to(gl.int64) * stride_row
-        k0 = _pk_words(k_ptr, rows, valid, 0 * _PKW, _PKW, _PK)
-        k1 = _pk_words(k_ptr, rows, valid, 1 * _PKW, _PKW, _PK)
-        k2 = _pk_words(k_ptr, rows, valid, 2 * _PKW, _PKW, _PK)
-        k3 = _pk_words(k_ptr, rows, valid, 3 * _PKW, _PKW, _PK)
-        kr = _pk_words(k_ptr + R_OFF, rows, valid, 0, D2 // 8, _PK_ROPE)
-        if t >= ST:
-            mbarrier.wait(free.index(s), ((t // ST) - 1) & 1)
-        kv = kv_ring.index(s)
-        _pk_k_chunk(kv.slice(0 * C, C, dim=1), k0, k_ptr, rows, valid, 0 * _PKW, K_SC, _PK)
-        _pk_k_chunk(kv.slice(1 * C, C, dim=1), k1, k_ptr, rows, valid, 1 * _PKW, K_SC, _PK)
-        _pk_k_chunk(kv.slice(2 * C, C, dim=1), k2, k_ptr, rows, valid, 2 * _PKW, K_SC, _PK)
-        _pk_k_chunk(kv.slice(3 * C, C, dim=1), k3, k_ptr, rows, valid, 3 * _PKW, K_SC, _PK)
-        _pk_k_chunk(kpe_ring.index(s), kr, k_ptr + R_OFF, rows, valid, 0, D2 // 2, _PK_ROPE)
-        v0 = _pk_words(v_ptr, rows, v_valid, 0 * _PKW, _PKW, _PK)
-        v1 = _pk_words(v_ptr, rows, v_valid, 1 * _PKW, _PKW, _PK)
-        v2 = _pk_words(v_ptr, rows, v_valid, 2 * _PKW, _PKW, _PK)
-        v3 = _pk_words(v_ptr, rows, v_valid, 3 * _PKW, _PKW, _PK)
-        fence_async_shared()
-        gl.barrier()
-        mbarrier.arrive(landed.index(s * _NCH))
-        block = page * stride_page + (tok % PAGE - tok % 16).to(gl.int64) * stride_row
-        vh = vh_ring.index(s)
-        _pk_v_chunk(vh.slice(0 * C, C, dim=1), v0, v_ptr, block, stride_row, v_valid,
-                    0 * _PKW, K_SC)  # fmt: skip
-        _pk_v_chunk(vh.slice(1 * C, C, dim=1), v1, v_ptr, block, stride_row, v_valid,
-                    1 * _PKW, K_SC)  # fmt: skip
-        _pk_v_chunk(vh.slice(2 * C, C, dim=1), v2, v_ptr, block, stride_row, v_valid,
-                    2 * _PKW, K_SC)  # fmt: skip
-        _pk_v_chunk(vh.slice(3 * C, C, dim=1), v3, v_ptr, block, stride_row, v_valid,
-                    3 * _PKW, K_SC)  # fmt: skip
-        fence_async_shared()
-        gl.barrier()
-        mbarrier.arrive(landed.index(s * _NCH + 1))
-    bad_smem.store(n_bad)
-    gl.barrier()
-    mbarrier.arrive(done)
-
-
-# the pipelined packed producer (``PIPELINED``): a tile is four units of 16 rows (K̂'s rows
+# the packed producer: a tile is four units of 16 rows (K̂'s rows
 # 0-15 and 16-31, then V̂'s: a 16-row V̂ unit is one V block, its 512 scales in its own rows),
 # each unit's packed bytes copied by ``cp.async`` into one of ``_PKB`` staging buffers two
-# units ahead of its decode; the code words, a word a thread, as ``_PK``
+# units ahead of its decode; the code words, a word a thread, whose eight float16 values it
+# stores as one 16-byte piece of the tile
 _PKU: gl.constexpr = gl.constexpr(16)  # rows a unit
 _PKB: gl.constexpr = gl.constexpr(3)  # staging buffers: two units in flight, one decoded
 _PK4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [2, 2, 8, 1], [NUM_WARPS, 1, 1, 1],
@@ -348,9 +207,9 @@ def _pk4_arange(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _pk_values4(words, scales, layout: gl.constexpr):
-    """``_pk_values`` of code words ``[R, A, B]`` (``SliceLayout(3, layout)``; word ``B a +
-    b`` of a row) and their E4M3 block scales (uint8, broadcast to ``[R, A, B, 8]``): the
-    ``[R, 8 A B]`` float16 factored values, the same arithmetic."""
+    """The ``[R, 8 A B]`` float16 factored values (exact) of code words ``[R, A, B]``
+    (``SliceLayout(3, layout)``; word ``B a + b`` of a row) times their E4M3 block scales
+    (uint8, broadcast to ``[R, A, B, 8]``)."""
     R: gl.constexpr = words.shape[0]
     A: gl.constexpr = words.shape[1]
     B: gl.constexpr = words.shape[2]
@@ -410,7 +269,7 @@ def _pku_issue(stage, j, ptr, entry, start, bound, geo, PAGE: gl.constexpr, V: g
 def _pku_k(kv, kpe, stage, j):
     """Decode staged K̂ unit ``j`` into ``kv [16, 512]`` and ``kpe [16, 64]`` (rows of the
     slot): 128 latent features at a time, each word's block scale (one a 16 features: a
-    word pair) a byte of the row's scale words, as ``_pk_k_chunk``."""
+    word pair) a byte of the row's scale words."""
     codes, ext, rope_sc = stage
     b = j % _PKB
     words = codes.index(b).reshape([_PKU, 8, 8])
@@ -431,8 +290,8 @@ def _pku_k(kv, kpe, stage, j):
 def _pku_v(vh, stage, j):
     """Decode staged V̂ unit ``j`` (one 16-token V block) into ``vh [16, 512]``: feature
     ``f``'s scale is byte ``f`` of the block's 512 (its rows' 32 bytes in row order), so
-    the 128 scales of a chunk are 32 staged words every row of the unit reads, as
-    ``_pk_v_chunk``'s two words of a code word."""
+    the 128 scales of a chunk are 32 staged words every row of the unit reads (two
+    words a code word)."""
     codes, ext, _rope_sc = stage
     b = j % _PKB
     words = codes.index(b).reshape([_PKU, 8, 8])
@@ -448,11 +307,14 @@ def _pku_v(vh, stage, j):
 
 
 @gluon.jit
-def _producer_packed_pipelined(
+def _producer_packed(
     kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, stage, k_ptr, v_ptr, bt_row, lo,
     hi, v_hi, n_tiles, stride_bt_p, stride_page, stride_row, num_blocks, PAGE: gl.constexpr,
 ):  # fmt: skip
-    """``_producer_packed`` with the global loads in flight ahead of the decode: a tile is
+    """``_producer`` for the packed nvfp4 shadow (``PACKED``; ``k_ptr``, ``v_ptr``: its K̂
+    and V̂ sections, uint8, one (page, row) stride pair in bytes), decoding its codes and
+    block scales (``_pk_values4``: exact, the ``fp16`` storage's values) into the slots'
+    float16 K̂ and V̂ tiles, with the global loads in flight ahead of the decode: a tile is
     four units of 16 rows (its K̂ halves, then its V̂ halves), ``stage = (codes, ext,
     rope_sc)`` ``_PKB`` staging buffers (int32 ``[_PKB, 16, 64]``, ``[_PKB, 16, 16]``,
     ``[_PKB, 16, 4]``). Unit ``j``'s bytes (codes and scales: one copy group, one round trip)
@@ -460,16 +322,17 @@ def _producer_packed_pipelined(
     at the start of tile ``t`` (used two units later); each unit is decoded from shared
     memory once its group has landed (``wait_group(1)`` and the producer's barrier, which
     also frees the buffer the next copy overwrites). The values, the slots, the zero rows
-    (K̂ at or past ``hi``, V̂ at or past ``v_hi``: the copies zero-fill them), the page
-    guard and the barriers (K̂ on the slot's first, V̂ on its second) are
-    ``_producer_packed``'s."""
+    (K̂ at or past ``hi``; V̂ at or past ``v_hi``, the open block's, which the tile's math
+    warpgroup quantizes from the raw rows: the copies zero-fill them), K̂ on the slot's
+    first barrier, V̂ on its second; at the end ``bad_smem`` and ``done``, as
+    ``_producer``."""
     ST: gl.constexpr = kv_ring.shape[0]
     N: gl.constexpr = kv_ring.shape[1]
     D1: gl.constexpr = kv_ring.shape[2]
     D2: gl.constexpr = kpe_ring.shape[2]
-    gl.static_assert((D1 == 512) & (D2 == 64), "PIPELINED: the staging holds 512 + 64 features")
-    gl.static_assert(N == 2 * _PKU, "PIPELINED: 32-token tiles, two units a section")
-    gl.static_assert(PAGE % _PKU == 0, "PIPELINED: a unit's rows in one page")
+    gl.static_assert((D1 == 512) & (D2 == 64), "PACKED: the staging holds 512 + 64 features")
+    gl.static_assert(N == 2 * _PKU, "PACKED: 32-token tiles, two units a section")
+    gl.static_assert(PAGE % _PKU == 0, "PACKED: a unit's rows in one page")
     n_bad = lo - lo  # an int32 0
     geo = (hi, num_blocks, stride_page, stride_row)
     e0 = gl.load(bt_row + (lo // PAGE) * stride_bt_p, mask=lo < hi, other=0)
@@ -948,7 +811,6 @@ def gluon_decode_ws_kernel(
     P_FMT: gl.constexpr,
     V_SEP: gl.constexpr,
     PACKED: gl.constexpr,
-    PIPELINED: gl.constexpr,
 ):
     """Stage 1, warp-specialized: one (head group, split, request); recipe none, or fp8
     Q/K/P/V through the float16 shadow (V̂ = K̂).
@@ -985,11 +847,10 @@ def gluon_decode_ws_kernel(
     ``tail_v``. None and False elsewhere (no code). ``PACKED`` (with ``V_SEP``, not
     ``TMA``): the shadow is the packed nvfp4 one (``split[1]``'s K̂ and V̂ pointers uint8, one
     stride pair for both, in bytes); the producer decodes its E2M1 codes and E4M3 block
-    scales into the same float16 K̂ and V̂ tiles (``_producer_packed``), so the math
-    warpgroups run unchanged and the outputs are the ``fp16`` storage's bit for bit.
-    ``PIPELINED`` (with ``PACKED``): the same values by ``_producer_packed_pipelined``,
-    which keeps the next 16-row units' packed bytes in flight (``cp.async`` into three
-    staging buffers, 16128 bytes of shared memory beside the rings).
+    scales into the same float16 K̂ and V̂ tiles (``_producer_packed``, which keeps the
+    next 16-row units' packed bytes in flight: ``cp.async`` into three staging buffers,
+    16128 bytes of shared memory beside the rings), so the math warpgroups run unchanged
+    and the outputs are the ``fp16`` storage's bit for bit.
     """
     qn_ptr, qp_ptr, qgs_ptr = split[0]
     if V_SEP:  # (K̂ tiles, V̂ section, raw rows, K scales) and their (page, row) strides
@@ -1019,7 +880,6 @@ def gluon_decode_ws_kernel(
                      "V_SEP: whole-tile loads, pages of whole 16-token V blocks")  # fmt: skip
     gl.static_assert((not PACKED) or (V_SEP and not TMA and not CHUNKED),
                      "PACKED: a V̂ section decoded by the producer, whole tiles")  # fmt: skip
-    gl.static_assert((not PIPELINED) or PACKED, "PIPELINED: the packed shadow's producer")
     # the tiles' type (PACKED: the decoded float16)
     dtype: gl.constexpr = gl.float16 if PACKED else kv_ptr.dtype.element_ty
 
@@ -1097,7 +957,7 @@ def gluon_decode_ws_kernel(
             [_WARPS, _WARPS],
             [MATH_REGS, PRODUCER_REGS],
         )  # fmt: skip
-    elif PACKED and PIPELINED:  # staging: two units of packed bytes in flight, one decoded
+    elif PACKED:  # staging: two units of packed bytes in flight, one decoded
         stage = (
             gl.allocate_shared_memory(gl.int32, [_PKB, _PKU, 64], _FLAT),
             gl.allocate_shared_memory(gl.int32, [_PKB, _PKU, 16], _FLAT),
@@ -1107,24 +967,10 @@ def gluon_decode_ws_kernel(
             [
                 (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
                 (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
-                (_producer_packed_pipelined, (
+                (_producer_packed, (
                     kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, stage, kv_ptr,
                     v_ptr, bt_ptr + b * stride_bt_b, lo, hi, (hi // 16) * 16, n_tiles,
                     stride_bt_p, stride_kv_page, stride_kv_row, num_blocks, PAGE,
-                )),
-            ],
-            [_WARPS, _WARPS],
-            [MATH_REGS, PRODUCER_REGS],
-        )  # fmt: skip
-    elif PACKED:
-        gl.warp_specialize(
-            [
-                (_math_part, (math_args, 0, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
-                (_math_part, (math_args, 1, D1, MULTI_SPLIT, CHUNKED, TMA, EARLY_S, QUANT)),
-                (_producer_packed, (
-                    kv_ring, kpe_ring, vh_ring, landed, free, done, bad_smem, kv_ptr, v_ptr,
-                    bt_ptr + b * stride_bt_b, lo, hi, (hi // 16) * 16, n_tiles, stride_bt_p,
-                    stride_kv_page, stride_kv_row, num_blocks, PAGE,
                 )),
             ],
             [_WARPS, _WARPS],

@@ -34,7 +34,6 @@ __all__ = [
     "is_int",
     "next_power_of_2",
     "quantize_kv",
-    "quantize_kv_codes",
     "split_head_dim",
     "unit_scale",
 ]
@@ -213,62 +212,6 @@ def quantize_kv(
         num_warps=4 if max(dim, dim_v) <= 256 else 8,
     )  # fmt: skip
     return k_hat, v_hat, k_scales
-
-
-def quantize_kv_codes(
-    k: torch.Tensor,
-    v: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor,
-    quant: AttentionQuant,
-    *,
-    max_seqlen_k: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``quantize_kv`` for a recipe whose K and V are fp8, writing E4M3 codes (for FP8
-    tensor cores) instead of factored values: ``(k_codes, vt_codes, k_scales)``.
-
-    ``k_codes [Tk, Hkv, Dqk]`` ``torch.float8_e4m3fn``: the codes of ``quantize_kv``'s
-    factored K (code times K's global scale is the QDQ'd value; ``k_scales`` as there:
-    ``[Tk, Hkv]`` float32 when K's amax is dynamic, else a placeholder).
-    ``vt_codes [Hkv, Dv, Tk_padded]`` ``torch.float8_e4m3fn``: V's codes transposed,
-    the token axis contiguous and padded to ``Tk_padded = ceil(Tk / 16) * 16`` (a
-    16-byte row stride for TMA), element ``[h, d, t]`` the code of ``v[t, h, d]``: the
-    K-major B operand of an FP8 ``P V`` MMA. The padding columns are not written (an
-    attention kernel masks keys past each sequence's end). ``v`` None: K alone
-    (``vt_codes`` None; Q's pass, with Q's recipe as ``quant.k``). No checks; K (and V)
-    must be fp8 in ``quant``.
-    """
-    tokens_k, kv_heads, dim = k.shape
-    device = k.device
-    k_dynamic = quant.k.is_dynamic
-    k_codes = torch.empty(tokens_k, kv_heads, dim, dtype=torch.uint8, device=device)
-    k_scales = unit_scale(device)
-    if k_dynamic:
-        k_scales = torch.empty(tokens_k, kv_heads, dtype=torch.float32, device=device)
-    vt_codes = None
-    dim_v, padded = (v.shape[2], cdiv(tokens_k, 16) * 16) if v is not None else (16, 16)
-    if v is not None:
-        vt_codes = torch.empty(kv_heads, dim_v, padded, dtype=torch.uint8, device=device)
-    batch = cu_seqlens_k.numel() - 1
-    if tokens_k and batch:
-        d1, d2 = split_head_dim(dim)
-        block_t = 32 if max(dim, dim_v) <= 256 else 16
-        k_gs, v_gs = global_scale(quant.k), global_scale(quant.v)
-        k_fast = not k_dynamic and fast_qdq_exact(k, k_gs)
-        v_fast = v is not None and fast_qdq_exact(v, v_gs)
-        vt = vt_codes if vt_codes is not None else k_codes
-        v_in = v if v is not None else k
-        kv_qdq_kernel[(cdiv(max(max_seqlen_k, 1), block_t), kv_heads, batch)](
-            k, v_in, k_codes, vt, k_scales, cu_seqlens_k, tokens_k, k_gs, v_gs, 1.0 / k_gs,
-            1.0 / v_gs, k.stride(0), k.stride(1), v_in.stride(0), v_in.stride(1),
-            k_codes.stride(0), k_codes.stride(1), dim_v * padded, padded,
-            k_scales.stride(0) if k_dynamic else 0,
-            D1=d1, D2=d2, D2_VALID=dim - d1, DV=dim_v, DVP=next_power_of_2(dim_v),
-            BLOCK_T=block_t, K_FMT=1, K_DYNAMIC=k_dynamic, V_FMT=1 if v is not None else 0,
-            K_FAST=k_fast, V_FAST=v_fast, HW_FP8=dev.hw_fp8(device), CODES=True,
-            num_warps=4 if max(dim, dim_v) <= 256 else 8,
-        )  # fmt: skip
-    f8 = torch.float8_e4m3fn
-    return k_codes.view(f8), (vt_codes.view(f8) if vt_codes is not None else None), k_scales
 
 
 class _KeyTiled(Protocol):

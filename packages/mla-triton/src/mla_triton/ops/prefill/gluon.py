@@ -32,7 +32,6 @@ from mla_triton.ops.prefill.core import (
     cdiv,
     fast_qdq_exact,
     quantize_kv,
-    quantize_kv_codes,
     unit_scale,
 )
 from mla_triton.ops.prefill.gluon_kernels import gluon_prefill_kernel
@@ -40,11 +39,9 @@ from mla_triton.ops.prefill.gluon_kernels import gluon_prefill_kernel
 __all__ = [
     "AUTO_CONFIGS",
     "FAMILY",
-    "FP8_MMA_TILINGS",
     "GluonPrefillConfig",
     "Variant",
     "auto_config",
-    "check_fp8_mma",
     "compile_sm90",
     "q_qdq_in_kernel",
     "unsupported",
@@ -83,15 +80,7 @@ class GluonPrefillConfig:
     ``Q Kᵀ`` (its dynamic per-token scales too), instead of by a pass over Q before the
     launch (one kernel and Q's round trip through memory fewer; the same factored values:
     GPU tests bit for bit against the pass; no effect for an unquantized Q, nor for nvfp4
-    Q with a dynamic amax, which keeps the pass, nor with ``fp8_mma``); ``fp8_mma``: a
-    recipe whose Q, K, P and V are all fp8 runs on FP8 tensor cores (docs/design/prefill.md
-    "FP8 on FP8 tensor cores"): the passes write Q and K as E4M3 codes and V as E4M3
-    codes transposed (``core.quantize_kv_codes``), the kernel computes ``S`` and ``P V``
-    with E4M3 wgmma (P's codes from registers) and applies every scale outside the dots:
-    the same quantized operands as the exact mode, accumulated by the FP8 MMA's
-    narrower-than-float32 adder, so not bit for bit the exact mode's numbers. Never
-    picked by ``prefill``'s dispatch (a forced config only, ``mla_triton.tuning``); other
-    recipes are refused (``config``); tilings: ``FP8_MMA_TILINGS``."""
+    Q with a dynamic amax, which keeps the pass)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -103,7 +92,6 @@ class GluonPrefillConfig:
     nm_pairs: bool = False
     nm_nan_rank: bool = False
     q_in_kernel: bool = False
-    fp8_mma: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -112,7 +100,7 @@ class GluonPrefillConfig:
             raise ValueError(f"config.block_n: expected 64 or 128, got {self.block_n!r}")
         names = (
             "warp_specialize", "pingpong", "turns", "early_k", "nm_pairs", "nm_nan_rank",
-            "q_in_kernel", "fp8_mma",
+            "q_in_kernel",
         )  # fmt: skip
         for name in names:
             if not isinstance(getattr(self, name), bool):
@@ -125,15 +113,6 @@ class GluonPrefillConfig:
             raise ValueError("config.turns: False needs pingpong=True")
         if self.early_k and not self.warp_specialize:
             raise ValueError("config.early_k: needs warp_specialize=True")
-        if self.fp8_mma and self.tiling not in FP8_MMA_TILINGS:
-            raise ValueError(f"config.fp8_mma: needs one of the tilings (block_m, block_n, "
-                             f"num_stages, warp_specialize, pingpong) {FP8_MMA_TILINGS}, "
-                             f"got {self.tiling}")  # fmt: skip
-
-    @property
-    def tiling(self) -> tuple[int, int, int, bool, bool]:
-        """``(block_m, block_n, num_stages, warp_specialize, pingpong)``."""
-        return self.block_m, self.block_n, self.num_stages, self.warp_specialize, self.pingpong
 
     @property
     def num_warps(self) -> int:
@@ -158,23 +137,6 @@ class GluonPrefillConfig:
 # and fp8 ping-pong 128 x 128 x 2, K released after Q K^T, Q's QDQ in the kernel; nvfp4 two
 # consumer warpgroups without turns at 128 x 64 x 3 (Q's QDQ in the pass: faster there);
 # N:M sparsity warp-specialized 128 x 128 x 2.
-FP8_MMA_TILINGS = ((128, 128, 2, True, True), (128, 64, 3, True, True))
-"""The tilings ``fp8_mma`` takes, as ``GluonPrefillConfig.tiling``: the ping-pong ones
-(two consumer warpgroups and a producer warp; with or without turns and early K), which
-compile for sm_90a with P's E4M3 codes in registers and no local memory."""
-
-
-def check_fp8_mma(config: GluonPrefillConfig, recipe: Recipe, sparse: bool) -> None:
-    """A ValueError naming ``config`` when ``config.fp8_mma`` is asked for a recipe
-    whose Q, K, P and V are not all fp8, or with N:M sparsity (not built for it)."""
-    if config.fp8_mma and sparse:
-        raise ValueError("config: fp8_mma runs without N:M sparsity; got a sparsity")
-    if config.fp8_mma and (recipe.q_fmt, recipe.k_fmt, recipe.p_fmt, recipe.v_fmt) != (1,) * 4:
-        names = [_P_FORMATS[f] for f in (recipe.q_fmt, recipe.k_fmt, recipe.p_fmt, recipe.v_fmt)]
-        raise ValueError("config: fp8_mma needs a recipe whose Q, K, P and V are all fp8, "
-                         f"got q={names[0]}, k={names[1]}, p={names[2]}, v={names[3]}")  # fmt: skip
-
-
 _PINGPONG = GluonPrefillConfig(
     128, 128, 2, warp_specialize=True, pingpong=True, early_k=True, q_in_kernel=True
 )
@@ -270,12 +232,8 @@ def _layout(block: list[int], dtype: torch.dtype) -> object:
 def _block_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
     """``_layout``, cached (a pure function of the block and dtype, built for every
     descriptor of every call otherwise)."""
-    gl_dtype = _GL_DTYPES[dtype]
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-              torch.float8_e4m3fn: gl.float8e4nv}  # fmt: skip
 
 
 @by_identity
@@ -296,7 +254,6 @@ class _Gluon(PrefillFamily):
             raise ValueError(
                 f"config: expected None or a GluonPrefillConfig, got {type(config).__name__}"
             )
-        check_fp8_mma(config, Recipe.of(c.quant), c.sparsity is not None)
         return self.check_key_tile(config, c)
 
     def launch(self, c: Checked, recipe: Recipe, config: GluonPrefillConfig) -> None:
@@ -304,9 +261,6 @@ class _Gluon(PrefillFamily):
         if k.shape[0] == 0:  # no keys (no TMA view of an empty tensor): every row empty
             c.out.zero_()
             c.lse.fill_(float("-inf"))
-            return
-        if config.fp8_mma:
-            self._launch_fp8_mma(c, r, config)
             return
         heads, kv_heads, dim_v = q.shape[1], k.shape[1], v.shape[2]
         qk_dtype, pv_dtype = r.dot_dtypes(q.dtype)
@@ -348,40 +302,6 @@ class _Gluon(PrefillFamily):
             c.lse.stride(0), **variant.constexprs(q.shape[2], dim_v, config),
         )  # fmt: skip
 
-    def _launch_fp8_mma(self, c: Checked, r: Recipe, config: GluonPrefillConfig) -> None:
-        """``launch`` with ``config.fp8_mma`` (an all-fp8 recipe, ``check_fp8_mma``): Q's
-        and K's E4M3 codes and V's transposed (``quantize_kv_codes``), then the kernel on
-        FP8 tensor cores with the same scales as the exact mode."""
-        heads, kv_heads, dim_v = c.q.shape[1], c.k.shape[1], c.v.shape[2]
-        k, vt, k_scales = quantize_kv_codes(
-            c.k, c.v, c.cu_k, c.quant, max_seqlen_k=c.max_seqlen_k
-        )  # fmt: skip
-        q, _, q_scales = quantize_kv_codes(
-            c.q, None, c.cu_q, _q_as_k(c.quant), max_seqlen_k=c.max_seqlen_q
-        )  # fmt: skip
-        assert vt is not None
-        bm, bn = config.block_m, config.block_n
-        variant = Variant(c.causal, c.return_lse, r.q_dynamic, r.k_dynamic, r.p_fmt,
-                          *Variant.nm_of(c.sparsity))  # fmt: skip
-        n_sink, n_recent = (
-            (c.sparsity.dense_sink_tokens, c.sparsity.dense_recent_tokens) if c.sparsity
-            else (0, 0)
-        )  # fmt: skip
-        vt_rows = vt.view(kv_heads * dim_v, vt.shape[2])  # [Hkv * Dv, Tk_padded]
-        vt_block = [dim_v, bn]
-        vt_desc = TensorDescriptor(vt_rows, list(vt_rows.shape), [vt_rows.stride(0), 1],
-                                   vt_block, _layout(vt_block, vt.dtype))  # fmt: skip
-        grid = (cdiv(c.max_seqlen_q, bm), heads, c.cu_q.numel() - 1)
-        gluon_prefill_kernel[grid](
-            _descriptor(q, [config.q_rows, _CHUNK]), _descriptor(k, [bn, _CHUNK]), vt_desc,
-            c.out, c.lse, q_scales, k_scales, c.cu_q, c.cu_k, q.shape[0], k.shape[0],
-            r.qk_scale(c.softmax_scale), r.p_gs, r.p_inv_gs, r.out_scale, r.q_gs, 1.0,
-            heads // kv_heads, n_sink, n_recent, q.stride(1), k.stride(1), dim_v,
-            q_scales.stride(0) if r.q_dynamic else 0,
-            k_scales.stride(0) if r.k_dynamic else 0, c.out.stride(0), c.out.stride(1),
-            c.lse.stride(0), **variant.constexprs(q.shape[2], dim_v, config),
-        )  # fmt: skip
-
 
 FAMILY = _Gluon()
 
@@ -416,12 +336,12 @@ class Variant:
 
     def constexprs(self, dim: int, dim_v: int, config: GluonPrefillConfig) -> dict[str, Any]:
         """The kernel's compile-time arguments (``num_warps`` too)."""
-        q_in = config.q_in_kernel and not config.fp8_mma  # FP8 MMA: Q's codes from the pass
         return {
             "DQK": dim, "DV": dim_v, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
             "NUM_STAGES": config.num_stages, "CAUSAL": self.causal,
             "Q_DYNAMIC": self.q_dynamic, "K_DYNAMIC": self.k_dynamic, "P_FMT": self.p_fmt,
-            "Q_FMT": self.q_fmt if q_in else 0, "Q_FAST": self.q_fast and q_in,
+            "Q_FMT": self.q_fmt if config.q_in_kernel else 0,
+            "Q_FAST": self.q_fast and config.q_in_kernel,
             "NM_N": self.nm_n, "NM_M": self.nm_m, "NM_DENSE": self.nm_dense,
             "NM_PAIRS": config.nm_pairs, "NM_NAN_RANK": config.nm_nan_rank,
             "RETURN_LSE": self.return_lse, "WARP_SPEC": config.warp_specialize,
@@ -442,22 +362,18 @@ def compile_sm90(
 ) -> object:
     """Compile the kernel for sm_90a without a GPU (as ``launch`` would specialize it;
     ``dtype`` that of Q and out, ``k_dtype`` that of K, ``pv_dtype`` that of V and P, both
-    ``dtype`` by default; ``config.fp8_mma``: Q, K, P and V as E4M3 codes, V transposed);
+    ``dtype`` by default);
     returns Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.metadata.shared`` bytes)."""
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
     def desc(block: list[int], of: torch.dtype) -> str:
         return f"tensordesc<{names[of]}[{','.join(map(str, block))}],{_layout(block, of)!r}>"
 
-    bn, pv, qk = config.block_n, pv_dtype or dtype, dtype
-    v_block = [bn, dim_v]
-    if config.fp8_mma:  # E4M3 codes of Q, K and V transposed (``_launch_fp8_mma``)
-        qk = pv = k_dtype = torch.float8_e4m3fn
-        v_block = [dim_v, bn]
+    bn, pv = config.block_n, pv_dtype or dtype
     signature = {
-        "q_desc": desc([config.q_rows, _CHUNK], qk),
+        "q_desc": desc([config.q_rows, _CHUNK], dtype),
         "k_desc": desc([bn, _CHUNK], k_dtype or dtype),
-        "v_desc": desc(v_block, pv), "Out": f"*{names[dtype]}", "Lse": "*fp32",
+        "v_desc": desc([bn, dim_v], pv), "Out": f"*{names[dtype]}", "Lse": "*fp32",
         "QS": "*fp32", "KS": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
         "rows_q": "i32", "rows_k": "i32", "qk_scale": "fp32", "p_gs": "fp32",
         "p_inv_gs": "fp32", "out_scale": "fp32",

@@ -85,15 +85,10 @@ def _load_k(k_desc, k_smem, k_bars, stage, row, k_col, NQ: gl.constexpr):
 
 @gluon.jit
 def _load_v(v_desc, v_smem, v_bars, stage, row, v_col):
-    """Issue the TMA load of a V tile (rows ``row`` on) into ring slot ``stage``; E4M3
-    codes (FP8 MMA) are V transposed, ``[Hkv * DV, tokens]``: the tile is the columns
-    ``row`` on of rows ``v_col`` on."""
+    """Issue the TMA load of a V tile (rows ``row`` on) into ring slot ``stage``."""
     v_bar = v_bars.index(stage)
     mbarrier.expect(v_bar, v_desc.block_type.nbytes)
-    if v_desc.dtype.is_fp8():
-        tma.async_copy_global_to_shared(v_desc, [v_col, row], v_bar, v_smem.index(stage))
-    else:
-        tma.async_copy_global_to_shared(v_desc, [row, v_col], v_bar, v_smem.index(stage))
+    tma.async_copy_global_to_shared(v_desc, [row, v_col], v_bar, v_smem.index(stage))
 
 
 @gluon.jit
@@ -219,10 +214,7 @@ def _softmax(
     # the integer running maximum, exact power-of-two rescales, l from unquantized P
     m_new, alpha, p, l_i = common.softmax_step(m_i, l_i, s, row_scale, True, True)
     # P's QDQ along the keys (nvfp4 blocks of 16 at multiples of 16: the tile's start)
-    if pv_dtype.is_fp8():  # FP8 MMA: P's E4M3 codes, the conversion qdq_p rounds with
-        p = (p * p_scales[1]).to(pv_dtype)
-    else:
-        p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N, pv_dtype)
+    p = common.qdq_p(p, p_scales, P_FMT, True, BLOCK_M, BLOCK_N, pv_dtype)
     return p, alpha, m_new, l_i
 
 
@@ -256,25 +248,19 @@ def _sanitize_v(
                 mbarrier.wait(turn_bars.index(stage), (masked_before // NUM_STAGES) & 1)
             first_bad = gl.min(bad_smem.index(stage).load(bad_layout), axis=0)
         else:
-            if v_smem.dtype.is_fp8():  # E4M3 codes, V transposed: keys are columns
-                first_bad = _sanitize_vt(v_smem.index(stage), start_n, seq_len_k, BLOCK_N,
-                                         num_warps)  # fmt: skip
-            else:
-                SUB: gl.constexpr = 32
-                v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-                buf = v_smem.index(stage)
-                first_bad = seq_len_k  # the first visible key with a non-finite v row
-                for c in gl.static_range(BLOCK_N // SUB):
-                    sub = buf.slice(c * SUB, SUB, dim=0)
-                    v = sub.load(v_layout)
-                    key_pos = (
-                        start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
-                    )
-                    row = gl.sum(v - v, axis=1)  # NaN for a non-finite row (sum of zeros else)
-                    bad = row != row
-                    sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
-                    bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
-                    first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
+            SUB: gl.constexpr = 32
+            v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            buf = v_smem.index(stage)
+            first_bad = seq_len_k  # the first visible key with a non-finite v row
+            for c in gl.static_range(BLOCK_N // SUB):
+                sub = buf.slice(c * SUB, SUB, dim=0)
+                v = sub.load(v_layout)
+                key_pos = start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(1, v_layout))
+                row = gl.sum(v - v, axis=1)  # NaN for a non-finite row (a sum of zeros else)
+                bad = row != row
+                sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 1), 0.0, v))
+                bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
+                first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
             if WG == 0:
                 bad_smem.index(stage).store(gl.full([1], first_bad, gl.int32, bad_layout))
             fence_async_shared()
@@ -286,52 +272,6 @@ def _sanitize_v(
         else:
             row_nan = row_nan | (first_bad < seq_len_k)
     return row_nan
-
-
-@gluon.jit
-def _sanitize_vt(buf, start_n, seq_len_k, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-    """``_sanitize_v``'s check of a V tile of E4M3 codes transposed, ``buf [DV, BLOCK_N]``
-    (FP8 MMA): zero the columns of keys past the sequence end and of keys with a NaN code
-    (E4M3FN has no infinity: ``0x7F`` / ``0xFF``), in 32-key slices as bytes; returns the
-    first visible key with a NaN code (``seq_len_k`` if none)."""
-    SUB: gl.constexpr = 32
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [num_warps, 1], [1, 0])
-    codes = buf._reinterpret(gl.int8)
-    first_bad = seq_len_k
-    for c in gl.static_range(BLOCK_N // SUB):
-        sub = codes.slice(c * SUB, SUB, dim=1)
-        x = sub.load(layout)
-        key_pos = start_n + c * SUB + gl.arange(0, SUB, layout=gl.SliceLayout(0, layout))
-        bad = gl.max(((x & 0x7F) == 0x7F).to(gl.int32), axis=0) > 0
-        sub.store(gl.where(gl.expand_dims(bad | (key_pos >= seq_len_k), 0), 0, x).to(gl.int8))
-        bad_key = gl.where(bad & (key_pos < seq_len_k), key_pos, seq_len_k)
-        first_bad = gl.minimum(first_bad, gl.min(bad_key, axis=0))
-    return first_bad
-
-
-@gluon.jit
-def _v_operand(v_smem, stage):
-    """The ``P V`` MMA's B operand ``[BLOCK_N, DV]`` in ring slot ``stage``: the V tile,
-    or (E4M3 codes, FP8 MMA) the transposed tile ``[DV, BLOCK_N]`` permuted, K-major as
-    FP8 wgmma needs it."""
-    tile = v_smem.index(stage)
-    if v_smem.dtype.is_fp8():
-        tile = tile.permute((1, 0))
-    return tile
-
-
-@gluon.jit
-def _wait_pv(acc, p_op):
-    """Wait for every wgmma of the calling warps: ``(acc, p_op)``, P's operand kept alive
-    through the wait. E4M3 codes (FP8 MMA) are not passed to the wait, which Triton 3.8
-    lowers for 16- and 32-bit operands only: the MMA reads P's codes packed four to a
-    register, PTX registers no later instruction writes (as for 16-bit P, whose packed
-    registers the wait does not name either), so ptxas keeps them until the wait."""
-    if p_op.dtype.is_fp8():
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-    else:
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    return acc, p_op
 
 
 @gluon.jit
@@ -351,7 +291,7 @@ def _issue_pv(
         BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, False, num_warps,
     )  # fmt: skip
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    acc = warpgroup_mma(p_op, _v_operand(v_smem, ring % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(ring % NUM_STAGES), acc, is_async=True)
     return acc, p_op, row_nan
 
 
@@ -371,7 +311,7 @@ def _turn_pv(
         v_smem, v_bars, bad_smem, turn_bars, tile, ring, mid, seq_len_k, q_pos, row_nan,
         BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
     )  # fmt: skip
-    acc = warpgroup_mma(p_op, _v_operand(v_smem, ring % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(ring % NUM_STAGES), acc, is_async=True)
     mbarrier.arrive(turn_bars.index(1 - WG), count=1)
     return acc, p_op, row_nan
 
@@ -513,7 +453,7 @@ def _attend(
                     q_pos, row_nan, BLOCK_N, DV, CAUSAL, NUM_STAGES, WG, True, num_warps,
                 )  # fmt: skip
                 acc = warpgroup_mma(
-                    p_op, _v_operand(v_smem, (ring0 + prev) % NUM_STAGES), acc, is_async=True
+                    p_op, v_smem.index((ring0 + prev) % NUM_STAGES), acc, is_async=True
                 )  # fmt: skip
                 mbarrier.arrive(turn_bars.index(1 - WG), count=1)
             else:
@@ -534,7 +474,7 @@ def _attend(
                 stride_kst, p_scales, nm, s_layout, ROWS, BLOCK_N, CAUSAL, K_DYNAMIC, P_FMT,
                 NM, pv_dtype,
             )  # fmt: skip
-            acc, p_op = _wait_pv(acc, p_op)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             if ISSUE_LOADS:
                 nxt = prev + NUM_STAGES
                 if nxt < n_tiles:
@@ -557,7 +497,7 @@ def _attend(
                 seq_len_k, q_pos, row_nan, row_o, p_layout, pv_dtype, BLOCK_N, DV, CAUSAL,
                 NUM_STAGES, WG, num_warps,
             )  # fmt: skip
-        acc, p_op = _wait_pv(acc, p_op)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     return acc, l_i, m_i, row_nan
 
 
@@ -715,10 +655,7 @@ def _setup(
     k_smem = gl.allocate_shared_memory(
         k_desc.dtype, [NUM_STAGES * NQ, BLOCK_N, CHUNK], k_desc.layout
     )
-    if pv_dtype.is_fp8():  # E4M3 codes, V transposed (FP8 MMA)
-        v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, DV, BLOCK_N], v_desc.layout)
-    else:
-        v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(pv_dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -876,21 +813,14 @@ def gluon_prefill_kernel(
     gl.static_assert(WARP_SPEC or not EARLY_K)
     gl.static_assert(PINGPONG or TURNS)
     SCHED: gl.constexpr = (TURNS, EARLY_K)
-    pv_dtype: gl.constexpr = v_desc.dtype  # P and V
-    FP8: gl.constexpr = pv_dtype.is_fp8()  # FP8 MMA: E4M3 codes (Q, K, P, V transposed)
-    gl.static_assert(q_desc.dtype.is_fp8() == FP8)
-    gl.static_assert(k_desc.dtype.is_fp8() == FP8)
-    gl.static_assert(not FP8 or Q_FMT == 0)  # Q's codes come from the pass
-    MMA_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K step: 32 bytes of operand
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, MMA_K]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, MMA_K]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16]
     )
-    p_layout: gl.constexpr = gl.DotOperandLayout(
-        operand_index=0, parent=o_layout, k_width=4 if FP8 else 2
-    )  # fmt: skip
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pv_dtype: gl.constexpr = v_desc.dtype  # P and V
 
     _one_tile(
         q_desc, k_desc, v_desc, Out, Lse, q_in, KS, cu_seqlens_q, cu_seqlens_k, rows_q, rows_k,

@@ -664,10 +664,9 @@ def _kv_qdq_tile(
     stride_vqh, stride_kst, D1: tl.constexpr, D2: tl.constexpr, D2_VALID: tl.constexpr,
     DV: tl.constexpr, DVP: tl.constexpr, BLOCK_T: tl.constexpr, K_FMT: tl.constexpr,
     K_DYNAMIC: tl.constexpr, V_FMT: tl.constexpr, K_FAST: tl.constexpr, V_FAST: tl.constexpr,
-    HW_FP8: tl.constexpr, CODES: tl.constexpr,
+    HW_FP8: tl.constexpr,
 ):  # fmt: skip
-    """``kv_qdq_kernel``'s work on the tokens ``t0 .. t0 + BLOCK_T`` of one sequence
-    (``CODES``: E4M3 codes of the same values, V transposed)."""
+    """``kv_qdq_kernel``'s work on the tokens ``t0 .. t0 + BLOCK_T`` of one sequence."""
     rows = t0 + tl.arange(0, BLOCK_T)  # token positions in the sequence
     row_ok = rows < seq_len
     if K_FMT != 0:
@@ -685,14 +684,14 @@ def _kv_qdq_tile(
             k1, k2, gs = _qdq_split(k1, k2, k_gs, K_FMT, K_DYNAMIC, BLOCK_T, D1, D2, HW_FP8)
         tl.store(
             kq_base + rows[:, None] * stride_kqt + offs_d1[None, :],
-            _stored(k1, KQ.dtype.element_ty, CODES),
+            k1.to(KQ.dtype.element_ty),
             mask=row_ok[:, None],
         )
         if D2 > 0:
             offs_d2 = tl.arange(0, D2)
             tl.store(
                 kq_base + D1 + rows[:, None] * stride_kqt + offs_d2[None, :],
-                _stored(k2, KQ.dtype.element_ty, CODES),
+                k2.to(KQ.dtype.element_ty),
                 mask=row_ok[:, None] & (offs_d2[None, :] < D2_VALID),
             )
         if K_DYNAMIC:
@@ -703,18 +702,11 @@ def _kv_qdq_tile(
         vq_base = VQ + k_start.to(tl.int64) * stride_vqt + kv_head * stride_vqh
         v = _load_tile(v_base, rows, offs_dv, stride_vt, seq_len, DV, True, DVP != DV)
         v = _qdq_tokens(v.to(tl.float32), v_gs, v_inv, V_FMT, BLOCK_T, DVP, V_FAST, HW_FP8)
-        if CODES:  # transposed: (head, feature, token) at strides (stride_vqt, stride_vqh, 1)
-            vt_base = VQ + kv_head.to(tl.int64) * stride_vqt + k_start
-            tl.store(
-                vt_base + offs_dv[None, :] * stride_vqh + rows[:, None], e4m3_bits(v),
-                mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-            )  # fmt: skip
-        else:
-            tl.store(
-                vq_base + rows[:, None] * stride_vqt + offs_dv[None, :],
-                v.to(VQ.dtype.element_ty),
-                mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-            )
+        tl.store(
+            vq_base + rows[:, None] * stride_vqt + offs_dv[None, :],
+            v.to(VQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        )
 
 
 @triton.jit(do_not_specialize=["rows_k"])
@@ -751,7 +743,6 @@ def kv_qdq_kernel(
     K_FAST: tl.constexpr,
     V_FAST: tl.constexpr,
     HW_FP8: tl.constexpr,
-    CODES: tl.constexpr = False,
 ):
     """QDQ the fresh keys and values of one KV head of one sequence, once.
 
@@ -773,28 +764,5 @@ def kv_qdq_kernel(
             K, V, KQ, VQ, KS, k_start, seq_len, t0, kv_head, k_gs, v_gs, k_inv, v_inv,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_kqt, stride_kqh, stride_vqt,
             stride_vqh, stride_kst, D1, D2, D2_VALID, DV, DVP, BLOCK_T, K_FMT, K_DYNAMIC,
-            V_FMT, K_FAST, V_FAST, HW_FP8, CODES,
+            V_FMT, K_FAST, V_FAST, HW_FP8,
         )  # fmt: skip
-
-
-@triton.jit
-def _stored(x, dtype: tl.constexpr, CODES: tl.constexpr):
-    """What ``kv_qdq_kernel`` stores of factored values ``x``: ``x`` in ``dtype``, or with
-    ``CODES`` their E4M3 codes (uint8)."""
-    if CODES:
-        return e4m3_bits(x)
-    return x.to(dtype)
-
-
-@triton.jit
-def e4m3_bits(y):
-    """The E4M3FN code (uint8) of float32 ``y``, which holds an E4M3 value or NaN (a
-    factored fp8 QDQ value), by integer arithmetic (the interpreter's fp8 casts round
-    wrongly): sign, then ``(exponent + 7) << 3 | mantissa`` from the float32 bits for
-    normal values (at least 2^-6), ``|y| * 2^9`` for subnormals; NaN is 0x7F."""
-    bits = y.to(tl.int32, bitcast=True)
-    a = tl.abs(tl.where(y == y, y, 0.0))
-    normal = (a.to(tl.int32, bitcast=True) >> 20) - (120 << 3)
-    code = tl.where(a >= 0.015625, normal, (a * 512.0).to(tl.int32))
-    code = tl.where(y == y, code | ((bits >> 24) & 0x80), 0x7F)
-    return code.to(tl.uint8)
