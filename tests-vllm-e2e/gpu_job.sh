@@ -41,7 +41,8 @@ versions() {
 run_pytest() {
   local name=$1
   shift
-  timeout -s INT -k 20 "$T" python3 -m pytest -p no:cacheprovider -rfE --durations=15 \
+  # (-p no:benchmark: a machine's pytest-benchmark warns under xdist, an error here)
+  timeout -s INT -k 20 "$T" python3 -m pytest -p no:cacheprovider -p no:benchmark -rfE --durations=15 \
     --junitxml="$out/$name.xml" "$@" 2>&1 | tee "$out/$name.log" | tail -60
   return "${PIPESTATUS[0]}"
 }
@@ -57,7 +58,7 @@ case "$stage" in
     ;;
   suites)
     versions
-    MLA_REQUIRE_GPU=1 run_pytest suites -p no:benchmark -n "$N" --dist worksteal $(gpu_suites) "$@"
+    MLA_REQUIRE_GPU=1 run_pytest suites -n "$N" --dist worksteal $(gpu_suites) "$@"
     ;;
   bench)
     op=${1:?bench OP: decode, shadow or prefill}
@@ -82,7 +83,7 @@ case "$stage" in
     versions
     command -v compute-sanitizer >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
     MLA_REQUIRE_GPU=1 timeout -s INT -k 20 "$T" compute-sanitizer --tool memcheck \
-      --error-exitcode 9 --log-file "$out/memcheck.txt" python3 -m pytest -p no:cacheprovider \
+      --error-exitcode 9 --log-file "$out/memcheck.txt" python3 -m pytest -p no:cacheprovider -p no:benchmark \
       -q -x $(gpu_suites) "$@" 2>&1 | tail -40
     echo "memcheck exit code ${PIPESTATUS[0]}"
     tail -5 "$out/memcheck.txt"

@@ -63,7 +63,7 @@ def speeds(
         raise SystemExit(f"plot_home.py: {e}: run its harness on that GPU, or pass --gpu") from e
     for stem, recipe in needed:
         commit, _, rows = found[stem]
-        row = rows.get((shape[stem], recipe, "auto"))
+        row = rows.get((shape[stem], recipe))
         if row is None or not row["ratio"]:
             raise SystemExit(
                 f"plot_home.py: {results / (stem + '.csv')} has no ratio of impl auto for "

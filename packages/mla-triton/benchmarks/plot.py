@@ -83,37 +83,26 @@ def table(
 def newest_rows(
     stem: str,
     gpu: str | None = None,
-    commit: str | None = None,
     *,
     results: Path = RESULTS,
-    mode: str | None = None,
-) -> tuple[str, str, dict[tuple[str, str, str], dict[str, str]]]:
-    """The rows of one kernel op (``decode``, ``shadow``, ``prefill``) that ``main`` shows,
-    for every implementation: ``(commit, gpu, {(shape, recipe, impl): row})``, the
-    newest row of each in the op's mode (``mode``: another) of the newest commit on
-    ``gpu`` (as ``newest``; ``gpu`` None: the newest commit's GPU). The ratio to the
-    anchor is ``float(row["ratio"])`` (empty where no anchor ran). Raises ``LookupError``
-    naming what the CSV holds where it has no row of the op on that GPU and commit."""
+    impl: str = "auto",
+) -> tuple[str, str, dict[tuple[str, str], dict[str, str]]]:
+    """What ``main`` shows of one kernel op (``decode``, ``shadow``, ``prefill``):
+    ``(commit, gpu, table(...))`` of ``impl`` in the op's mode, the newest commit on
+    ``gpu`` (as ``newest``; ``gpu`` None: the newest commit's GPU). Raises
+    ``LookupError`` naming what the CSV holds where it has no row of the op on ``gpu``."""
     if stem not in OPS or stem == "serve":
         raise ValueError(f"newest_rows: a kernel op of {[s for s in OPS if s != 'serve']}")
-    op, default_mode = OPS[stem][:2]
+    op, mode = OPS[stem][:2]
     path = results / f"{stem}.csv"
     every = [r for r in read_rows(path) if r["op"] == op]
-    rows = [r for r in every if gpu in (None, r["gpu"]) and commit in (None, r["commit"])]
+    rows = [r for r in every if gpu in (None, r["gpu"])]
     if not rows:
         held = sorted({(r["gpu"], r["commit"]) for r in every})
-        raise LookupError(
-            f"{path}: no {op} rows" + (f" on {gpu}" if gpu else "")
-            + (f" of commit {commit}" if commit else "")
-            + f"; it holds (gpu, commit): {held or 'nothing'}"
-        )  # fmt: skip
-    commit, gpu = newest(rows, commit, gpu)
-    mode = mode or default_mode
-    got: dict[tuple[str, str, str], dict[str, str]] = {}
-    for r in sorted(rows, key=lambda r: r["date"]):
-        if (r["mode"], r["commit"], r["gpu"]) == (mode, commit, gpu):
-            got[(r["shape"], r["recipe"], r["impl"])] = r
-    return commit, gpu, got
+        raise LookupError(f"{path}: no {op} rows" + (f" on {gpu}" if gpu else "")
+                          + f"; it holds (gpu, commit): {held or 'nothing'}")  # fmt: skip
+    commit, gpu = newest(rows, None, gpu)
+    return commit, gpu, table(rows, op, mode, impl, commit, gpu)
 
 
 def serve_runs(

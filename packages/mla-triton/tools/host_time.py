@@ -1,5 +1,5 @@
-"""The host (Python) time of an eager ``decode``/``decode_shadow`` call, on a CPU, as on
-an H200: dispatch as on sm90, Triton's own launch path (argument binding, cache key,
+"""The host (Python) time of an eager ``decode``, ``decode_shadow`` or ``prefill`` call,
+on a CPU, as on an H200: dispatch as on sm90, Triton's own launch path (argument binding, cache key,
 the compiled kernel's runner), compiles replaced by a launcher that does nothing. Times
 the full call (no replay plan), a replayed call through each
 kernel's ``run``, and a replayed call with direct launches (``common.replay``), each the

@@ -174,9 +174,9 @@ def _e2m1_f16(nib):
 # stores as one 16-byte piece of the tile
 _PKU: gl.constexpr = gl.constexpr(16)  # rows a unit
 _PKB: gl.constexpr = gl.constexpr(3)  # staging buffers: two units in flight, one decoded
-_PK4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [2, 2, 8, 1], [NUM_WARPS, 1, 1, 1],
+_PK: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [2, 2, 8, 1], [NUM_WARPS, 1, 1, 1],
                                       [3, 2, 1, 0])  # fmt: skip
-_PK4_ROPE: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 1, 8, 1], [NUM_WARPS, 1, 1, 1],
+_PK_ROPE: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [4, 1, 8, 1], [NUM_WARPS, 1, 1, 1],
                                            [3, 2, 1, 0])  # fmt: skip
 # the copies' [16, W] words, a row every 8 threads (one row index a thread: ptxas spills
 # thread-index values the worker's entry computes for its partition): 32, 8 and 4 bytes a
@@ -189,7 +189,7 @@ _FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a buffer's lay
 
 
 @gluon.jit
-def _pk4_arange(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+def _pk_arange(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
     """``arange(0, n)`` along ``dim`` of a 4-D tensor of ``layout`` (size 1 along the others)."""
     if dim == 0:
         x = gl.arange(0, n, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
@@ -206,14 +206,14 @@ def _pk4_arange(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _pk_values4(words, scales, layout: gl.constexpr):
+def _pk_values(words, scales, layout: gl.constexpr):
     """The ``[R, 8 A B]`` float16 factored values (exact) of code words ``[R, A, B]``
     (``SliceLayout(3, layout)``; word ``B a + b`` of a row) times their E4M3 block scales
     (uint8, broadcast to ``[R, A, B, 8]``)."""
     R: gl.constexpr = words.shape[0]
     A: gl.constexpr = words.shape[1]
     B: gl.constexpr = words.shape[2]
-    nib = (words[:, :, :, None] >> (_pk4_arange(8, 3, layout) * 4)) & 15
+    nib = (words[:, :, :, None] >> (_pk_arange(8, 3, layout) * 4)) & 15
     scale = scales.to(gl.float8e4nv, bitcast=True).to(gl.float16)
     return gl.reshape(_e2m1_f16(nib) * scale, [R, A * B * 8])
 
@@ -274,16 +274,16 @@ def _pku_k(kv, kpe, stage, j):
     b = j % _PKB
     words = codes.index(b).reshape([_PKU, 8, 8])
     extra = ext.index(b)
-    shift = (_pk4_arange(8, 2, _PK4) // 2) * 8
+    shift = (_pk_arange(8, 2, _PK) // 2) * 8
     for c in gl.static_range(4):
-        w = words.slice(2 * c, 2, dim=1).load(gl.SliceLayout(3, _PK4))
-        sw = extra.slice(2 * c, 2, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, _PK4)))
+        w = words.slice(2 * c, 2, dim=1).load(gl.SliceLayout(3, _PK))
+        sw = extra.slice(2 * c, 2, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, _PK)))
         sc = ((sw[:, :, None, None] >> shift) & 255).to(gl.uint8)
-        kv.slice(128 * c, 128, dim=1).store(_pk_values4(w, sc, _PK4))
-    rw = extra.slice(8, 8, dim=1).load(gl.SliceLayout(1, gl.SliceLayout(3, _PK4_ROPE)))
-    rs = rope_sc.index(b).slice(0, 1, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, _PK4_ROPE)))
-    sc = (rs[:, :, None, None] >> ((_pk4_arange(8, 2, _PK4_ROPE) // 2) * 8)) & 255
-    kpe.store(_pk_values4(rw[:, None, :], sc.to(gl.uint8), _PK4_ROPE))
+        kv.slice(128 * c, 128, dim=1).store(_pk_values(w, sc, _PK))
+    rw = extra.slice(8, 8, dim=1).load(gl.SliceLayout(1, gl.SliceLayout(3, _PK_ROPE)))
+    rs = rope_sc.index(b).slice(0, 1, dim=1).load(gl.SliceLayout(2, gl.SliceLayout(3, _PK_ROPE)))
+    sc = (rs[:, :, None, None] >> ((_pk_arange(8, 2, _PK_ROPE) // 2) * 8)) & 255
+    kpe.store(_pk_values(rw[:, None, :], sc.to(gl.uint8), _PK_ROPE))
 
 
 @gluon.jit
@@ -297,13 +297,13 @@ def _pku_v(vh, stage, j):
     words = codes.index(b).reshape([_PKU, 8, 8])
     # chunk c's 128 scales: staged words [32 c, 32 c + 32) as (1, a, b, word of 8)
     scales = ext.index(b).reshape([8, 2, 8, 2])
-    k = _pk4_arange(8, 3, _PK4)
+    k = _pk_arange(8, 3, _PK)
     for c in gl.static_range(4):
-        w = words.slice(2 * c, 2, dim=1).load(gl.SliceLayout(3, _PK4))
-        lo = scales.slice(c, 1, dim=0).slice(0, 1, dim=3).load(_PK4)
-        hi = scales.slice(c, 1, dim=0).slice(1, 1, dim=3).load(_PK4)
+        w = words.slice(2 * c, 2, dim=1).load(gl.SliceLayout(3, _PK))
+        lo = scales.slice(c, 1, dim=0).slice(0, 1, dim=3).load(_PK)
+        hi = scales.slice(c, 1, dim=0).slice(1, 1, dim=3).load(_PK)
         sc = (gl.where(k < 4, lo, hi) >> ((k % 4) * 8)) & 255
-        vh.slice(128 * c, 128, dim=1).store(_pk_values4(w, sc.to(gl.uint8), _PK4))
+        vh.slice(128 * c, 128, dim=1).store(_pk_values(w, sc.to(gl.uint8), _PK))
 
 
 @gluon.jit
@@ -313,7 +313,7 @@ def _producer_packed(
 ):  # fmt: skip
     """``_producer`` for the packed nvfp4 shadow (``PACKED``; ``k_ptr``, ``v_ptr``: its K̂
     and V̂ sections, uint8, one (page, row) stride pair in bytes), decoding its codes and
-    block scales (``_pk_values4``: exact, the ``fp16`` storage's values) into the slots'
+    block scales (``_pk_values``: exact, the ``fp16`` storage's values) into the slots'
     float16 K̂ and V̂ tiles, with the global loads in flight ahead of the decode: a tile is
     four units of 16 rows (its K̂ halves, then its V̂ halves), ``stage = (codes, ext,
     rope_sc)`` ``_PKB`` staging buffers (int32 ``[_PKB, 16, 64]``, ``[_PKB, 16, 16]``,
