@@ -9,17 +9,14 @@ differs from the warmed one (another block-table width) must not be: the keys se
 Triton's int specialization. The split-count enumeration is checked against a
 brute force of the policy.
 
-GPU (skipped without CUDA; ``TRITON_INTERPRET=0``): after warmup, a sweep of batch
-sizes, sequence lengths, prefill shapes and cache writes launched for real
-compiles nothing new (Triton's in-memory caches keep their size), not even a split
-count outside the policy's set (the count is a runtime argument).
+On a GPU (test_warmup_gpu.py): after warmup, a sweep launched for real compiles
+nothing new.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,7 +32,6 @@ from mla_triton.ops.decode.triton import default_config as decode_config
 from mla_triton.ops.shadow import shadow_layout
 from mla_triton.precompile import (
     compile_only,
-    compiled_variants,
     decode_split_counts,
     record_keys,
     warmup_decode,
@@ -505,52 +501,3 @@ def test_compile_only_leaves_other_threads_launching() -> None:
         thread.join()
     assert not errors, errors
     assert not bool((out == 7.0).any())  # launched: every output written
-
-
-# ---------------------------------------------------------------------------- GPU
-
-_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
-def _total() -> int:
-    return sum(compiled_variants().values())
-
-
-@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)")
-def test_nothing_compiles_after_warmup_gpu() -> None:
-    """Warm three engines (nvfp4 on read, nvfp4 shadow, none), then serve a sweep."""
-    engines = [
-        make_engine(
-            quant,
-            shadow,
-            blocks=1001,
-            width=69,
-            max_rows=64,
-            max_seq_len=4352,
-            dtype=torch.bfloat16,
-            device="cuda",
-        )
-        for quant, shadow in ((NVFP4, False), (NVFP4, True), (None, False))
-    ]
-    start = time.perf_counter()
-    with compile_only():
-        for engine in engines:
-            warm(engine)
-    seconds = time.perf_counter() - start
-    before = compiled_variants()
-    rng = random.Random(0)
-    for engine in engines:
-        sweep(engine, rng)
-    torch.cuda.synchronize()
-    after = compiled_variants()
-    new = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
-    print(f"warmup: {sum(before.values())} variants in {seconds:.1f} s; new after sweep: {new}")
-    assert not new, f"compiled during the sweep: {new}"
-    # not even a split count beyond the policy's (4352 // 256 = 17): a runtime argument
-    engine = engines[0]
-    q = torch.zeros(1, HEADS, RANK + ROPE, dtype=torch.bfloat16, device="cuda")
-    table = torch.zeros(1, engine.width, dtype=torch.int32, device="cuda")
-    lens = torch.ones(1, dtype=torch.int32, device="cuda")
-    decode(q, engine.raw, table, lens, softmax_scale=SCALE, quant=NVFP4, num_splits=40)
-    torch.cuda.synchronize()
-    assert _total() == sum(after.values()), compiled_variants()
