@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from calls import decode, decode_shadow  # the public calls, ``impl``/``config`` forced
+from test_gluon_decode_gpu import gpu  # sm90 only
 from test_gluon_decode_ws import FP8_3, SCALE
 
 import mla_triton.ops.decode.gluon_ws as ws
@@ -33,12 +34,6 @@ from mla_triton.ops.decode.gluon_ws import (
     WsConfig,
 )
 
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-gpu = pytest.mark.skipif(not _sm90(), reason="GPU suite: needs an sm90 CUDA GPU")
 CASES = [  # batch, heads, page, lengths (0: empty), splits, dtype
     (1, 128, 64, [64], 1, torch.bfloat16),
     (3, 128, 64, [1, 0, 130], 1, torch.bfloat16),
